@@ -1,0 +1,158 @@
+"""Decoder hyper-parameters, built from a Hugging Face config dict, and RoPE frequencies."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """One decoder covers the Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm) families."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    # (key, value) pairs of HF's rope_parameters, rope_theta and rope_type included; a tuple keeps
+    # the config hashable so it can be a static jit argument.
+    rope: tuple[tuple[str, Any], ...] = (("rope_type", "default"), ("rope_theta", 10000.0))
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}"
+            )
+        rope_type = dict(self.rope).get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(
+                f"rope_type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
+            )
+
+    @property
+    def rope_params(self) -> dict[str, Any]:
+        return dict(self.rope)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """Reads a transformers config dict (config.json, `config.to_dict()`, or GGUF metadata mapped to it)."""
+        family = d.get("model_type")
+        if family not in FAMILIES:
+            raise ValueError(
+                f"unknown architecture model_type={family!r} (architectures={d.get('architectures')}); "
+                f"fastrl-jax supports {', '.join(FAMILIES)}: point the model path at a checkpoint of one of them"
+            )
+        if d.get("use_sliding_window"):
+            raise ValueError("sliding-window attention (use_sliding_window: true) is not supported")
+        num_heads = d["num_attention_heads"]
+        head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
+        # transformers >= 5 nests RoPE settings in rope_parameters; older config.json files use
+        # rope_theta + rope_scaling.
+        rope = dict(d.get("rope_parameters") or {})
+        if not rope:
+            rope = dict(d.get("rope_scaling") or {})
+            rope["rope_theta"] = d.get("rope_theta", 10000.0)
+        rope.setdefault("rope_type", rope.pop("type", "default"))
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        return cls(
+            family=family,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_layers=d["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=d.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2" or bool(d.get("attention_bias", False)),
+            qk_norm=family == "qwen3",
+            rope=tuple(sorted((k, _hashable(v)) for k, v in rope.items())),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+def _hashable(v):
+    return tuple(v) if isinstance(v, list) else v
+
+
+def rope_inv_freq(cfg: ModelConfig) -> tuple[np.ndarray, float]:
+    """Returns (inverse frequencies [head_dim // 2], attention scaling of cos/sin), as HF computes them."""
+    p = cfg.rope_params
+    dim = int(cfg.head_dim * p.get("partial_rotary_factor", 1.0))
+    base = float(p["rope_theta"])
+    inv_freq = 1.0 / base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    kind = p.get("rope_type", "default")
+    if kind == "default":
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / p["factor"], 1.0
+    if kind == "llama3":
+        return _llama3(inv_freq, p), 1.0
+    return _yarn(inv_freq, base, dim, p, cfg.max_position_embeddings)
+
+
+def _llama3(inv_freq: np.ndarray, p: dict) -> np.ndarray:
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_len = p["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled)
+
+
+def _yarn(inv_freq, base, dim, p, max_pos) -> tuple[np.ndarray, float]:
+    factor = p["factor"]
+    old_len = p.get("original_max_position_embeddings") or max_pos
+    # HF: when the config names an original length, the factor is re-derived from the two lengths.
+    if p.get("original_max_position_embeddings"):
+        factor = max_pos / old_len
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        if p.get("mscale") and p.get("mscale_all_dim"):
+            attention_factor = mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return (dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    freq = inv_freq * extrapolation + (inv_freq / factor) * (1 - extrapolation)
+    return freq, float(attention_factor)

@@ -1,0 +1,182 @@
+"""Builds a sharded Decoder from an HF safetensors checkpoint directory or a GGUF file.
+
+Every tensor is read on the host (memory-mapped where the format allows) and placed shard by
+shard onto its target NamedSharding, so the full model never sits on one device.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from fastrl_jax import sharding
+from fastrl_jax.models.config import ModelConfig
+from fastrl_jax.models.decoder import DTYPES, Decoder, abstract_decoder
+
+log = logging.getLogger(__name__)
+
+_ST_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+
+
+def load_model(path: str | Path, mesh: Mesh, dtype: str = "float32") -> tuple[Decoder, ModelConfig]:
+    """Loads an HF checkpoint directory or a .gguf file onto `mesh`."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        from fastrl_jax.models import gguf_loader
+
+        cfg = ModelConfig.from_hf_dict(gguf_loader.read_gguf_config(path))
+        tensors = gguf_loader.read_gguf_tensors(path)
+        return decoder_from_hf_tensors(cfg, tensors.__getitem__, mesh, dtype), cfg
+    cfg = ModelConfig.from_hf_dict(read_hf_config(path))
+    return decoder_from_hf_tensors(cfg, SafetensorsDir(path).get, mesh, dtype), cfg
+
+
+def read_hf_config(path: Path) -> dict:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(
+            f"{config_file} not found: the model path must be an HF checkpoint directory "
+            "(config.json + *.safetensors) or a .gguf file"
+        )
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_file} is not valid JSON ({e}); re-download the checkpoint") from e
+
+
+class SafetensorsDir:
+    """Memory-mapped tensors of an HF checkpoint directory, single file or sharded with an index.
+
+    The safetensors package's numpy reader has no bfloat16, which most checkpoints use, so the
+    (simple, documented) header is read here and the data memory-mapped with ml_dtypes.
+    """
+
+    def __init__(self, path: Path):
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        else:
+            files = sorted(p.name for p in path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {path}")
+        self.entries: dict[str, tuple[Path, dict, int]] = {}
+        for name in files:
+            file = path / name
+            if not file.is_file():
+                raise FileNotFoundError(f"{file} is listed in {index.name} but missing; re-download the checkpoint")
+            header, data_start = _read_header(file)
+            for key, entry in header.items():
+                if key != "__metadata__":
+                    self.entries[key] = (file, entry, data_start)
+
+    def get(self, key: str) -> np.ndarray:
+        if key not in self.entries:
+            raise KeyError(f"tensor {key!r} is missing from the checkpoint")
+        file, entry, data_start = self.entries[key]
+        begin, end = entry["data_offsets"]
+        dtype = np.dtype(_ST_DTYPES[entry["dtype"]])
+        return np.memmap(file, dtype=dtype, mode="r", offset=data_start + begin, shape=tuple(entry["shape"]))
+
+
+def _read_header(file: Path) -> tuple[dict, int]:
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ValueError(f"{file} is truncated or not a safetensors file; re-download it")
+        (n,) = struct.unpack("<Q", raw)
+        if n > size - 8:
+            raise ValueError(f"{file} is truncated or not a safetensors file; re-download it")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{file} has a corrupt header ({e}); re-download it") from e
+    data_start = 8 + n
+    for key, entry in header.items():
+        if key != "__metadata__" and data_start + entry["data_offsets"][1] > size:
+            raise ValueError(f"{file} is truncated (tensor {key} runs past the end); re-download it")
+    return header, data_start
+
+
+def hf_layer_tensors(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]]:
+    """Our stacked layer parameter -> (HF per-layer name template, conversion of one layer's tensor)."""
+    H, D, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    att = "model.layers.{}.self_attn."
+    mlp = "model.layers.{}.mlp."
+    names = {
+        "attn_norm": ("model.layers.{}.input_layernorm.weight", lambda w: w),
+        "wq": (att + "q_proj.weight", lambda w: w.T.reshape(H, nh, D)),
+        "wk": (att + "k_proj.weight", lambda w: w.T.reshape(H, nkv, D)),
+        "wv": (att + "v_proj.weight", lambda w: w.T.reshape(H, nkv, D)),
+        "wo": (att + "o_proj.weight", lambda w: w.T.reshape(nh, D, H)),
+        "mlp_norm": ("model.layers.{}.post_attention_layernorm.weight", lambda w: w),
+        "w_gate": (mlp + "gate_proj.weight", lambda w: w.T),
+        "w_up": (mlp + "up_proj.weight", lambda w: w.T),
+        "w_down": (mlp + "down_proj.weight", lambda w: w.T),
+    }
+    if cfg.qkv_bias:
+        names["bq"] = (att + "q_proj.bias", lambda b: b.reshape(nh, D))
+        names["bk"] = (att + "k_proj.bias", lambda b: b.reshape(nkv, D))
+        names["bv"] = (att + "v_proj.bias", lambda b: b.reshape(nkv, D))
+    if cfg.qk_norm:
+        names["q_norm"] = (att + "q_norm.weight", lambda w: w)
+        names["k_norm"] = (att + "k_norm.weight", lambda w: w)
+    return names
+
+
+def decoder_from_hf_tensors(
+    cfg: ModelConfig, get: Callable[[str], np.ndarray], mesh: Mesh, dtype: str = "float32"
+) -> Decoder:
+    """Builds the Decoder from HF-named tensors, each placed straight onto its NamedSharding."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    np_dtype = np.dtype(DTYPES[dtype])
+    abstract = abstract_decoder(cfg, DTYPES[dtype])
+    graphdef, abstract_state = nnx.split(abstract)
+    shardings = sharding.shardings_for(abstract_state, mesh)
+
+    def whole(name: str, convert=lambda w: w) -> Callable[[], np.ndarray]:
+        return lambda: convert(np.asarray(get(name)))
+
+    def stacked(template: str, convert) -> Callable[[], np.ndarray]:
+        return lambda: np.stack([convert(np.asarray(get(template.format(i)))) for i in range(cfg.num_layers)])
+
+    sources: dict[tuple, Callable[[], np.ndarray]] = {
+        ("embed",): whole("model.embed_tokens.weight"),
+        ("final_norm",): whole("model.norm.weight"),
+    }
+    if not cfg.tie_word_embeddings:
+        sources[("lm_head",)] = whole("lm_head.weight", lambda w: w.T)
+    for ours, (template, convert) in hf_layer_tensors(cfg).items():
+        sources[("layers", ours)] = stacked(template, convert)
+
+    flat_abstract = dict(nnx.to_flat_state(abstract_state))
+    flat_shardings = dict(nnx.to_flat_state(shardings))
+    loaded = {}
+    for key, var in flat_abstract.items():
+        host = sources[key]().astype(np_dtype)
+        if host.shape != var.get_value().shape:
+            raise ValueError(
+                f"checkpoint tensor for {'.'.join(key)} has shape {host.shape}, the config implies "
+                f"{var.get_value().shape}: config.json and the weights disagree"
+            )
+        target = _sharding_of(flat_shardings[key])
+        loaded[key] = var.replace(jax.make_array_from_callback(host.shape, target, lambda idx, h=host: h[idx]))
+    return nnx.merge(graphdef, nnx.from_flat_state(loaded))
+
+
+def _sharding_of(leaf):
+    return leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+

@@ -1,0 +1,1 @@
+"""Pallas / Triton kernels, each beside its pure-JAX reference (imported as fastrl_jax.kernels)."""

@@ -1,0 +1,161 @@
+"""Decoder parity with transformers' PyTorch models, cache decode, sharded forward, loading."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import transformers  # noqa: E402
+
+from fastrl_jax.models.config import ModelConfig  # noqa: E402
+from fastrl_jax.models.decoder import KVCache  # noqa: E402
+from fastrl_jax.models.loading import load_model  # noqa: E402
+
+TINY = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+)
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**TINY, tie_word_embeddings=False),
+    "llama3-rope-tied": lambda: transformers.LlamaConfig(
+        **TINY, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    ),
+    "qwen2": lambda: transformers.Qwen2Config(**TINY, tie_word_embeddings=True),
+    "qwen3-yarn": lambda: transformers.Qwen3Config(
+        **TINY, head_dim=24, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 64},
+    ),
+}
+
+
+def single_device_mesh():
+    return jax.make_mesh(
+        (1, 1, 1), ("data", "fsdp", "tensor"), devices=jax.devices()[:1], axis_types=(jax.sharding.AxisType.Auto,) * 3
+    )
+
+
+def relative_error(ours, ref):
+    return float(np.max(np.abs(np.asarray(ours) - ref)) / np.max(np.abs(ref)))
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def tiny(request, tmp_path_factory):
+    """A random HF model (every weight perturbed, biases and norms included) saved with save_pretrained."""
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(CONFIGS[request.param]()).float().eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    model, cfg = load_model(path, single_device_mesh())
+    return hf, model, cfg
+
+
+def hf_logits(hf, tokens):
+    with torch.no_grad():
+        return hf(torch.tensor(np.asarray(tokens))).logits.numpy()
+
+
+def prefill(model, cfg, tokens, max_len=64):
+    B, T = tokens.shape
+    cache = KVCache.zeros(cfg, B, max_len)
+    positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+    return model(jnp.asarray(tokens), positions, cache, jnp.zeros(B, jnp.int32))
+
+
+def test_prefill_matches_transformers(tiny):
+    hf, model, cfg = tiny
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 17))
+    logits, hidden, _ = prefill(model, cfg, tokens)
+    assert relative_error(logits, hf_logits(hf, tokens)) < 1e-4
+    with torch.no_grad():
+        ref_hidden = hf(torch.tensor(tokens), output_hidden_states=True).hidden_states[-1].numpy()
+    # HF's last hidden_states entry is after the final norm; ours is before it (the drafter's input).
+    normed = np.asarray(hidden) / np.sqrt(np.mean(np.asarray(hidden) ** 2, -1, keepdims=True) + cfg.rms_norm_eps)
+    w = np.asarray(model.final_norm.value)
+    assert relative_error(normed * w, ref_hidden) < 1e-4
+
+
+def test_cached_decode_matches_transformers(tiny):
+    hf, model, cfg = tiny
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (3, 20))
+    ref = hf_logits(hf, tokens)
+    n = 8
+    logits, _, cache = prefill(model, cfg, tokens[:, :n])
+    assert relative_error(logits, ref[:, :n]) < 1e-4
+    step = jax.jit(lambda m, t, p, c, s: m(t, p, c, s))
+    for t in range(n, tokens.shape[1]):
+        pos = jnp.full((3, 1), t, jnp.int32)
+        logits, _, cache = step(model, jnp.asarray(tokens[:, t : t + 1]), pos, cache, jnp.full(3, t, jnp.int32))
+        assert relative_error(logits[:, 0], ref[:, t]) < 1e-4, t
+
+
+def test_ragged_rows_share_one_prefill(tiny):
+    """Right-padded rows of different lengths give each row's own logits, then decode on."""
+    hf, model, cfg = tiny
+    rng = np.random.default_rng(2)
+    lengths = [5, 11, 8]
+    rows = [rng.integers(0, cfg.vocab_size, n + 1) for n in lengths]
+    padded = np.zeros((3, max(lengths)), np.int64)
+    for r, (row, n) in enumerate(zip(rows, lengths)):
+        padded[r, :n] = row[:n]
+    logits, _, cache = prefill(model, cfg, padded)
+    nxt = np.array([[row[n]] for row, n in zip(rows, lengths)])
+    pos = jnp.asarray(np.array(lengths)[:, None], jnp.int32)
+    step_logits, _, _ = model(jnp.asarray(nxt), pos, cache, jnp.asarray(lengths, jnp.int32))
+    for r, (row, n) in enumerate(zip(rows, lengths)):
+        ref = hf_logits(hf, row[None])[0]
+        assert relative_error(logits[r, :n], ref[:n]) < 1e-4
+        assert relative_error(step_logits[r, 0], ref[n]) < 1e-4
+
+
+def test_kv_len_bucket_and_tree_mask(tiny):
+    """Attending to a shorter length bucket changes nothing; a block mask limits what new tokens see."""
+    _, model, cfg = tiny
+    tokens = np.random.default_rng(3).integers(0, cfg.vocab_size, (1, 10))
+    full, _, _ = prefill(model, cfg, tokens, max_len=64)
+    B, T = tokens.shape
+    bucket, _, _ = model(
+        jnp.asarray(tokens), jnp.arange(T)[None], KVCache.zeros(cfg, B, 64), jnp.zeros(1, jnp.int32), kv_len=16
+    )
+    np.testing.assert_allclose(bucket, full, rtol=1e-5, atol=1e-5)
+    # Tokens 5..9 as two branches off token 4: {5,6,7} and {8,9}, each a chain (a draft tree).
+    _, _, cache = prefill(model, cfg, tokens[:, :5])
+    branch = [5, 6, 7, 8, 9]
+    parent_rel = [-1, 0, 1, -1, 3]
+    mask = np.eye(5, dtype=bool)
+    for i, p in enumerate(parent_rel):
+        while p >= 0:
+            mask[i, p] = True
+            p = parent_rel[p]
+    depth = mask.sum(1) - 1
+    tree_logits, _, _ = model(
+        jnp.asarray(tokens[:, branch]), jnp.asarray(5 + depth)[None], cache, jnp.array([5]),
+        block_mask=jnp.asarray(mask)[None],
+    )
+    # Branch two (tokens 8, 9 at positions 5, 6) equals a plain forward of tokens 0..4, 8, 9.
+    alt = np.concatenate([tokens[:, :5], tokens[:, [8, 9]]], axis=1)
+    ref, _, _ = prefill(model, cfg, alt)
+    np.testing.assert_allclose(tree_logits[:, 3:], ref[:, 5:], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(tree_logits[:, :3], full[:, 5:8], rtol=1e-4, atol=1e-4)
+
+
+def test_unknown_architecture_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown architecture model_type='gpt2'.*llama, qwen2, qwen3"):
+        ModelConfig.from_hf_dict({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+
+
+def test_missing_and_corrupt_checkpoints(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(tmp_path, single_device_mesh())
+    transformers.LlamaConfig(**TINY).save_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        load_model(tmp_path, single_device_mesh())
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(ValueError, match="truncated|corrupt"):
+        load_model(tmp_path, single_device_mesh())
