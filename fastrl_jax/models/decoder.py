@@ -102,8 +102,8 @@ class Decoder(nnx.Module):
           cache: KV cache; the new keys/values are written at slots [start, start + T).
           start: [B] int32 first cache slot of each row's new tokens (= its cached prefix length).
           block_mask: [B, T, T] bool, which new tokens each new token sees; causal when None.
-          kv_len: static number of cache slots attention reads (a length bucket, >= start + T);
-            the whole cache when None.
+          kv_len: static number of cached prefix slots attention reads (a length bucket,
+            >= max(start)); the whole cache when None, 0 for a prefill from scratch.
 
         Returns:
           logits [B, T, vocab] float32, last-layer hidden states [B, T, hidden] (before the final
@@ -190,7 +190,8 @@ def _layer(cfg: ModelConfig, p, x, k_cached, v_cached, cos, sin, start, block_ma
     s_new = jnp.einsum("btkgd,bkud->bkgtu", qg, k, preferred_element_type=jnp.float32)
     s_old = jnp.where(prefix[:, None, None, None, :], s_old, -jnp.inf)
     s_new = jnp.where(block_mask[:, None, None], s_new, -jnp.inf)
-    m = jnp.maximum(s_old.max(-1, keepdims=True), s_new.max(-1, keepdims=True))
+    # initial=-inf lets kv_len be 0 (a prefill with no cached prefix reads no cache at all).
+    m = jnp.maximum(s_old.max(-1, keepdims=True, initial=-jnp.inf), s_new.max(-1, keepdims=True))
     e_old, e_new = jnp.exp(s_old - m), jnp.exp(s_new - m)
     denom = e_old.sum(-1, keepdims=True) + e_new.sum(-1, keepdims=True)
     attn = jnp.einsum("bkgts,bksd->btkgd", (e_old / denom).astype(x.dtype), v_cached) + jnp.einsum(

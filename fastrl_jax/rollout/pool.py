@@ -1,0 +1,94 @@
+"""Ahead-of-time compiled program pool, backed by JAX's persistent compilation cache.
+
+Static shapes instead of CUDA graphs: every (phase, batch bucket, length bucket) is one program,
+compiled once with `jit(...).lower(...).compile()` and called directly afterwards, so an
+unexpected shape is an error rather than a silent recompile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Hashable, Iterable
+from pathlib import Path
+
+import jax
+from tqdm import tqdm
+
+log = logging.getLogger(__name__)
+
+
+def enable_persistent_cache(directory: str | os.PathLike) -> Path:
+    """Turns on JAX's on-disk compilation cache, so a second process compiles nothing it compiled before."""
+    path = Path(directory).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    current = jax.config.jax_compilation_cache_dir
+    if current and Path(current) != path:
+        log.warning("compilation cache already at %s; keeping it (asked for %s)", current, path)
+        return Path(current)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+@dataclasses.dataclass
+class ProgramStats:
+    key: Hashable
+    compile_seconds: float
+    temp_bytes: int
+    argument_bytes: int
+
+
+class ProgramPool:
+    """Compiles programs on demand or up front, keyed by a hashable description of their shapes.
+
+    `build(key)` returns (jitted function, example arguments); only their shapes, dtypes and
+    shardings matter.
+    """
+
+    def __init__(self, build: Callable[[Hashable], tuple[Callable, tuple]]):
+        self._build = build
+        self._programs: dict[Hashable, Callable] = {}
+        self.stats: dict[Hashable, ProgramStats] = {}
+
+    def __len__(self) -> int:
+        return len(self._programs)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._programs
+
+    def get(self, key: Hashable) -> Callable:
+        if key not in self._programs:
+            self._compile(key)
+        return self._programs[key]
+
+    def warm_up(self, keys: Iterable[Hashable], progress: bool = True) -> None:
+        keys = [k for k in keys if k not in self._programs]
+        for key in tqdm(keys, desc="compiling programs", file=sys.stderr, disable=not progress or not keys):
+            self._compile(key)
+
+    def _compile(self, key: Hashable) -> None:
+        fn, args = self._build(key)
+        t0 = time.perf_counter()
+        compiled = fn.lower(*args).compile()
+        seconds = time.perf_counter() - t0
+        memory = compiled.memory_analysis()
+        self._programs[key] = compiled
+        self.stats[key] = ProgramStats(
+            key=key,
+            compile_seconds=seconds,
+            temp_bytes=getattr(memory, "temp_size_in_bytes", 0) if memory else 0,
+            argument_bytes=getattr(memory, "argument_size_in_bytes", 0) if memory else 0,
+        )
+
+    def report(self) -> str:
+        total = sum(s.compile_seconds for s in self.stats.values())
+        peak_temp = max((s.temp_bytes for s in self.stats.values()), default=0)
+        return (
+            f"{len(self.stats)} programs compiled in {total:.1f}s "
+            f"(largest scratch {peak_temp / 2**20:.0f} MiB)"
+        )

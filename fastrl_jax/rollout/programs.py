@@ -1,0 +1,173 @@
+"""The engine's device-side row table and the pure programs over it: prefill, decode, resize.
+
+Each program has static shapes for one (batch bucket, length bucket) and takes the model state as
+an argument, so the pool compiles it once and a weight update reuses it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from fastrl_jax.models.decoder import KVCache
+from fastrl_jax.rollout.sampling import SamplingParams, sample
+
+
+@struct.dataclass
+class Slots:
+    """One row per in-flight request; batch is axis 0 of every field (axis 1 of the cache)."""
+
+    cache: KVCache  # [L, B, KV, S, D]
+    token: jax.Array  # [B] int32 last sampled token, not yet in the cache
+    length: jax.Array  # [B] int32 tokens in the cache = position of `token`
+    live: jax.Array  # [B] bool
+    n_out: jax.Array  # [B] int32 completion tokens so far
+    max_new: jax.Array  # [B] int32
+    stop_ids: jax.Array  # [B, NS] int32, -1 padded
+    out_tokens: jax.Array  # [B, C] int32
+    out_logprobs: jax.Array  # [B, C] float32
+    params: SamplingParams  # each [B]
+    hidden: jax.Array | None  # [B, S, H] last-layer hidden state of every cached position, or None
+
+    @property
+    def batch(self) -> int:
+        return self.token.shape[0]
+
+    @classmethod
+    def empty(cls, model_cfg, batch: int, max_len: int, num_stop_ids: int, with_hidden: bool, dtype) -> Slots:
+        def zeros_i():  # a fresh buffer per field: donation rejects one buffer passed twice
+            return jnp.zeros(batch, jnp.int32)
+
+        return cls(
+            cache=KVCache.zeros(model_cfg, batch, max_len, dtype),
+            token=zeros_i(),
+            length=zeros_i(),
+            live=jnp.zeros(batch, bool),
+            n_out=zeros_i(),
+            max_new=zeros_i(),
+            stop_ids=jnp.full((batch, num_stop_ids), -1, jnp.int32),
+            out_tokens=jnp.zeros((batch, max_len), jnp.int32),
+            out_logprobs=jnp.zeros((batch, max_len), jnp.float32),
+            params=SamplingParams(
+                temperature=jnp.zeros(batch, jnp.float32),
+                top_k=zeros_i(),
+                top_p=jnp.ones(batch, jnp.float32),
+                seed=jnp.zeros(batch, jnp.uint32),
+            ),
+            hidden=jnp.zeros((batch, max_len, model_cfg.hidden_size), jnp.float32) if with_hidden else None,
+        )
+
+
+@struct.dataclass
+class Admission:
+    """New requests for `rows` of the table; entries with valid=False are padding. Each field [P, ...]."""
+
+    rows: jax.Array  # [P] int32
+    valid: jax.Array  # [P] bool
+    tokens: jax.Array  # [P, Tp] int32, right-padded prompts
+    lengths: jax.Array  # [P] int32
+    max_new: jax.Array  # [P] int32
+    stop_ids: jax.Array  # [P, NS] int32
+    params: SamplingParams  # each [P]
+
+
+def _finished(token: jax.Array, n_out: jax.Array, slots_or_adm) -> jax.Array:
+    stopped = jnp.any(token[:, None] == slots_or_adm.stop_ids, axis=-1)
+    return stopped | (n_out >= slots_or_adm.max_new)
+
+
+def prefill(graphdef, state, slots: Slots, adm: Admission) -> Slots:
+    """Runs the new prompts, samples each one's first token, and writes them into their rows."""
+    model = nnx.merge(graphdef, state)
+    P, Tp = adm.tokens.shape
+    tmp = KVCache.zeros(model.cfg, P, Tp, slots.cache.k.dtype)
+    positions = jnp.broadcast_to(jnp.arange(Tp, dtype=jnp.int32), (P, Tp))
+    logits, hidden, tmp = model(adm.tokens, positions, tmp, jnp.zeros(P, jnp.int32), kv_len=0)
+    last = adm.lengths - 1
+    token, logprob = sample(logits[jnp.arange(P), last], adm.params, adm.lengths)
+
+    def write(p, tables):
+        cache, hid = tables
+
+        def put(tables):
+            cache, hid = tables
+            at = (0, adm.rows[p], 0, 0, 0)
+            k = jax.lax.dynamic_update_slice(cache.k, jax.lax.dynamic_slice_in_dim(tmp.k, p, 1, 1), at)
+            v = jax.lax.dynamic_update_slice(cache.v, jax.lax.dynamic_slice_in_dim(tmp.v, p, 1, 1), at)
+            if hid is not None:
+                hid = jax.lax.dynamic_update_slice(hid, hidden[p][None].astype(hid.dtype), (adm.rows[p], 0, 0))
+            return KVCache(k=k, v=v), hid
+
+        return jax.lax.cond(adm.valid[p], put, lambda t: t, (cache, hid))
+
+    cache, hid = jax.lax.fori_loop(0, P, write, (slots.cache, slots.hidden))
+    # Padding entries point past the table and are dropped by the scatters below.
+    rows = jnp.where(adm.valid, adm.rows, slots.batch)
+
+    def set_rows(table, values):
+        return table.at[rows].set(values, mode="drop")
+
+    done = _finished(token, jnp.ones(P, jnp.int32), adm)
+    return slots.replace(
+        cache=cache,
+        hidden=hid,
+        token=set_rows(slots.token, token),
+        length=set_rows(slots.length, adm.lengths),
+        live=set_rows(slots.live, ~done),
+        n_out=set_rows(slots.n_out, jnp.ones(P, jnp.int32)),
+        max_new=set_rows(slots.max_new, adm.max_new),
+        stop_ids=set_rows(slots.stop_ids, adm.stop_ids),
+        out_tokens=slots.out_tokens.at[rows, 0].set(token, mode="drop"),
+        out_logprobs=slots.out_logprobs.at[rows, 0].set(logprob, mode="drop"),
+        params=jax.tree.map(set_rows, slots.params, adm.params),
+    )
+
+
+def decode(graphdef, state, slots: Slots, max_steps: jax.Array, kv_len: int) -> Slots:
+    """Decodes up to max_steps tokens per live row, returning early as soon as a row finishes.
+
+    Every live row's length must stay <= kv_len: the host passes max_steps <= kv_len - max(length).
+    """
+    model = nnx.merge(graphdef, state)
+    B = slots.batch
+    rows = jnp.arange(B)
+    n_live = jnp.sum(slots.live)
+
+    def cond(carry):
+        step, s = carry
+        return (step < max_steps) & (jnp.sum(s.live) == n_live) & (n_live > 0)
+
+    def body(carry):
+        step, s = carry
+        logits, hidden, cache = model(s.token[:, None], s.length[:, None], s.cache, s.length, kv_len=kv_len)
+        token, logprob = sample(logits[:, 0], s.params, s.length + 1)
+        live = s.live
+        col = jnp.where(live, s.n_out, s.out_tokens.shape[1])  # dead rows write nowhere
+        hid = s.hidden
+        if hid is not None:
+            hid = hid.at[rows, s.length].set(hidden[:, 0].astype(hid.dtype))
+        n_out = s.n_out + live
+        return step + 1, s.replace(
+            cache=cache,
+            hidden=hid,
+            token=jnp.where(live, token, s.token),
+            length=s.length + live,
+            n_out=n_out,
+            live=live & ~_finished(token, n_out, s),
+            out_tokens=s.out_tokens.at[rows, col].set(token, mode="drop"),
+            out_logprobs=s.out_logprobs.at[rows, col].set(logprob, mode="drop"),
+        )
+
+    return jax.lax.while_loop(cond, body, (jnp.int32(0), slots))[1]
+
+
+def resize(slots: Slots, index: jax.Array) -> Slots:
+    """A table of len(index) rows taking row index[i] of `slots`; index -1 gives an empty dead row."""
+
+    def take(x, axis=0):
+        return jnp.take(x, index, axis=axis, mode="fill", fill_value=0)
+
+    cache = KVCache(k=take(slots.cache.k, 1), v=take(slots.cache.v, 1))
+    stop_ids = jnp.where((index >= 0)[:, None], take(slots.stop_ids), -1)
+    return jax.tree.map(take, slots.replace(cache=None, stop_ids=None)).replace(cache=cache, stop_ids=stop_ids)

@@ -1,0 +1,203 @@
+"""Rollout engine: exactness against a plain decode, batch independence, stops, weights, errors."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from fastrl_jax.config import RolloutConfig
+from fastrl_jax.models.config import ModelConfig
+from fastrl_jax.models.decoder import Decoder
+from fastrl_jax.models.greedy import greedy_generate
+from fastrl_jax.rollout.engine import Request, RolloutEngine
+from fastrl_jax.rollout.sampling import SamplingParams, filtered_logits, sample
+
+TINY = ModelConfig(
+    family="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, max_position_embeddings=512,
+    tie_word_embeddings=False, qkv_bias=False, qk_norm=False,
+)
+CFG = RolloutConfig(
+    batch_buckets=(1, 4, 16), length_buckets=(32, 64), prompt_buckets=(8, 16), steps_per_call=8,
+    compile_cache_dir="", warm_up=False,
+)
+
+
+def tiny_model(seed=0) -> Decoder:
+    """A random model with confident next-token distributions, so greedy has no near-ties."""
+    model = Decoder(TINY, nnx.Rngs(seed))
+    for path, var in nnx.iter_graph(model):
+        if isinstance(var, nnx.Param) and var.get_value().ndim >= 2:
+            var.set_value(var.get_value() * 8.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    return RolloutEngine(model, CFG, progress=False)
+
+
+def prompts(n, seed=0, lo=2, hi=16):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, TINY.vocab_size, rng.integers(lo, hi + 1)).tolist() for _ in range(n)]
+
+
+def test_greedy_matches_plain_decode_with_compaction(engine, model):
+    ps = prompts(13, seed=1)
+    reqs = [Request(p, max_new_tokens=5 + 3 * i) for i, p in enumerate(ps)]
+    out = engine.generate(reqs)
+    assert engine.stats["resizes"] >= 1  # 13 requests of different lengths shrink 16 -> 4 -> 1
+    for r, o in zip(reqs, out):
+        assert o.tokens == greedy_generate(model, r.prompt_ids, r.max_new_tokens)
+        assert o.finish_reason == "length" and len(o.logprobs) == len(o.tokens)
+
+
+def sampled_requests(n, seed=0):
+    return [
+        Request(p, max_new_tokens=6 + (i * 7) % 20, temperature=0.8, top_p=0.9, top_k=20 * (i % 2), seed=100 + i)
+        for i, p in enumerate(prompts(n, seed))
+    ]
+
+
+def test_output_independent_of_batch_and_compaction(engine, model):
+    reqs = sampled_requests(16)
+    batched = engine.generate(reqs)
+    no_compaction = RolloutEngine(model, dataclasses.replace(CFG, batch_buckets=(16,)), progress=False)
+    fixed = no_compaction.generate(reqs)
+    for i in (0, 5, 11):
+        alone = engine.generate([reqs[i]])[0]
+        assert alone.tokens == batched[i].tokens == fixed[i].tokens
+        np.testing.assert_allclose(alone.logprobs, batched[i].logprobs, rtol=1e-4, atol=1e-4)
+    assert all(b.tokens == f.tokens for b, f in zip(batched, fixed))
+
+
+def test_seeds(engine):
+    base = Request(prompts(1, seed=3)[0], max_new_tokens=24, temperature=1.0, seed=7)
+    a, b, c = engine.generate([base, base, dataclasses.replace(base, seed=8)])
+    assert a.tokens == b.tokens
+    assert a.tokens != c.tokens
+
+
+def test_stop_and_max_tokens_end_requests_exactly(engine, model):
+    p = prompts(1, seed=4)[0]
+    free = greedy_generate(model, p, 12)
+    stop = free[4]
+    first = free.index(stop)
+    out = engine.generate([Request(p, max_new_tokens=12, stop_ids=(stop,)), Request(p, max_new_tokens=3)])
+    assert out[0].tokens == free[: first + 1] and out[0].finish_reason == "stop"
+    assert out[1].tokens == free[:3] and out[1].finish_reason == "length"
+
+
+def test_new_weights_reuse_compiled_programs(model):
+    engine = RolloutEngine(model, CFG, progress=False)
+    reqs = [Request(p, max_new_tokens=10) for p in prompts(6, seed=5)]
+    before = engine.generate(reqs)
+    compiled = len(engine.pool)
+    other = tiny_model(seed=1)
+    engine.update_weights(other)
+    after = engine.generate(reqs)
+    assert len(engine.pool) == compiled
+    assert [o.tokens for o in after] != [o.tokens for o in before]
+    assert after[0].tokens == greedy_generate(other, reqs[0].prompt_ids, 10)
+
+
+def test_bad_requests_fail_alone(engine):
+    good = Request(prompts(1)[0], max_new_tokens=4)
+    bad = [
+        Request([], max_new_tokens=4),
+        Request(list(range(17)), max_new_tokens=4),  # longer than the largest prompt bucket
+        Request([1, 2], max_new_tokens=63),  # past the cache
+        Request([1, 2], max_new_tokens=4, stop_ids=(TINY.vocab_size,)),
+    ]
+    out = engine.generate([bad[0], good, *bad[1:]])
+    assert out[1].finish_reason == "length" and len(out[1].tokens) == 4
+    errors = [o.error for o in (out[0], *out[2:])]
+    assert all(o.finish_reason == "error" for o in (out[0], *out[2:]))
+    assert "empty" in errors[0] and "prompt bucket" in errors[1] and "KV cache" in errors[2]
+    assert "unknown stop token ids [128]" in errors[3]
+
+
+def test_hidden_states_returned(model):
+    engine = RolloutEngine(model, CFG, keep_hidden=True, progress=False)
+    p = prompts(1, seed=6)[0]
+    out = engine.generate([Request(p, max_new_tokens=5)])[0]
+    seq = p + out.tokens[:-1]
+    _, hidden, _ = model(jnp.asarray([seq]), jnp.arange(len(seq))[None], _cache(len(seq)), jnp.zeros(1, jnp.int32))
+    ref = np.asarray(hidden[0])
+    assert out.hidden_states.shape == ref.shape
+    assert np.max(np.abs(out.hidden_states - ref)) < 1e-5 * np.max(np.abs(ref))
+
+
+def _cache(n):
+    from fastrl_jax.models.decoder import KVCache
+
+    return KVCache.zeros(TINY, 1, n)
+
+
+_CACHE_PROBE = """
+import dataclasses, jax, sys
+sys.path.insert(0, "tests")
+from test_rollout import CFG, tiny_model
+from fastrl_jax.rollout.engine import RolloutEngine
+hits = []
+jax.monitoring.register_event_listener(lambda name, **kw: hits.append(name == "/jax/compilation_cache/cache_hits"))
+cfg = dataclasses.replace(CFG, batch_buckets=(4,), length_buckets=(32,), prompt_buckets=(8,),
+                          compile_cache_dir=sys.argv[1], warm_up=True)
+engine = RolloutEngine(tiny_model(), cfg, progress=False)
+print(len(engine.pool), sum(hits))
+"""
+
+
+def test_persistent_cache_serves_a_fresh_process(tmp_path):
+    """A second process with the same cache directory loads every program from disk."""
+    import subprocess
+    import sys
+
+    def run():
+        out = subprocess.run(
+            [sys.executable, "-c", _CACHE_PROBE, str(tmp_path)], capture_output=True, text=True, check=True
+        )
+        return [int(x) for x in out.stdout.split()]
+
+    programs, first_hits = run()
+    assert programs == 2 and first_hits == 0
+    assert run() == [2, 2]
+
+
+# ---- sampling (pure functions) ----------------------------------------------------------------
+
+
+def _params(b, temperature=1.0, top_k=0, top_p=1.0, seed=0):
+    return SamplingParams(
+        temperature=jnp.full(b, temperature, jnp.float32), top_k=jnp.full(b, top_k, jnp.int32),
+        top_p=jnp.full(b, top_p, jnp.float32), seed=jnp.full(b, seed, jnp.uint32),
+    )
+
+
+def test_top_k_top_p_keep_the_right_tokens():
+    logits = jnp.log(jnp.array([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+    kept = lambda **kw: np.isfinite(np.asarray(filtered_logits(logits, _params(1, **kw))))[0].tolist()  # noqa: E731
+    assert kept(top_k=2) == [True, True, False, False, False]
+    assert kept(top_p=0.7) == [True, True, False, False, False]  # 0.5 < 0.7 <= 0.7
+    assert kept(top_p=0.71) == [True, True, True, False, False]
+    assert kept(top_p=0.1) == [True, False, False, False, False]
+
+
+def test_sampling_is_position_keyed_and_follows_the_distribution():
+    probs = np.array([0.6, 0.3, 0.1])
+    logits = jnp.log(jnp.asarray(probs))[None].repeat(4000, 0)
+    tokens, logprobs = sample(logits, _params(4000, seed=3), jnp.arange(4000))
+    freq = np.bincount(np.asarray(tokens), minlength=3) / 4000
+    np.testing.assert_allclose(freq, probs, atol=0.03)
+    np.testing.assert_allclose(logprobs, np.log(probs)[np.asarray(tokens)], rtol=1e-5)
+    # Same (seed, position) in another row and batch gives the same token.
+    again, _ = sample(logits[:3], _params(3, seed=3), jnp.arange(5, 8))
+    assert np.asarray(again).tolist() == np.asarray(tokens)[5:8].tolist()
