@@ -74,12 +74,11 @@ def bench_engine(model, prompt_ids, batch_sizes, new_tokens, repeats):
 
 def bench_hf(gguf_path, prompt_ids, batch_sizes, new_tokens, repeats, pad_id):
     import torch
-    import transformers
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-    ).eval()
+    from fastrl_jax.models.torch_reference import torch_model
+
+    hf = torch_model(gguf_path)
+    hf.generation_config.eos_token_id = None  # never stop early: the engine runs without stop ids too
     out = {}
     for b in batch_sizes:
         rows = [prompt_ids[i % len(prompt_ids)] for i in range(b)]
@@ -87,7 +86,7 @@ def bench_hf(gguf_path, prompt_ids, batch_sizes, new_tokens, repeats, pad_id):
         ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows])
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
         kwargs = dict(
-            attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+            attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
             pad_token_id=pad_id,
         )
         with torch.no_grad():

@@ -159,3 +159,27 @@ def test_missing_and_corrupt_checkpoints(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     with pytest.raises(ValueError, match="truncated|corrupt"):
         load_model(tmp_path, single_device_mesh())
+
+
+@pytest.mark.slow
+def test_smollm2_matches_transformers():
+    """The real SmolLM2-135M: prefill and cached decode logits within 1e-4 of transformers."""
+    from fastrl_jax.models.hub import smollm2_gguf_path
+    from fastrl_jax.models.tokenizer import chat_prompt_ids, load_tokenizer
+    from fastrl_jax.models.torch_reference import torch_model
+
+    path = smollm2_gguf_path()
+    model, cfg = load_model(path, single_device_mesh())
+    hf = torch_model(path)
+    tokenizer = load_tokenizer(path)
+    step = jax.jit(lambda m, t, p, c, s: m(t, p, c, s))
+    for text in ["What is 17 * 23?", "Write a haiku about rain.", "Explain photosynthesis in one sentence."]:
+        ids = np.array([chat_prompt_ids(tokenizer, text) + [1, 504, 3777]])  # a few continuation tokens too
+        ref = hf_logits(hf, ids)
+        n = ids.shape[1] - 3
+        logits, _, cache = prefill(model, cfg, ids[:, :n], max_len=128)
+        assert relative_error(logits, ref[:, :n]) < 1e-4
+        for t in range(n, ids.shape[1]):
+            pos = jnp.full((1, 1), t, jnp.int32)
+            logits, _, cache = step(model, jnp.asarray(ids[:, t : t + 1]), pos, cache, jnp.full(1, t, jnp.int32))
+            assert relative_error(logits[:, 0], ref[:, t]) < 1e-4

@@ -105,7 +105,8 @@ class RolloutEngine:
         slots = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self._replicated), slots)
         if phase == "decode":
             fn = jax.jit(programs.decode, static_argnums=(0, 4), donate_argnums=(2,))
-            return fn, (self.graphdef, self.state, slots, jnp.int32(0), key[2])
+            steps = jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated)
+            return fn, (self.graphdef, self.state, slots, steps, key[2])
         if phase == "prefill":
             _, _, p, t = key
             adm = self._admission_shapes(p, t)
@@ -113,7 +114,7 @@ class RolloutEngine:
             return fn, (self.graphdef, self.state, slots, adm)
         if phase == "resize":
             index = jax.ShapeDtypeStruct((key[2],), jnp.int32, sharding=self._replicated)
-            return jax.jit(programs.resize, donate_argnums=(0,)), (slots, index)
+            return jax.jit(programs.resize), (slots, index)
         raise KeyError(key)
 
     def _admission_shapes(self, p: int, t: int):

@@ -1,0 +1,30 @@
+"""Loads a model's tokenizer (from a GGUF file or an HF checkpoint dir) and builds chat prompts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def load_tokenizer(path: Path):
+    """A transformers tokenizer for the .gguf file or HF checkpoint directory at `path`."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        from fastrl_jax.models.gguf_loader import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def chat_prompt_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of `text` as a user turn followed by the assistant header the model continues from.
+
+    A tokenizer without a chat template (a base model) gets `text` encoded as is.
+    """
+    if not tokenizer.chat_template:
+        return tokenizer.encode(text)
+    messages = [{"role": "user", "content": text}]
+    # Tokenizing inside apply_chat_template (rather than rendering, then encoding) keeps control
+    # tokens typed in `text` as plain text, as transformers does for chat input.
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)

