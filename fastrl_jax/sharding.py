@@ -1,10 +1,16 @@
-"""The (data, fsdp, tensor) device mesh, logical-axis -> mesh-axis rules, and replica sub-meshes."""
+"""The (data, fsdp, tensor) device mesh, logical-axis -> mesh-axis rules, NamedShardings, replica sub-meshes.
+
+Arrays name their dimensions with logical axes ('embed', 'heads', 'batch', ...);
+parameters carry them as nnx metadata, `nnx.Param(x, logical_axes=(...))`. A rules
+table maps each logical name to mesh axes, so one model definition runs on any mesh.
+"""
 
 from __future__ import annotations
 
 import functools
 import logging
 import math
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -17,82 +23,115 @@ log = logging.getLogger(__name__)
 
 AXES = ("data", "fsdp", "tensor")
 
-# Logical name -> mesh axes. Parameters carry their logical names (nnx.Param metadata
-# `logical_axes`); names not listed here are replicated.
-DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+# (logical name, mesh axis | mesh axes | None). None replicates that dimension.
+Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
+
+DEFAULT_RULES: Rules = (
+    # parameters
     ("vocab", "tensor"),
     ("embed", "fsdp"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
-    ("mlp", "tensor"),
-    ("batch", ("data", "fsdp")),
-    ("layers", None),
     ("head_dim", None),
+    ("mlp", "tensor"),
+    ("layers", None),  # scanned over: every device holds its slice of every layer
     ("norm", None),
+    # activations and KV cache
+    ("batch", ("data", "fsdp")),
+    ("seq", None),
     ("cache_seq", None),
 )
 
 
-def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
-    """A mesh of all (or the given) devices with axes (data, fsdp, tensor)."""
-    devices = jax.devices() if devices is None else devices
+def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A mesh over all visible (or the given) devices with axes (data, fsdp, tensor); -1 takes the rest."""
+    where = "visible (jax.devices())" if devices is None else "given"
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
     shape = [cfg.data, cfg.fsdp, cfg.tensor]
     if -1 in shape:
-        known = math.prod(n for n in shape if n != -1)
-        if len(devices) % known:
-            raise ConfigError(f"mesh axes {shape}: {len(devices)} devices are not divisible by {known}")
-        shape[shape.index(-1)] = len(devices) // known
-    if math.prod(shape) != len(devices):
+        known = math.prod(s for s in shape if s != -1)
+        if n % known:
+            raise ConfigError(
+                f"mesh data*fsdp*tensor = {'*'.join(map(str, shape))}: the -1 axis cannot take the rest of "
+                f"{n} {where} devices because {n} is not divisible by {known}; set mesh.* so the product is {n}"
+            )
+        shape[shape.index(-1)] = n // known
+    if math.prod(shape) != n:
         raise ConfigError(
-            f"mesh data*fsdp*tensor = {'*'.join(map(str, shape))} = {math.prod(shape)} but {len(devices)} devices "
-            f"are visible; set mesh.* so the product is {len(devices)} (or use -1 for one axis); on CPU, "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={math.prod(shape)} fakes that many devices"
+            f"mesh data*fsdp*tensor = {'*'.join(map(str, shape))} = {math.prod(shape)} but {n} devices are "
+            f"{where}; set mesh.* so the product is {n}, or on CPU set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={math.prod(shape)}"
         )
-    # Auto axes: XLA's partitioner propagates shardings (explicit-sharding mode would demand
-    # annotations on every op of the decoder).
-    return jax.make_mesh(tuple(shape), AXES, devices=devices, axis_types=(AxisType.Auto,) * 3)
+    # Auto axes: XLA propagates shardings from the annotated inputs; Explicit axes would
+    # demand a sharding annotation on every op of the model.
+    return jax.make_mesh(tuple(shape), AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
 
 
-def logical_to_spec(logical_axes, shape, mesh: Mesh, rules=DEFAULT_RULES) -> PartitionSpec:
-    """PartitionSpec for an array; a dim not divisible by its mesh axes is replicated (logged once)."""
+def logical_to_spec(
+    logical_axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh, rules: Rules = DEFAULT_RULES
+) -> PartitionSpec:
+    """The PartitionSpec of an array of `shape` whose dims are named `logical_axes`.
+
+    A mesh axis is dropped (that dim stays replicated along it) when the dim size is not
+    divisible by it, e.g. SmolLM2's 3 KV heads on tensor=2, and when an earlier dim of the
+    same array already uses it: a mesh axis may appear only once in a spec.
+    """
+    if len(logical_axes) != len(shape):
+        raise ValueError(
+            f"logical axes {tuple(logical_axes)} name {len(logical_axes)} dims, but the shape is {tuple(shape)}"
+        )
     table = dict(rules)
     used: set[str] = set()
     spec = []
     for name, size in zip(logical_axes, shape):
-        axes = table.get(name)
-        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-        axes = tuple(a for a in axes if a not in used and mesh.shape[a] > 1)
-        if axes and size % math.prod(mesh.shape[a] for a in axes):
-            _log_replicated(name, size, axes, math.prod(mesh.shape[a] for a in axes))
-            axes = ()
-        used.update(axes)
-        spec.append(axes[0] if len(axes) == 1 else (axes or None))
+        if name is not None and name not in table:
+            raise ValueError(f"logical axis {name!r} has no sharding rule; known: {', '.join(table)}")
+        target = table.get(name)
+        kept: list[str] = []
+        for axis in (target,) if isinstance(target, str) else target or ():
+            if axis in used:
+                continue
+            if size % (math.prod(mesh.shape[a] for a in kept) * mesh.shape[axis]):
+                _log_replicated(name, size, axis, mesh.shape[axis])
+                continue
+            kept.append(axis)
+        used.update(kept)
+        spec.append(kept[0] if len(kept) == 1 else tuple(kept) or None)
     return PartitionSpec(*spec)
 
 
 @functools.cache
-def _log_replicated(name, size, axes, n):
-    log.info("logical axis %r of size %d is not divisible by mesh %s (%d): replicated", name, size, axes, n)
+def _log_replicated(name: str, size: int, axis: str, axis_size: int) -> None:
+    log.info("logical axis %r of size %d is not divisible by mesh axis %r (size %d): replicated along it",
+             name, size, axis, axis_size)
 
 
-def named_sharding(mesh: Mesh, logical_axes, shape, rules=DEFAULT_RULES) -> NamedSharding:
+def named_sharding(
+    mesh: Mesh, logical_axes: Sequence[str | None], shape: Sequence[int], rules: Rules = DEFAULT_RULES
+) -> NamedSharding:
+    """The NamedSharding of one array (an activation, a KV cache) from its logical axes."""
     return NamedSharding(mesh, logical_to_spec(logical_axes, shape, mesh, rules))
 
 
-def shardings_for(state: nnx.State, mesh: Mesh, rules=DEFAULT_RULES) -> nnx.State:
-    """The NamedSharding of every variable in an nnx State (same structure, shardings as leaves)."""
+def shardings_for(state: nnx.State, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> nnx.State:
+    """The sharding of every Variable of an nnx State: the same State with NamedShardings as values.
 
-    def one(var):
-        value = var.get_value()
-        axes = getattr(var, "logical_axes", None) or (None,) * np.ndim(value)
-        return var.replace(named_sharding(mesh, axes, np.shape(value), rules))
+    Variables without `logical_axes` metadata (RNG state, counters) are replicated. The
+    result fits `jax.device_put(state, shardings)` and `jax.jit(in_shardings=/out_shardings=)`.
+    """
 
-    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    def one(path, var: nnx.Variable) -> nnx.Variable:
+        axes = getattr(var, "logical_axes", None)
+        try:
+            spec = PartitionSpec() if axes is None else logical_to_spec(axes, np.shape(var.get_value()), mesh, rules)
+        except ValueError as e:
+            raise ValueError(f"{jax.tree_util.keystr(path, simple=True, separator='.')}: {e}") from e
+        return var.replace(NamedSharding(mesh, spec))
+
+    return jax.tree_util.tree_map_with_path(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def replica_meshes(mesh: Mesh) -> list[Mesh]:
-    """One sub-mesh per index along `data`, each with axes (data=1, fsdp, tensor)."""
-    devices = mesh.devices
-    return [
-        Mesh(devices[i : i + 1], AXES, axis_types=(AxisType.Auto,) * 3) for i in range(devices.shape[0])
-    ]
+    """One sub-mesh per index along `data`, each with axes (data=1, fsdp, tensor): a rollout replica."""
+    return [Mesh(mesh.devices[i : i + 1], AXES, axis_types=mesh.axis_types) for i in range(mesh.shape["data"])]

@@ -1,5 +1,11 @@
-"""Test set-up: 8 fake CPU devices for mesh tests (must be set before jax is imported anywhere)."""
+"""Shared test set-up.
+
+Mesh tests need 8 devices. On CPU, XLA fakes them, but only if the flag is in XLA_FLAGS
+before jax is first imported, and pytest imports conftest.py before any test module.
+The flag is appended so that XLA_FLAGS a developer already set still apply.
+"""
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()

@@ -1,51 +1,154 @@
-"""Config loading: YAML, overrides, and the messages a user sees for mistakes."""
+"""Config loading: YAML, overrides, the generic dataclass builder, and the messages a user sees for mistakes."""
 
+import dataclasses
+import re
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
-from fastrl_jax.config import Config, ConfigError, load_config
+from fastrl_jax.config import Config, ConfigError, MeshConfig, from_dict, load_config, to_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_shipped_config_loads():
     cfg = load_config(ROOT / "configs/smollm2_cpu.yaml")
-    assert cfg.model.path == "smollm2" and cfg.rollout.batch_buckets == (1, 4, 16, 64)
+    assert cfg.model.path == "smollm2" and cfg.model.dtype == "float32"
+    assert cfg.mesh == MeshConfig(1, 1, 1)
+    assert cfg.rollout.batch_buckets == (1, 4, 16, 64)
+
+
+def test_defaults_and_round_trip():
+    assert load_config(None, []) == Config()
+    cfg = load_config(None, ["mesh.fsdp=-1", "seed=7"])
+    assert from_dict(Config, to_dict(cfg)) == cfg
+    assert to_dict(cfg)["mesh"] == {"data": 1, "fsdp": -1, "tensor": 1}
 
 
 def test_overrides_parse_values_and_nest(tmp_path):
-    cfg = load_config(None, ["mesh.tensor=2", "rollout.length_buckets=[512, 2048]", "seed=3", "model.dtype=bfloat16"])
-    assert cfg.mesh.tensor == 2 and cfg.rollout.length_buckets == (512, 2048) and cfg.seed == 3
-    assert cfg.model.dtype == "bfloat16"
-    assert load_config(None, []) == Config()
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  path: /ckpt/qwen\nmesh:\n  tensor: 4\n")
+    cfg = load_config(
+        path, ["mesh.tensor=2", "rollout.length_buckets=[512, 2048]", "seed=3", "model.dtype=bfloat16",
+               "rollout.warm_up=false", "rollout.compile_cache_dir="],
+    )
+    assert cfg.mesh.tensor == 2  # the override wins over the file
+    assert cfg.model.path == "/ckpt/qwen"  # file values the overrides do not touch survive
+    assert cfg.rollout.length_buckets == (512, 2048) and cfg.seed == 3 and cfg.model.dtype == "bfloat16"
+    assert cfg.rollout.warm_up is False and cfg.rollout.compile_cache_dir == ""
 
 
-def test_unknown_key_suggests_the_right_one():
-    with pytest.raises(ConfigError, match=r"unknown key 'mesh.tensr' \(did you mean 'mesh.tensor'\?\); allowed: data, fsdp, tensor"):
+def test_override_into_an_empty_yaml_section(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("mesh:\n")
+    assert load_config(path, ["mesh.data=2"]).mesh.data == 2
+
+
+@dataclasses.dataclass(frozen=True)
+class _Inner:
+    lr: float = 1.0
+    sizes: tuple[int, ...] = ()
+    limit: Optional[int] = 3
+    name: str = "a"
+    on: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outer:
+    inner: _Inner = _Inner()
+    steps: int = 1
+
+
+def test_from_dict_builds_nested_typed_dataclasses():
+    out = from_dict(_Outer, {"inner": {"lr": 2, "sizes": [1, 2], "limit": None, "on": True}, "steps": 5})
+    assert out == _Outer(_Inner(lr=2.0, sizes=(1, 2), limit=None, on=True), steps=5)
+    assert isinstance(out.inner.lr, float) and isinstance(out.inner.sizes, tuple)
+    # PyYAML reads `1e-4` as a string (YAML 1.1); float fields still take it.
+    assert from_dict(_Outer, {"inner": {"lr": "1e-4"}}).inner.lr == 1e-4
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"inner": {"lr": "fast"}}, "inner.lr must be a float, got 'fast'"),
+        ({"inner": {"lr": True}}, "inner.lr must be a float, got True"),
+        ({"inner": {"sizes": 3}}, "inner.sizes must be a list, got 3"),
+        ({"inner": {"sizes": [1, "b"]}}, "inner.sizes[1] must be an int, got 'b'"),
+        ({"inner": {"name": 5}}, "inner.name must be a string, got 5"),
+        ({"inner": {"on": 1}}, "inner.on must be a bool (true or false), got 1"),
+        ({"inner": 4}, "inner must be a mapping of keys to values, got 4"),
+        ({"steps": 1.5}, "steps must be an int, got 1.5"),
+    ],
+)
+def test_from_dict_names_wrong_types(data, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        from_dict(_Outer, data)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Required:
+    path: str
+
+
+def test_missing_required_key_is_named():
+    with pytest.raises(ConfigError, match=re.escape("inner.path is required")):
+        from_dict(_Required, {}, "inner")
+
+
+def test_unknown_key_suggests_the_right_one(tmp_path):
+    expected = "unknown key 'mesh.tensr' (did you mean 'mesh.tensor'? allowed: data, fsdp, tensor)"
+    with pytest.raises(ConfigError, match=re.escape(expected)):
         load_config(None, ["mesh.tensr=2"])
+    path = tmp_path / "typo.yaml"
+    path.write_text("mseh:\n  data: 2\n")
+    with pytest.raises(ConfigError, match=re.escape("unknown key 'mseh' (did you mean 'mesh'? allowed: model, mesh")):
+        load_config(path)
+    with pytest.raises(ConfigError, match=re.escape("unknown key 'mesh.zzz' (allowed: data, fsdp, tensor)")):
+        load_config(None, ["mesh.zzz=1"])
 
 
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("mesh.data=two", r"mesh.data must be int, got 'two'"),
-        ("mesh.data=0", r"mesh.data must be >= 1 or -1"),
-        ("model.dtype=float16", r"model.dtype must be one of float32, bfloat16"),
-        ("rollout.batch_buckets=[4, 1]", r"increasing"),
-        ("rollout.prompt_buckets=[2048]", r"must be below rollout.length_buckets max"),
-        ("mesh", r"must look like key.path=value"),
+        ("mesh.data=x", "mesh.data must be an int, got 'x'"),
+        ("mesh.data=true", "mesh.data must be an int, got True"),
+        ("mesh.data=0", "mesh.data must be >= 1, or -1 for all remaining devices; got 0"),
+        ("model.dtype=float16", "model.dtype must be one of float32, bfloat16; got 'float16'"),
+        ("rollout.batch_buckets=[4, 1]", "rollout.batch_buckets must be a non-empty increasing list"),
+        ("rollout.prompt_buckets=[2048]", "must be below rollout.length_buckets max"),
+        ("seed.x=1", "seed must be an int, got {'x': 1}"),
+        ("mesh", "override 'mesh' must look like section.key=value"),
+        ("mesh..data=1", "must look like section.key=value"),
+        ("mesh.data=[1", "override 'mesh.data=[1': the value is not valid YAML"),
     ],
 )
 def test_bad_values_are_named(override, message):
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, [override])
 
 
+def test_at_most_one_minus_one_axis():
+    with pytest.raises(ConfigError, match="at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1"):
+        load_config(None, ["mesh.data=-1", "mesh.tensor=-1"])
+
+
+def test_override_through_a_value_is_refused(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("seed: 3\n")
+    with pytest.raises(ConfigError, match=re.escape("override 'seed.x=1': seed is a value, not a section")):
+        load_config(path, ["seed.x=1"])
+
+
 def test_missing_and_broken_files(tmp_path):
-    with pytest.raises(ConfigError, match="not found"):
-        load_config(tmp_path / "nope.yaml")
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match=re.escape(f"config file '{missing}' not found")):
+        load_config(missing, [])
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [unclosed")
-    with pytest.raises(ConfigError, match="not valid YAML"):
+    with pytest.raises(ConfigError, match="is not valid YAML"):
         load_config(bad)
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must hold a mapping of sections"):
+        load_config(listed)

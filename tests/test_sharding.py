@@ -1,4 +1,6 @@
-"""Mesh construction, logical-axis rules, and the sharded forward equal to the single-device one."""
+"""Mesh construction, logical-axis rules, nnx state placement, and a sharded forward equal to the unsharded one."""
+
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -10,80 +12,177 @@ from jax.sharding import PartitionSpec as P
 from fastrl_jax.config import ConfigError, MeshConfig
 from fastrl_jax.models.config import ModelConfig
 from fastrl_jax.models.decoder import Decoder, KVCache
-from fastrl_jax.models.loading import decoder_from_hf_tensors
-from fastrl_jax.sharding import logical_to_spec, make_mesh, replica_meshes, shardings_for
+from fastrl_jax.sharding import logical_to_spec, make_mesh, named_sharding, replica_meshes, shardings_for
 
 
-def test_mesh_shape_and_minus_one():
-    assert len(jax.devices()) == 8
-    mesh = make_mesh(MeshConfig(data=2, fsdp=-1, tensor=2))
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
-    with pytest.raises(ConfigError, match=r"2\*2\*4 = 16 but 8 devices.*device_count=16"):
+def test_eight_fake_devices():
+    assert len(jax.devices()) == 8, "tests/conftest.py must set XLA_FLAGS before jax is imported"
+
+
+@pytest.mark.parametrize(
+    "cfg, shape",
+    [
+        (MeshConfig(data=2, fsdp=-1, tensor=2), (2, 2, 2)),
+        (MeshConfig(data=-1), (8, 1, 1)),
+        (MeshConfig(fsdp=4, tensor=-1), (1, 4, 2)),
+        (MeshConfig(data=2, fsdp=2, tensor=2), (2, 2, 2)),
+    ],
+)
+def test_mesh_shape_resolves_minus_one(cfg, shape):
+    mesh = make_mesh(cfg)
+    assert mesh.axis_names == ("data", "fsdp", "tensor") and tuple(mesh.shape.values()) == shape
+    assert sorted(d.id for d in mesh.devices.flat) == list(range(8))
+
+
+def test_mesh_product_mismatch_explains_the_fix():
+    expected = (
+        "mesh data*fsdp*tensor = 2*2*4 = 16 but 8 devices are visible (jax.devices()); set mesh.* so the product "
+        "is 8, or on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=16"
+    )
+    with pytest.raises(ConfigError) as info:
         make_mesh(MeshConfig(data=2, fsdp=2, tensor=4))
+    assert str(info.value) == expected
+    with pytest.raises(ConfigError, match="8 is not divisible by 3"):
+        make_mesh(MeshConfig(data=3, tensor=-1))
+    with pytest.raises(ConfigError, match="2 devices are given"):
+        make_mesh(MeshConfig(tensor=4), jax.devices()[:2])
 
 
-def test_rules_replicate_indivisible_dims_and_never_reuse_an_axis():
+def test_make_mesh_on_given_devices():
+    mesh = make_mesh(MeshConfig(tensor=-1), jax.devices()[4:])
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 4}
+    assert {d.id for d in mesh.devices.flat} == {4, 5, 6, 7}
+
+
+def test_rules_map_logical_names():
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    assert logical_to_spec(("vocab", "embed"), (64, 32), mesh) == P("tensor", "fsdp")
+    wq_axes = ("layers", "embed", "heads", "head_dim")
+    assert logical_to_spec(wq_axes, (2, 32, 4, 16), mesh) == P(None, "fsdp", "tensor", None)
+    assert logical_to_spec(("batch", "seq", "embed"), (8, 5, 32), mesh) == P(("data", "fsdp"), None, None)
+    assert logical_to_spec((None, "norm"), (3, 32), mesh) == P(None, None)
+
+
+def test_indivisible_dims_are_replicated_and_logged(caplog):
     mesh = make_mesh(MeshConfig(fsdp=4, tensor=2))
-    assert logical_to_spec(("layers", "embed", "kv_heads", "head_dim"), (2, 64, 3, 16), mesh) == P(None, "fsdp", None, None)
-    assert logical_to_spec(("embed", "heads"), (64, 4), mesh) == P("fsdp", "tensor")
+    with caplog.at_level(logging.INFO, logger="fastrl_jax.sharding"):
+        # SmolLM2: 3 KV heads cannot split over tensor=2.
+        spec = logical_to_spec(("layers", "embed", "kv_heads", "head_dim"), (30, 576, 3, 64), mesh)
+        logical_to_spec(("layers", "embed", "kv_heads", "head_dim"), (30, 576, 3, 64), mesh)
+    assert spec == P(None, "fsdp", None, None)
+    replicated = [r for r in caplog.records if "'kv_heads' of size 3" in r.getMessage()]
+    assert len(replicated) == 1  # logged once per (name, size, axis), not per call
+
+
+def test_multi_axis_rule_keeps_the_axes_that_divide():
+    mesh = make_mesh(MeshConfig(data=2, fsdp=4))
+    assert logical_to_spec(("batch",), (16,), mesh) == P(("data", "fsdp"))
+    assert logical_to_spec(("batch",), (2,), mesh) == P("data")  # 2 splits over data=2, not over data*fsdp=8
+    assert logical_to_spec(("batch",), (3,), mesh) == P(None)
+
+
+def test_no_mesh_axis_is_used_twice():
+    mesh = make_mesh(MeshConfig(fsdp=4, tensor=2))
+    # vocab and mlp both map to tensor; batch and embed both want fsdp.
     assert logical_to_spec(("mlp", "vocab"), (96, 256), mesh) == P("tensor", None)
-    assert logical_to_spec(("batch", "embed"), (8, 64), mesh) == P("fsdp", None)
+    assert logical_to_spec(("batch", "embed"), (8, 64), mesh) == P(("data", "fsdp"), None)
+    # batch keeps the part of its rule that is still free.
+    spec = logical_to_spec(("heads", "kv_heads", "embed", "batch"), (4, 4, 8, 8), mesh)
+    assert spec == P("tensor", None, "fsdp", "data")
 
 
-def test_replica_meshes():
-    subs = replica_meshes(make_mesh(MeshConfig(data=4, tensor=2)))
-    assert len(subs) == 4 and all(dict(m.shape) == {"data": 1, "fsdp": 1, "tensor": 2} for m in subs)
-    assert len({d for m in subs for d in m.devices.flat}) == 8
+def test_bad_logical_axes_are_errors():
+    mesh = make_mesh(MeshConfig(tensor=8))
+    with pytest.raises(ValueError, match="logical axis 'kv_head' has no sharding rule"):
+        logical_to_spec(("kv_head",), (8,), mesh)
+    with pytest.raises(ValueError, match=r"name 1 dims, but the shape is \(8, 8\)"):
+        logical_to_spec(("embed",), (8, 8), mesh)
 
 
-def test_sharded_forward_equals_single_device():
+def test_replica_meshes_split_along_data():
+    mesh = make_mesh(MeshConfig(data=4, tensor=2))
+    subs = replica_meshes(mesh)
+    assert len(subs) == 4
+    assert all(m.axis_names == ("data", "fsdp", "tensor") and dict(m.shape) == {"data": 1, "fsdp": 1, "tensor": 2}
+               for m in subs)
+    assert [list(m.devices.flat) for m in subs] == [list(row.flat) for row in mesh.devices]
+    assert len(replica_meshes(make_mesh(MeshConfig(fsdp=8)))) == 1
+
+
+class _Tiny(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        rng = np.random.default_rng(0)
+        self.embed = nnx.Param(jnp.asarray(rng.standard_normal((16, 8)), jnp.float32), logical_axes=("vocab", "embed"))
+        self.w = nnx.Param(
+            jnp.asarray(rng.standard_normal((2, 8, 6)), jnp.float32), logical_axes=("layers", "embed", "mlp")
+        )
+        self.kv = nnx.Param(jnp.ones((8, 3)), logical_axes=("embed", "kv_heads"))
+        self.scale = nnx.Param(jnp.ones((8,)))  # no logical axes: replicated
+        self.rngs = rngs  # RNG state: replicated
+
+    def __call__(self, tokens):
+        h = self.embed[tokens] * self.scale
+        return jnp.einsum("bd,ldf->blf", h, self.w) + (h @ self.kv).sum(-1)[:, None, None]
+
+
+def test_device_put_and_jit_place_nnx_state_by_logical_axes():
+    mesh = make_mesh(MeshConfig(fsdp=4, tensor=2))
+    model = _Tiny(nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    shardings = shardings_for(state, mesh)
+
+    placed = jax.device_put(state, shardings)
+    expected = {"embed": P("tensor", "fsdp"), "w": P(None, "fsdp", "tensor"), "kv": P("fsdp", None), "scale": P()}
+    for name, spec in expected.items():
+        assert placed[name].get_value().sharding.spec == spec, name
+    assert placed["rngs"]["default"]["key"].get_value().sharding.spec == P()
+    assert len(placed["w"].get_value().addressable_shards) == 8
+
+    merged = nnx.merge(graphdef, placed)
+    assert merged.w.get_value().sharding.spec == P(None, "fsdp", "tensor")
+    assert merged.w.logical_axes == ("layers", "embed", "mlp")
+
+    tokens = jnp.arange(4)
+    batch = named_sharding(mesh, ("batch",), tokens.shape)
+    forward = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t), in_shardings=(shardings, batch))
+    np.testing.assert_allclose(forward(state, tokens), model(tokens), rtol=1e-5, atol=1e-5)
+    update = jax.jit(lambda s: jax.tree.map(lambda x: x, s), out_shardings=shardings)
+    assert update(state)["embed"].get_value().sharding.spec == P("tensor", "fsdp")
+
+
+def test_abstract_state_gives_shardings_without_allocating():
+    abstract = nnx.state(nnx.eval_shape(lambda: _Tiny(nnx.Rngs(0))))
+    shardings = shardings_for(abstract, make_mesh(MeshConfig(data=2, fsdp=2, tensor=2)))
+    assert shardings["w"].get_value().spec == P(None, "fsdp", "tensor")
+
+
+def test_sharded_decoder_forward_equals_unsharded():
     cfg = ModelConfig(
-        family="qwen3", vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=128,
+        family="qwen3", vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, max_position_embeddings=64,
         tie_word_embeddings=False, qkv_bias=True, qk_norm=True,
     )
-    model = Decoder(cfg, nnx.Rngs(0))
-    flat = {".".join(map(str, k)): np.asarray(v.get_value()) for k, v in nnx.to_flat_state(nnx.state(model))}
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (4, 12)))
+    # Random weights from numpy: jax.random would compile one program per weight shape.
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))))
+    rng = np.random.default_rng(0)
+    state = jax.tree.map(lambda x: jnp.asarray(0.2 * rng.standard_normal(x.shape), x.dtype), abstract)
+    model = nnx.merge(graphdef, state)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 128, (4, 12)))
     positions = jnp.broadcast_to(jnp.arange(12), (4, 12))
 
-    def forward(mesh):
-        m = decoder_from_hf_tensors(cfg, _hf_view(cfg, flat), mesh)
-        return jax.jit(lambda m, t, p: m(t, p, KVCache.zeros(cfg, 4, 16), jnp.zeros(4, jnp.int32))[0])(m, tokens, positions), m
+    def forward(m, cache, t, p):
+        return m(t, p, cache, jnp.zeros(4, jnp.int32))[0]
 
-    single, _ = forward(make_mesh(MeshConfig(), jax.devices()[:1]))
-    sharded, m = forward(make_mesh(MeshConfig(fsdp=4, tensor=2)))
-    assert m.layers.wq.get_value().sharding.spec == P(None, "fsdp", "tensor", None)
-    assert len(m.layers.w_up.get_value().addressable_shards) == 8
+    single = jax.jit(forward)(model, KVCache.zeros(cfg, 4, 16), tokens, positions)
+
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    sharded_model = nnx.merge(graphdef, jax.device_put(state, shardings_for(state, mesh)))
+    cache = KVCache.zeros(cfg, 4, 16)
+    cache_sharding = named_sharding(mesh, KVCache.LOGICAL_AXES, cache.k.shape)
+    cache = jax.device_put(cache, KVCache(k=cache_sharding, v=cache_sharding))
+    batch = named_sharding(mesh, ("batch", "seq"), tokens.shape)
+    sharded = jax.jit(forward)(sharded_model, cache, jax.device_put(tokens, batch), jax.device_put(positions, batch))
+
+    assert sharded_model.layers.wq.get_value().sharding.spec == P(None, "fsdp", "tensor", None)
+    assert cache.k.sharding.spec == P(None, ("data", "fsdp"), "tensor", None, None)
     np.testing.assert_allclose(sharded, single, rtol=1e-5, atol=1e-5)
-
-
-def _hf_view(cfg, flat):
-    """HF-named tensors for a model's own random weights (inverse of the loader's mapping)."""
-    from fastrl_jax.models.loading import hf_layer_tensors
-
-    H, D = cfg.hidden_size, cfg.head_dim
-    inverse = {
-        "wq": lambda w: w.reshape(H, -1).T, "wk": lambda w: w.reshape(H, -1).T, "wv": lambda w: w.reshape(H, -1).T,
-        "wo": lambda w: w.reshape(-1, H).T, "w_gate": lambda w: w.T, "w_up": lambda w: w.T, "w_down": lambda w: w.T,
-        "bq": lambda b: b.reshape(-1), "bk": lambda b: b.reshape(-1), "bv": lambda b: b.reshape(-1),
-    }
-    out = {"model.embed_tokens.weight": flat["embed"], "model.norm.weight": flat["final_norm"]}
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = flat["lm_head"].T
-    for ours, (template, _) in hf_layer_tensors(cfg).items():
-        for i in range(cfg.num_layers):
-            out[template.format(i)] = inverse.get(ours, lambda w: w)(flat[f"layers.{ours}"][i])
-    return out.__getitem__
-
-
-def test_shardings_for_follows_logical_axes():
-    cfg = ModelConfig(
-        family="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
-        num_kv_heads=1, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=64,
-        tie_word_embeddings=True, qkv_bias=False, qk_norm=False,
-    )
-    state = nnx.state(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))))
-    shardings = shardings_for(state, make_mesh(MeshConfig(fsdp=4, tensor=2)))
-    assert shardings["embed"].get_value().spec == P("tensor", "fsdp")
-    assert shardings["layers"]["w_down"].get_value().spec == P(None, "tensor", "fsdp")
