@@ -102,8 +102,8 @@ class Decoder(nnx.Module):
           cache: KV cache; the new keys/values are written at slots [start, start + T).
           start: [B] int32 first cache slot of each row's new tokens (= its cached prefix length).
           block_mask: [B, T, T] bool, which new tokens each new token sees; causal when None.
-          kv_len: static number of cached prefix slots attention reads (a length bucket,
-            >= max(start)); the whole cache when None, 0 for a prefill from scratch.
+          kv_len: static number of cache slots attention reads (a length bucket, >= start + T
+            for every row); the whole cache when None.
 
         Returns:
           logits [B, T, vocab] float32, last-layer hidden states [B, T, hidden] (before the final
@@ -118,12 +118,13 @@ class Decoder(nnx.Module):
         angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
         cos, sin = jnp.cos(angles) * rope_scale, jnp.sin(angles) * rope_scale
 
+        mask = _attention_mask(start, block_mask, kv_len)
         x = self.embed[tokens]
         layer_params = nnx.to_pure_dict(nnx.state(self.layers))
 
         def layer(x, inputs):
             p, k_cached, v_cached = inputs
-            return _layer(cfg, p, x, k_cached[:, :, :kv_len], v_cached[:, :, :kv_len], cos, sin, start, block_mask)
+            return _layer(cfg, p, x, k_cached[:, :, :kv_len], v_cached[:, :, :kv_len], cos, sin, start, mask)
 
         # The cache is only read inside the scan; the new keys/values come out as small [L, B, KV, T, D]
         # outputs and are written once afterwards, in place (the caller donates the cache). Carrying
@@ -149,6 +150,15 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     c, s = cos[:, :, None, :], sin[:, :, None, :]
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def _attention_mask(start: jax.Array, block_mask: jax.Array, kv_len: int) -> jax.Array:
+    """[B, T, kv_len] bool: the cached prefix (slots < start) plus the new slots block_mask allows."""
+    T = block_mask.shape[-1]
+    rel = jnp.arange(kv_len)[None, :] - start[:, None]  # [B, S]
+    idx = jnp.broadcast_to(jnp.clip(rel, 0, T - 1)[:, None, :], (rel.shape[0], T, kv_len))
+    in_block = ((rel >= 0) & (rel < T))[:, None, :] & jnp.take_along_axis(block_mask, idx, axis=2)
+    return (rel < 0)[:, None, :] | in_block
 
 
 def _write_rows(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
@@ -189,7 +199,7 @@ def _weighted(p: jax.Array, v: jax.Array) -> jax.Array:
     return out.reshape(B, KV, G, T, D)
 
 
-def _layer(cfg: ModelConfig, p, x, k_cached, v_cached, cos, sin, start, block_mask):
+def _layer(cfg: ModelConfig, p, x, k_cached, v_cached, cos, sin, start, mask):
     """One decoder layer. k_cached/v_cached [B, KV, S, D] hold the prefix (slots < start)."""
     B, T, _ = x.shape
     G = cfg.num_heads // cfg.num_kv_heads
@@ -205,18 +215,18 @@ def _layer(cfg: ModelConfig, p, x, k_cached, v_cached, cos, sin, start, block_ma
     q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, KV, T, D], the cache layout
 
-    # Scores against the cached prefix and against the new tokens, normalised together without
-    # concatenating them (a concatenate of the score blocks made XLA CPU materialise both).
+    # The new keys/values are placed into this layer's window of the cache (a select that fuses
+    # into the window's copy), so attention is one masked softmax over kv_len slots.
+    S = k_cached.shape[2]
+    rel = jnp.arange(S)[None, :] - start[:, None]  # [B, S] slot relative to the first new token
+    in_block = ((rel >= 0) & (rel < T))[:, None, :, None]
+    idx = jnp.broadcast_to(jnp.clip(rel, 0, T - 1)[:, None, :, None], (B, cfg.num_kv_heads, S, 1))
+    k_win = jnp.where(in_block, jnp.take_along_axis(k, idx, axis=2), k_cached)
+    v_win = jnp.where(in_block, jnp.take_along_axis(v, idx, axis=2), v_cached)
     qg = q.reshape(B, T, cfg.num_kv_heads, G, cfg.head_dim) / np.sqrt(cfg.head_dim).astype(q.dtype)
     qg = qg.transpose(0, 2, 3, 1, 4)  # [B, KV, G, T, D]
-    prefix = jnp.arange(k_cached.shape[2])[None, :] < start[:, None]  # [B, S]
-    s_old = jnp.where(prefix[:, None, None, None, :], _scores(qg, k_cached), -jnp.inf)
-    s_new = jnp.where(block_mask[:, None, None], _scores(qg, k), -jnp.inf)
-    # initial=-inf lets kv_len be 0 (a prefill with no cached prefix reads no cache at all).
-    m = jnp.maximum(s_old.max(-1, keepdims=True, initial=-jnp.inf), s_new.max(-1, keepdims=True))
-    e_old, e_new = jnp.exp(s_old - m), jnp.exp(s_new - m)
-    denom = e_old.sum(-1, keepdims=True) + e_new.sum(-1, keepdims=True)
-    attn = _weighted((e_old / denom).astype(x.dtype), v_cached) + _weighted((e_new / denom).astype(x.dtype), v)
+    scores = jnp.where(mask[:, None, None], _scores(qg, k_win), -jnp.inf)
+    attn = _weighted(jax.nn.softmax(scores, axis=-1).astype(x.dtype), v_win)
     attn = attn.transpose(0, 3, 1, 2, 4)  # [B, T, KV, G, D]
     x = x + jnp.einsum("btnd,ndh->bth", attn.reshape(B, T, cfg.num_heads, cfg.head_dim), p["wo"])
 

@@ -83,7 +83,7 @@ def prefill(graphdef, state, slots: Slots, adm: Admission) -> Slots:
     P, Tp = adm.tokens.shape
     tmp = KVCache.zeros(model.cfg, P, Tp, slots.cache.k.dtype)
     positions = jnp.broadcast_to(jnp.arange(Tp, dtype=jnp.int32), (P, Tp))
-    logits, hidden, tmp = model(adm.tokens, positions, tmp, jnp.zeros(P, jnp.int32), kv_len=0)
+    logits, hidden, tmp = model(adm.tokens, positions, tmp, jnp.zeros(P, jnp.int32))
     last = adm.lengths - 1
     token, logprob = sample(logits[jnp.arange(P), last], adm.params, adm.lengths)
 
@@ -127,7 +127,8 @@ def prefill(graphdef, state, slots: Slots, adm: Admission) -> Slots:
 def decode(graphdef, state, slots: Slots, max_steps: jax.Array, kv_len: int) -> Slots:
     """Decodes up to max_steps tokens per live row, returning early as soon as a row finishes.
 
-    Every live row's length must stay <= kv_len: the host passes max_steps <= kv_len - max(length).
+    Every live row's length must stay < kv_len (the new token's slot is inside the attention
+    window): the host passes max_steps <= kv_len - max(length).
     """
     model = nnx.merge(graphdef, state)
     B = slots.batch
