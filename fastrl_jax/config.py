@@ -86,12 +86,33 @@ class RolloutConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding: a draft tree of `steps` x `topk`, `verify_tokens` nodes verified (root included)."""
+
+    mode: str = "off"  # off | on
+    steps: int = 5
+    topk: int = 4
+    verify_tokens: int = 8  # SGLang's defaults: 5 / 4 / 8
+    accept: str = "coupled"  # coupled (bit-identical to plain sampling) | rejection (exact in distribution)
+
+    def __post_init__(self):
+        _check_choice("sd.mode", self.mode, ("off", "on"))
+        _check_choice("sd.accept", self.accept, ("coupled", "rejection"))
+        if self.steps < 1 or self.topk < 1 or self.verify_tokens < 2:
+            raise ConfigError(f"sd needs steps >= 1, topk >= 1, verify_tokens >= 2; got {self}")
+        most = 1 + self.topk + (self.steps - 1) * self.topk**2
+        if self.verify_tokens > most:
+            raise ConfigError(f"sd.verify_tokens={self.verify_tokens} exceeds the {most} nodes steps x topk can draft")
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """The whole run: one field per section (YAML top-level key)."""
 
     model: ModelSpec = ModelSpec()
     mesh: MeshConfig = MeshConfig()
     rollout: RolloutConfig = RolloutConfig()
+    sd: SpecConfig = SpecConfig()
     seed: int = 0
 
 

@@ -93,6 +93,7 @@ class Decoder(nnx.Module):
         start: jax.Array,
         block_mask: jax.Array | None = None,
         kv_len: int | None = None,
+        mask: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array, KVCache]:
         """Runs the new tokens of every row against the cache.
 
@@ -104,37 +105,46 @@ class Decoder(nnx.Module):
           block_mask: [B, T, T] bool, which new tokens each new token sees; causal when None.
           kv_len: static number of cache slots attention reads (a length bucket, >= start + T
             for every row); the whole cache when None.
+          mask: [B, T, kv_len] bool, every slot each new token sees; replaces the prefix +
+            block_mask rule when given (the drafter's tree steps need it).
 
         Returns:
           logits [B, T, vocab] float32, last-layer hidden states [B, T, hidden] (before the final
           norm: the drafter's input), and the updated cache.
         """
-        cfg = self.cfg
-        B, T = tokens.shape
         kv_len = cache.max_len if kv_len is None else kv_len
-        if block_mask is None:
-            block_mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
-        inv_freq, rope_scale = rope_inv_freq(cfg)
-        angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
-        cos, sin = jnp.cos(angles) * rope_scale, jnp.sin(angles) * rope_scale
+        if mask is None:
+            mask = attention_mask(start, block_mask, tokens.shape[1], kv_len)
+        hidden, cache = run_layers(self.cfg, self.layers, self.embed[tokens], positions, cache, start, mask)
+        return self.logits(hidden), hidden, cache
 
-        mask = _attention_mask(start, block_mask, kv_len)
-        x = self.embed[tokens]
-        layer_params = nnx.to_pure_dict(nnx.state(self.layers))
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Final norm and LM head: [..., hidden] -> [..., vocab] float32."""
+        x = rms_norm(hidden, self.final_norm[...], self.cfg.rms_norm_eps)
+        return jnp.einsum("...h,hv->...v", x, self.head_weight(), preferred_element_type=jnp.float32)
 
-        def layer(x, inputs):
-            p, k_cached, v_cached = inputs
-            return _layer(cfg, p, x, k_cached[:, :, :kv_len], v_cached[:, :, :kv_len], cos, sin, start, mask)
 
-        # The cache is only read inside the scan; the new keys/values come out as small [L, B, KV, T, D]
-        # outputs and are written once afterwards, in place (the caller donates the cache). Carrying
-        # the cache through the scan instead made XLA copy it at every layer.
-        x, (k_new, v_new) = jax.lax.scan(layer, x, (layer_params, cache.k, cache.v))
-        cache = KVCache(k=_write_rows(cache.k, k_new, start), v=_write_rows(cache.v, v_new, start))
-        hidden = x
-        x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
-        logits = jnp.einsum("bth,hv->btv", x, self.head_weight(), preferred_element_type=jnp.float32)
-        return logits, hidden, cache
+def run_layers(cfg: ModelConfig, layers: Layers, x, positions, cache: KVCache, start, mask, input_norm=True):
+    """Scanned decoder layers over x [B, T, H]; new keys/values go to cache slots [start, start + T).
+
+    mask [B, T, kv_len] gives the cache window attention reads. input_norm=False skips the first
+    layer's input RMSNorm (the EAGLE drafter's layer has none).
+    """
+    kv_len = mask.shape[-1]
+    inv_freq, rope_scale = rope_inv_freq(cfg)
+    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
+    cos, sin = jnp.cos(angles) * rope_scale, jnp.sin(angles) * rope_scale
+    layer_params = nnx.to_pure_dict(nnx.state(layers))
+
+    def layer(x, inputs):
+        p, k_cached, v_cached = inputs
+        return _layer(cfg, p, x, k_cached[:, :, :kv_len], v_cached[:, :, :kv_len], cos, sin, start, mask, input_norm)
+
+    # The cache is only read inside the scan; the new keys/values come out as small [L, B, KV, T, D]
+    # outputs and are written once afterwards, in place (the caller donates the cache). Carrying
+    # the cache through the scan instead made XLA copy it at every layer.
+    x, (k_new, v_new) = jax.lax.scan(layer, x, (layer_params, cache.k, cache.v))
+    return x, KVCache(k=_write_rows(cache.k, k_new, start), v=_write_rows(cache.v, v_new, start))
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -152,9 +162,13 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
-def _attention_mask(start: jax.Array, block_mask: jax.Array, kv_len: int) -> jax.Array:
-    """[B, T, kv_len] bool: the cached prefix (slots < start) plus the new slots block_mask allows."""
-    T = block_mask.shape[-1]
+def attention_mask(start: jax.Array, block_mask: jax.Array | None, T: int, kv_len: int) -> jax.Array:
+    """[B, T, kv_len] bool: the cached prefix (slots < start) plus the new slots block_mask allows.
+
+    block_mask [B, T, T] (None: causal) says which of the T new tokens each new token sees.
+    """
+    if block_mask is None:
+        block_mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (start.shape[0], T, T))
     rel = jnp.arange(kv_len)[None, :] - start[:, None]  # [B, S]
     idx = jnp.broadcast_to(jnp.clip(rel, 0, T - 1)[:, None, :], (rel.shape[0], T, kv_len))
     in_block = ((rel >= 0) & (rel < T))[:, None, :] & jnp.take_along_axis(block_mask, idx, axis=2)
@@ -199,11 +213,11 @@ def _weighted(p: jax.Array, v: jax.Array) -> jax.Array:
     return out.reshape(B, KV, G, T, D)
 
 
-def _layer(cfg: ModelConfig, p, x, k_cached, v_cached, cos, sin, start, mask):
+def _layer(cfg: ModelConfig, p, x, k_cached, v_cached, cos, sin, start, mask, input_norm=True):
     """One decoder layer. k_cached/v_cached [B, KV, S, D] hold the prefix (slots < start)."""
     B, T, _ = x.shape
     G = cfg.num_heads // cfg.num_kv_heads
-    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps) if input_norm else x
     q = jnp.einsum("bth,hnd->btnd", h, p["wq"])
     k = jnp.einsum("bth,hnd->btnd", h, p["wk"])
     v = jnp.einsum("bth,hnd->btnd", h, p["wv"])

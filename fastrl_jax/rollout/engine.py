@@ -22,9 +22,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
-from fastrl_jax.config import RolloutConfig
+from fastrl_jax.config import RolloutConfig, SpecConfig
 from fastrl_jax.models.decoder import Decoder
-from fastrl_jax.rollout import programs
+from fastrl_jax.models.drafter import Drafter
+from fastrl_jax.rollout import programs, speculative
 from fastrl_jax.rollout.pool import ProgramPool, enable_persistent_cache
 from fastrl_jax.rollout.sampling import SamplingParams
 
@@ -64,12 +65,27 @@ def bucket_for(n: int, buckets: Sequence[int]) -> int:
 class RolloutEngine:
     """Generates completions for many requests at once on one model replica."""
 
-    def __init__(self, model: Decoder, cfg: RolloutConfig, *, keep_hidden: bool = False, progress: bool = True):
+    def __init__(
+        self,
+        model: Decoder,
+        cfg: RolloutConfig,
+        *,
+        sd: SpecConfig = SpecConfig(),
+        drafter: Drafter | None = None,
+        keep_hidden: bool = False,
+        progress: bool = True,
+    ):
         self.cfg = cfg
         self.model_cfg = model.cfg
         self.graphdef, self.state = nnx.split(model)
         self.dtype = model.embed.get_value().dtype
-        self.keep_hidden = keep_hidden
+        self.sd = sd
+        self.strategy = speculative.Strategy(sd.steps, sd.topk, sd.verify_tokens)
+        if sd.mode != "off" and drafter is None:
+            raise ValueError("speculative decoding needs a drafter (sd.mode is on)")
+        self.drafter_graphdef, self.drafter_state = nnx.split(drafter) if drafter is not None else (None, None)
+        # Speculation restarts the drafter from stored policy hidden states, so it keeps them.
+        self.keep_hidden = keep_hidden or sd.mode != "off"
         self.progress = progress
         self.max_len = cfg.length_buckets[-1]
         weights = jax.tree.leaves(self.state)[0].sharding
@@ -89,15 +105,33 @@ class RolloutEngine:
     # ---- programs -------------------------------------------------------------------------
     def warm_up_keys(self) -> list[tuple]:
         c = self.cfg
-        keys = [("decode", b, n) for b in c.batch_buckets for n in c.length_buckets]
+        phase = "decode" if self.sd.mode == "off" else "sd"
+        keys = [(phase, b, n) for b in c.batch_buckets for n in c.length_buckets]
+        if self.sd.mode != "off":
+            keys += [("draft_prefill", b, n) for b in c.batch_buckets for n in c.length_buckets]
         keys += [("prefill", b, b, t) for b in c.batch_buckets for t in c.prompt_buckets]
         keys += [("resize", b, s) for b in c.batch_buckets for s in c.batch_buckets if s < b]
         return keys
 
     def _empty(self, batch: int) -> programs.Slots:
-        return programs.Slots.empty(
+        slots = programs.Slots.empty(
             self.model_cfg, batch, self.max_len, self.cfg.max_stop_ids, self.keep_hidden, self.dtype
         )
+        if self.sd.mode == "off":
+            return slots
+        st, H = self.strategy, self.model_cfg.hidden_size
+        zeros = lambda *shape, dtype=jnp.int32: jnp.zeros(shape, dtype)  # noqa: E731
+        draft = speculative.DraftState(
+            cache=nnx.merge(self.drafter_graphdef, self.drafter_state).empty_cache(
+                batch, self.max_len + st.scratch_slots, self.dtype
+            ),
+            pending_tok=zeros(batch, st.pending),
+            pending_h=zeros(batch, st.pending, H, dtype=jnp.float32),
+            n_pending=zeros(batch),
+            sd_steps=zeros(batch),
+            sd_tokens=zeros(batch),
+        )
+        return slots.replace(draft=draft)
 
     def _build(self, key: tuple):
         phase, batch = key[0], key[1]
@@ -112,6 +146,14 @@ class RolloutEngine:
             adm = self._admission_shapes(p, t)
             fn = jax.jit(programs.prefill, static_argnums=(0,), donate_argnums=(2,))
             return fn, (self.graphdef, self.state, slots, adm)
+        if phase == "sd":
+            fn = jax.jit(speculative.sd_program, static_argnums=(0, 2, 6, 7, 8), donate_argnums=(4,))
+            steps = jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated)
+            args = (self.graphdef, self.state, self.drafter_graphdef, self.drafter_state, slots, steps)
+            return fn, (*args, self.strategy, key[2], self.sd.accept)
+        if phase == "draft_prefill":
+            fn = jax.jit(speculative.drafter_prefill_program, static_argnums=(0, 2, 5), donate_argnums=(4,))
+            return fn, (self.graphdef, self.state, self.drafter_graphdef, self.drafter_state, slots, key[2])
         if phase == "resize":
             index = jax.ShapeDtypeStruct((key[2],), jnp.int32, sharding=self._replicated)
             return jax.jit(programs.resize), (slots, index)
@@ -128,6 +170,13 @@ class RolloutEngine:
             max_new=s((p,), i32), stop_ids=s((p, self.cfg.max_stop_ids), i32),
             params=SamplingParams(s((p,), f32), s((p,), i32), s((p,), f32), s((p,), jnp.uint32)),
         )
+
+    def update_drafter(self, drafter: Drafter) -> None:
+        """Swaps in new drafter weights; every compiled program is reused."""
+        graphdef, state = nnx.split(drafter)
+        if graphdef != self.drafter_graphdef:
+            raise ValueError("update_drafter needs a drafter of the same structure as the engine's")
+        self.drafter_state = state
 
     def update_weights(self, model: Decoder) -> None:
         """Swaps in new policy weights (same shapes and shardings); every compiled program is reused."""
@@ -146,9 +195,12 @@ class RolloutEngine:
             return f"the prompt has {n} tokens, more than the largest prompt bucket ({c.prompt_buckets[-1]}); raise rollout.prompt_buckets"
         if r.max_new_tokens < 1:
             return f"max_new_tokens must be >= 1, got {r.max_new_tokens}"
-        if n + r.max_new_tokens > self.max_len:
+        # A speculative step writes its whole draft tree after the last token.
+        margin = 0 if self.sd.mode == "off" else self.strategy.verify_tokens - 1
+        if n + r.max_new_tokens + margin > self.max_len:
+            extra = f" + {margin} draft-tree slots" if margin else ""
             return (
-                f"prompt ({n}) + max_new_tokens ({r.max_new_tokens}) exceeds the KV cache ({self.max_len} "
+                f"prompt ({n}) + max_new_tokens ({r.max_new_tokens}){extra} exceeds the KV cache ({self.max_len} "
                 "slots, the largest rollout.length_buckets entry)"
             )
         if any(not 0 <= t < vocab for t in r.prompt_ids):
@@ -209,7 +261,7 @@ class RolloutEngine:
         batch = bucket_for(min(len(pending), c.batch_buckets[-1]), c.batch_buckets)
         slots = jax.device_put(self._empty(batch), self._replicated)
         row_req = [-1] * batch
-        counts = {"prefill_calls": 0, "decode_calls": 0, "resizes": 0, "tokens": 0}
+        counts = {"prefill_calls": 0, "decode_calls": 0, "resizes": 0, "tokens": 0, "sd_steps": 0, "sd_tokens": 0}
         t_start = time.perf_counter()
         bar = tqdm(total=len(pending), desc="rollout", unit="req", file=sys.stderr, disable=not self.progress)
         while True:
@@ -221,6 +273,13 @@ class RolloutEngine:
                 for row, i in zip(free, take):
                     row_req[row] = i
                 counts["prefill_calls"] += 1
+                if self.sd.mode != "off":
+                    longest = int(max(len(requests[row_req[r]].prompt_ids) for r in range(batch) if row_req[r] >= 0))
+                    live_len = int(jax.device_get(jnp.max(slots.length)))
+                    kv = bucket_for(max(longest, live_len) + 1, c.length_buckets)
+                    slots = self.pool.get(("draft_prefill", batch, kv))(
+                        self.state, self.drafter_state, slots
+                    )
             live, length = jax.device_get((slots.live, slots.length))
             done = [r for r in range(batch) if row_req[r] >= 0 and not live[r]]
             if done:
@@ -228,6 +287,10 @@ class RolloutEngine:
                     results[row_req[r]] = completion
                     counts["tokens"] += len(completion.tokens)
                     row_req[r] = -1
+                if slots.draft is not None:
+                    steps, toks = jax.device_get((slots.draft.sd_steps[np.asarray(done)], slots.draft.sd_tokens[np.asarray(done)]))
+                    counts["sd_steps"] += int(steps.sum())
+                    counts["sd_tokens"] += int(toks.sum())
                 bar.update(len(done))
             live_rows = [r for r in range(batch) if row_req[r] >= 0]
             if not live_rows:
@@ -244,12 +307,22 @@ class RolloutEngine:
                 batch = target
                 counts["resizes"] += 1
             longest = int(max(length[r] for r in range(batch) if row_req[r] >= 0))
-            kv_len = bucket_for(longest + 1, c.length_buckets)
-            steps = min(c.steps_per_call, kv_len - longest)
-            slots = self.pool.get(("decode", batch, kv_len))(self.state, slots, jnp.int32(steps))
+            if self.sd.mode == "off":
+                kv_len = bucket_for(longest + 1, c.length_buckets)
+                steps = min(c.steps_per_call, kv_len - longest)
+                slots = self.pool.get(("decode", batch, kv_len))(self.state, slots, jnp.int32(steps))
+            else:
+                n, depth = self.strategy.verify_tokens, self.strategy.steps
+                kv_len = bucket_for(min(longest + n, self.max_len), c.length_buckets)
+                steps = min(c.steps_per_call, (kv_len - longest - n) // (depth + 1) + 1)
+                slots = self.pool.get(("sd", batch, kv_len))(
+                    self.state, self.drafter_state, slots, jnp.int32(steps)
+                )
             counts["decode_calls"] += 1
         bar.close()
         counts["seconds"] = time.perf_counter() - t_start
+        if counts["sd_steps"]:
+            counts["acceptance_length"] = counts["sd_tokens"] / counts["sd_steps"]
         self.stats = counts
         return results
 

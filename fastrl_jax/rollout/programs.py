@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from typing import Any
+
 from flax import nnx, struct
 
 from fastrl_jax.models.decoder import KVCache
@@ -29,6 +31,8 @@ class Slots:
     out_logprobs: jax.Array  # [B, C] float32
     params: SamplingParams  # each [B]
     hidden: jax.Array | None  # [B, S, H] last-layer hidden state of every cached position, or None
+    history: jax.Array  # [B, S + 1] int32 token at every position up to and including `token`
+    draft: Any = None  # speculative.DraftState when speculative decoding is on
 
     @property
     def batch(self) -> int:
@@ -56,6 +60,7 @@ class Slots:
                 seed=jnp.zeros(batch, jnp.uint32),
             ),
             hidden=jnp.zeros((batch, max_len, model_cfg.hidden_size), jnp.float32) if with_hidden else None,
+            history=jnp.zeros((batch, max_len + 1), jnp.int32),
         )
 
 
@@ -108,6 +113,9 @@ def prefill(graphdef, state, slots: Slots, adm: Admission) -> Slots:
     def set_rows(table, values):
         return table.at[rows].set(values, mode="drop")
 
+    history = slots.history.at[rows, :Tp].set(adm.tokens, mode="drop")
+    history = history.at[rows, adm.lengths].set(token, mode="drop")
+
     done = _finished(token, jnp.ones(P, jnp.int32), adm)
     return slots.replace(
         cache=cache,
@@ -121,6 +129,7 @@ def prefill(graphdef, state, slots: Slots, adm: Admission) -> Slots:
         out_tokens=slots.out_tokens.at[rows, 0].set(token, mode="drop"),
         out_logprobs=slots.out_logprobs.at[rows, 0].set(logprob, mode="drop"),
         params=jax.tree.map(set_rows, slots.params, adm.params),
+        history=history,
     )
 
 
@@ -158,6 +167,7 @@ def decode(graphdef, state, slots: Slots, max_steps: jax.Array, kv_len: int) -> 
             live=live & ~_finished(token, n_out, s),
             out_tokens=s.out_tokens.at[rows, col].set(token, mode="drop"),
             out_logprobs=s.out_logprobs.at[rows, col].set(logprob, mode="drop"),
+            history=s.history.at[rows, jnp.where(live, s.length + 1, s.history.shape[1])].set(token, mode="drop"),
         )
 
     return jax.lax.while_loop(cond, body, (jnp.int32(0), slots))[1]
@@ -169,6 +179,13 @@ def resize(slots: Slots, index: jax.Array) -> Slots:
     def take(x, axis=0):
         return jnp.take(x, index, axis=axis, mode="fill", fill_value=0)
 
-    cache = KVCache(k=take(slots.cache.k, 1), v=take(slots.cache.v, 1))
+    def take_cache(c: KVCache) -> KVCache:
+        return KVCache(k=take(c.k, 1), v=take(c.v, 1))
+
     stop_ids = jnp.where((index >= 0)[:, None], take(slots.stop_ids), -1)
-    return jax.tree.map(take, slots.replace(cache=None, stop_ids=None)).replace(cache=cache, stop_ids=stop_ids)
+    out = jax.tree.map(take, slots.replace(cache=None, stop_ids=None, draft=None))
+    out = out.replace(cache=take_cache(slots.cache), stop_ids=stop_ids)
+    if slots.draft is not None:
+        draft = jax.tree.map(take, slots.draft.replace(cache=None)).replace(cache=take_cache(slots.draft.cache))
+        out = out.replace(draft=draft)
+    return out

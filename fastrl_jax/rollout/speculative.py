@@ -1,0 +1,282 @@
+"""Speculative decoding step: EAGLE-2 draft tree, one tree-verify forward, exact acceptance, commit.
+
+Per row, the root is the last emitted token x_L at position L (not yet in the policy cache, whose
+length is L). The drafter first consumes its pending entries (h_t, x_{t+1}) for the tokens emitted
+by the previous step, the last of which predicts x_{L+1}; then it grows a tree `steps` deep, each
+step expanding the top-k children of the k best frontier nodes by cumulative log-prob. The best
+verify_tokens - 1 nodes plus the root are verified by the policy in one forward (each node sees
+the prefix and its ancestors), the accept rule picks the path, and the accepted path's cache
+entries move to contiguous slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from fastrl_jax.models.decoder import KVCache
+from fastrl_jax.rollout import accept as accept_lib
+from fastrl_jax.rollout.programs import Slots
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """A draft-tree shape: depth (drafter steps), branching, and nodes verified (root included)."""
+
+    steps: int = 5
+    topk: int = 4
+    verify_tokens: int = 8
+
+    def __post_init__(self):
+        if self.steps < 1 or self.topk < 1 or not 2 <= self.verify_tokens <= self.num_candidates + 1:
+            raise ValueError(f"need steps >= 1, topk >= 1, 2 <= verify_tokens <= {self.num_candidates + 1}: {self}")
+
+    @property
+    def num_candidates(self) -> int:
+        return self.topk + (self.steps - 1) * self.topk * self.topk
+
+    @property
+    def scratch_slots(self) -> int:
+        """Drafter cache slots the tree steps use beyond the prefix."""
+        return (self.steps - 1) * self.topk
+
+    @property
+    def pending(self) -> int:
+        """Most drafter entries one step leaves pending (accepted drafts + bonus)."""
+        return self.steps + 1
+
+
+@struct.dataclass
+class DraftState:
+    """The drafter's side of the row table (batch axis 0; cache axis 1)."""
+
+    cache: KVCache  # [1, B, KV, S + scratch, D]
+    pending_tok: jax.Array  # [B, P] x_{t+1} of entries not yet fed to the drafter
+    pending_h: jax.Array  # [B, P, H] h_t of those entries
+    n_pending: jax.Array  # [B]
+    sd_steps: jax.Array  # [B] speculative steps taken (acceptance length = tokens / steps)
+    sd_tokens: jax.Array  # [B] tokens those steps emitted
+
+
+@struct.dataclass
+class Tree:
+    tokens: jax.Array  # [B, N]
+    parents: jax.Array  # [B, N], -1 for the root
+    depth: jax.Array  # [B, N]
+    valid: jax.Array  # [B, N]
+
+
+def ancestor_mask(parents: jax.Array) -> jax.Array:
+    """[B, N, N] bool: node i sees node j iff j is i or an ancestor of i (parents precede children)."""
+    B, N = parents.shape
+    eye = jnp.broadcast_to(jnp.eye(N, dtype=bool), (B, N, N))
+
+    def add_parent(i, m):
+        p = parents[:, i]
+        row = jnp.where((p >= 0)[:, None], jnp.take_along_axis(m, jnp.maximum(p, 0)[:, None, None], 1)[:, 0], False)
+        return m.at[:, i].set(m[:, i] | row)
+
+    return jax.lax.fori_loop(1, N, add_parent, eye)
+
+
+def select_tree(cand_tokens, cand_parents, cand_scores, cand_depth, root_token, n_verify: int) -> Tree:
+    """Keeps the n_verify - 1 best candidates (plus the root) as the verify tree.
+
+    Candidates are in breadth-first order with parents before children (parent index -1 is the
+    root, otherwise a candidate index). A child never scores above its parent and top_k keeps the
+    lower index on ties, so every kept node's ancestors are kept too; sorting the kept indices
+    keeps parents before children.
+    """
+    B, M = cand_tokens.shape
+    _, keep = jax.lax.top_k(cand_scores, n_verify - 1)
+    keep = jnp.sort(keep, axis=-1)  # [B, N-1]
+    # Candidate index -> tree node index (1 + position in keep); the root is node 0.
+    where = jnp.zeros((B, M + 1), jnp.int32).at[jnp.arange(B)[:, None], keep + 1].set(jnp.arange(1, n_verify))
+    parents = jnp.take_along_axis(where, jnp.take_along_axis(cand_parents, keep, 1) + 1, 1)
+    take = lambda a: jnp.take_along_axis(a, keep, 1)  # noqa: E731
+    return Tree(
+        tokens=jnp.concatenate([root_token[:, None], take(cand_tokens)], 1),
+        parents=jnp.concatenate([jnp.full((B, 1), -1, jnp.int32), parents], 1),
+        depth=jnp.concatenate([jnp.zeros((B, 1), jnp.int32), take(cand_depth)], 1),
+        valid=jnp.concatenate([jnp.ones((B, 1), bool), take(cand_scores) > -jnp.inf], 1),
+    )
+
+
+def draft_tree(policy, drafter, ds: DraftState, root_token, root_pos, strategy: Strategy, kv_len: int):
+    """Feeds the pending entries, then grows the EAGLE-2 tree. Returns (Tree, drafter cache)."""
+    k, steps = strategy.topk, strategy.steps
+    B, P = ds.pending_tok.shape
+    window = kv_len + strategy.scratch_slots
+    first = root_pos - ds.n_pending  # slot (= entry index) of the first pending entry
+    logits, h_out, cache = drafter(
+        policy, ds.pending_tok, ds.pending_h, first[:, None] + jnp.arange(P), ds.cache, first, kv_len=window
+    )
+    last = (ds.n_pending - 1)[:, None]
+    logp = jax.nn.log_softmax(jnp.take_along_axis(logits, last[:, :, None], 1)[:, 0], -1)
+    h_root = jnp.take_along_axis(h_out, last[:, :, None], 1)[:, 0]
+
+    scores, tokens = jax.lax.top_k(logp, k)  # depth-1 candidates
+    cand = dict(tokens=[tokens], parents=[jnp.full((B, k), -1, jnp.int32)], scores=[scores],
+                depth=[jnp.ones((B, k), jnp.int32)])
+    frontier = jnp.broadcast_to(jnp.arange(k), (B, k))  # candidate indices of the frontier
+    front_h = jnp.broadcast_to(h_root[:, None], (B, k, h_root.shape[-1]))  # inputs: parents' predictions
+    front_anc = jnp.zeros((B, k, strategy.scratch_slots), bool)  # ancestors' scratch slots
+    slots = jnp.arange(window)[None, :]
+    all_tokens, all_scores = tokens, scores
+    for s in range(1, steps):
+        base = root_pos + (s - 1) * k  # scratch slots of this step's entries
+        scratch = jnp.zeros((B, k, strategy.scratch_slots), bool).at[:, :, (s - 1) * k + jnp.arange(k)].set(
+            jnp.eye(k, dtype=bool)
+        ) | front_anc
+        rel = slots - root_pos[:, None]  # scratch index of each window slot
+        in_scratch = (rel >= 0) & (rel < strategy.scratch_slots)
+        mask = (slots < root_pos[:, None])[:, None, :] | (
+            in_scratch[:, None, :]
+            & jnp.take_along_axis(scratch, jnp.broadcast_to(jnp.clip(rel, 0, strategy.scratch_slots - 1)[:, None], (B, k, window)), 2)
+        )
+        depth = s  # frontier nodes sit at depth s, i.e. entry index root_pos - 1 + s
+        ftok = jnp.take_along_axis(all_tokens, frontier, 1)
+        logits, h_out, cache = drafter(
+            policy, ftok, front_h, jnp.broadcast_to((root_pos - 1 + depth)[:, None], (B, k)), cache, base,
+            kv_len=window, mask=mask,
+        )
+        child_scores, child_tokens = jax.lax.top_k(jax.nn.log_softmax(logits, -1), k)  # [B, k, k]
+        child_scores = child_scores + jnp.take_along_axis(all_scores, frontier, 1)[:, :, None]
+        offset = all_tokens.shape[1]
+        cand["tokens"].append(child_tokens.reshape(B, k * k))
+        cand["parents"].append(jnp.repeat(frontier, k, axis=1))
+        cand["scores"].append(child_scores.reshape(B, k * k))
+        cand["depth"].append(jnp.full((B, k * k), s + 1, jnp.int32))
+        all_tokens = jnp.concatenate([all_tokens, cand["tokens"][-1]], 1)
+        all_scores = jnp.concatenate([all_scores, cand["scores"][-1]], 1)
+        _, best = jax.lax.top_k(cand["scores"][-1], k)  # next frontier, among this step's children
+        parent_slot = best // k
+        frontier = offset + best
+        front_h = jnp.take_along_axis(h_out, parent_slot[:, :, None], 1)
+        front_anc = jnp.take_along_axis(scratch, parent_slot[:, :, None], 1)
+    cat = {name: jnp.concatenate(parts, 1) for name, parts in cand.items()}
+    tree = select_tree(cat["tokens"], cat["parents"], cat["scores"], cat["depth"], root_token, strategy.verify_tokens)
+    return tree, cache
+
+
+def _move_path(cache: KVCache, start, order):
+    """In each row b, slot start[b] + i takes the entry at slot start[b] + order[b, i]."""
+    N = order.shape[1]
+
+    def row(b, c):
+        at = (0, b, 0, start[b], 0)
+
+        def move(x):
+            block = jax.lax.dynamic_slice(x, at, (x.shape[0], 1, x.shape[2], N, x.shape[4]))
+            return jax.lax.dynamic_update_slice(x, jnp.take(block, order[b], axis=3), at)
+
+        return KVCache(k=move(c.k), v=move(c.v))
+
+    return jax.lax.fori_loop(0, order.shape[0], row, cache)
+
+
+def sd_step(policy, drafter, s: Slots, ds: DraftState, strategy: Strategy, kv_len: int, mode: str):
+    """One speculative step for every live row: draft, verify, accept, commit."""
+    B = s.batch
+    rows = jnp.arange(B)
+    L = s.length
+    tree, dcache = draft_tree(policy, drafter, ds, s.token, L, strategy, kv_len)
+    logits, hidden, cache = policy(
+        tree.tokens, L[:, None] + tree.depth, s.cache, L, block_mask=ancestor_mask(tree.parents), kv_len=kv_len
+    )
+    if mode == "rejection":
+        acc = accept_lib.accept_rejection(tree.tokens, tree.parents, tree.valid, logits, s.params, L)
+    else:
+        acc = accept_lib.accept_coupled(tree.tokens, tree.parents, tree.valid, logits, s.params, L)
+    N = strategy.verify_tokens
+    idx = jnp.arange(N)[None, :]
+    # Tokens this row may still emit: its budget, and up to (including) the first stop token.
+    is_stop = jnp.any(acc.tokens[:, :, None] == s.stop_ids[:, None, :], -1) & (idx < acc.n_tokens[:, None])
+    first_stop = jnp.where(jnp.any(is_stop, 1), jnp.argmax(is_stop, 1) + 1, N)
+    n_emit = jnp.minimum(jnp.minimum(acc.n_tokens, s.max_new - s.n_out), first_stop)
+    n_emit = jnp.where(s.live, n_emit, 0)
+    emit = idx < n_emit[:, None]
+    cols = jnp.where(emit, s.n_out[:, None] + idx, s.out_tokens.shape[1])
+    order = jnp.where(idx < acc.n_tokens[:, None], jnp.maximum(acc.path, 0), idx)
+    path_hidden = jnp.take_along_axis(hidden, order[:, :, None], 1)  # [B, N, H]
+    hid = s.hidden
+    if hid is not None:
+        hslots = jnp.where(emit, L[:, None] + idx, hid.shape[1])
+        hid = hid.at[rows[:, None], hslots].set(path_hidden.astype(hid.dtype), mode="drop")
+    n_out = s.n_out + n_emit
+    finished = (n_emit < acc.n_tokens) | jnp.any(is_stop & emit, 1) | (n_out >= s.max_new)
+    bonus = jnp.take_along_axis(acc.tokens, jnp.maximum(n_emit - 1, 0)[:, None], 1)[:, 0]
+    new_slots = s.replace(
+        cache=_move_path(cache, L, order),
+        hidden=hid,
+        token=jnp.where(s.live, bonus, s.token),
+        length=L + n_emit,
+        n_out=n_out,
+        live=s.live & ~finished,
+        out_tokens=s.out_tokens.at[rows[:, None], cols].set(acc.tokens, mode="drop"),
+        out_logprobs=s.out_logprobs.at[rows[:, None], cols].set(acc.logprobs, mode="drop"),
+        history=s.history.at[rows[:, None], jnp.where(emit, L[:, None] + 1 + idx, s.history.shape[1])].set(
+            acc.tokens, mode="drop"
+        ),
+    )
+    P = strategy.pending
+    new_ds = ds.replace(
+        cache=dcache,
+        pending_tok=jnp.pad(jnp.maximum(acc.tokens, 0), ((0, 0), (0, max(0, P - N))))[:, :P],
+        pending_h=jnp.pad(path_hidden, ((0, 0), (0, max(0, P - N)), (0, 0)))[:, :P],
+        n_pending=jnp.where(s.live, n_emit, ds.n_pending),
+        sd_steps=ds.sd_steps + s.live,
+        sd_tokens=ds.sd_tokens + n_emit,
+    )
+    return new_slots, new_ds
+
+
+def drafter_prefill(policy, drafter, s: Slots, ds: DraftState, kv_len: int) -> DraftState:
+    """Rebuilds every row's drafter cache from the stored policy hidden states (no policy forward).
+
+    Entries t = 0 .. L-2 (h_t, x_{t+1}) are run; the last entry (h_{L-1}, x_L) is left pending so
+    the next speculative step starts from it.
+    """
+    B = s.batch
+    T = kv_len
+    tokens = s.history[:, 1 : T + 1]
+    hidden = s.hidden[:, :T]
+    positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+    _, _, cache = drafter(policy, tokens, hidden, positions, ds.cache, jnp.zeros(B, jnp.int32), kv_len=T)
+    last = jnp.maximum(s.length - 1, 0)
+    P = ds.pending_tok.shape[1]
+    return ds.replace(
+        cache=cache,
+        pending_tok=jnp.zeros((B, P), jnp.int32).at[:, 0].set(s.token),
+        pending_h=jnp.zeros_like(ds.pending_h).at[:, 0].set(
+            jnp.take_along_axis(s.hidden, last[:, None, None], 1)[:, 0].astype(ds.pending_h.dtype)
+        ),
+        n_pending=jnp.ones(B, jnp.int32),
+    )
+
+
+def sd_program(graphdef, state, dgraphdef, dstate, s: Slots, max_steps, strategy: Strategy, kv_len: int, mode: str):
+    """Speculative steps until a row finishes or max_steps (the host keeps rows inside kv_len)."""
+    policy = nnx.merge(graphdef, state)
+    drafter = nnx.merge(dgraphdef, dstate)
+    n_live = jnp.sum(s.live)
+
+    def cond(carry):
+        step, s = carry
+        return (step < max_steps) & (jnp.sum(s.live) == n_live) & (n_live > 0)
+
+    def body(carry):
+        step, s = carry
+        s, ds = sd_step(policy, drafter, s.replace(draft=None), s.draft, strategy, kv_len, mode)
+        return step + 1, s.replace(draft=ds)
+
+    return jax.lax.while_loop(cond, body, (jnp.int32(0), s))[1]
+
+
+def drafter_prefill_program(graphdef, state, dgraphdef, dstate, s: Slots, kv_len: int) -> Slots:
+    """drafter_prefill for the whole table: after admissions, or when speculation switches on."""
+    ds = drafter_prefill(nnx.merge(graphdef, state), nnx.merge(dgraphdef, dstate), s, s.draft, kv_len)
+    return s.replace(draft=ds)

@@ -1,0 +1,181 @@
+"""Speculative decoding: hand-checked draft trees, and outputs identical to plain decoding."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from test_rollout import CFG, TINY, prompts, tiny_model
+
+from fastrl_jax.config import SpecConfig
+from fastrl_jax.models.decoder import KVCache
+from fastrl_jax.models.drafter import Drafter
+from fastrl_jax.models.greedy import greedy_generate
+from fastrl_jax.rollout import speculative
+from fastrl_jax.rollout.engine import Request, RolloutEngine
+
+SD_CFG = dataclasses.replace(CFG, length_buckets=(48, 96))
+
+# Next-token probabilities of a fake drafter that only looks at the entry's token.
+TABLE = np.array(
+    [
+        [0.0, 0.5, 0.3, 0.1, 0.05, 0.05],
+        [0.1, 0.0, 0.18, 0.62, 0.05, 0.05],
+        [0.7, 0.1, 0.0, 0.1, 0.05, 0.05],
+        [0.2, 0.2, 0.2, 0.0, 0.3, 0.1],
+        [0.2] * 5 + [0.0],
+        [0.2] * 5 + [0.0],
+    ]
+)
+
+
+def table_drafter(policy, tokens, hidden, positions, cache, start, kv_len=None, mask=None):
+    with np.errstate(divide="ignore"):
+        logits = jnp.asarray(np.log(TABLE), jnp.float32)[tokens]
+    return logits, hidden, cache
+
+
+def test_draft_tree_golden_topk2_steps3():
+    """Worked by hand: cumulative probabilities of the ten candidates are
+    depth 1: t1 .5, t2 .3; depth 2: under t1: t3 .31, t2 .09; under t2: t0 .21, t1 .03;
+    depth 3 (frontier t1>t3 and t2>t0): t4 .093, t0 .062; t1 .105, t2 .063.
+    The best five are t1 (.5), t1>t3 (.31), t2 (.3), t2>t0 (.21), t2>t0>t1 (.105)."""
+    B, P, H = 1, 4, 8
+    ds = speculative.DraftState(
+        cache=KVCache(k=jnp.zeros((1, B, 1, 64, 4)), v=jnp.zeros((1, B, 1, 64, 4))),
+        pending_tok=jnp.zeros((B, P), jnp.int32),
+        pending_h=jnp.zeros((B, P, H)),
+        n_pending=jnp.ones(B, jnp.int32),
+        sd_steps=jnp.zeros(B, jnp.int32),
+        sd_tokens=jnp.zeros(B, jnp.int32),
+    )
+    strategy = speculative.Strategy(steps=3, topk=2, verify_tokens=6)
+    tree, _ = speculative.draft_tree(None, table_drafter, ds, jnp.array([0]), jnp.array([10]), strategy, 32)
+    assert tree.tokens.tolist() == [[0, 1, 2, 3, 0, 1]]
+    assert tree.parents.tolist() == [[-1, 0, 0, 1, 2, 4]]
+    assert tree.depth.tolist() == [[0, 1, 1, 2, 2, 3]]
+    assert tree.valid.all()
+    mask = speculative.ancestor_mask(tree.parents)[0]
+    assert mask[5].tolist() == [True, False, True, False, True, True]  # itself, t2>t0, t2, root
+
+
+def test_chain_is_topk_one():
+    strategy = speculative.Strategy(steps=3, topk=1, verify_tokens=4)
+    ds = speculative.DraftState(
+        cache=KVCache(k=jnp.zeros((1, 1, 1, 64, 4)), v=jnp.zeros((1, 1, 1, 64, 4))),
+        pending_tok=jnp.zeros((1, 4), jnp.int32), pending_h=jnp.zeros((1, 4, 8)),
+        n_pending=jnp.ones(1, jnp.int32), sd_steps=jnp.zeros(1, jnp.int32), sd_tokens=jnp.zeros(1, jnp.int32),
+    )
+    tree, _ = speculative.draft_tree(None, table_drafter, ds, jnp.array([0]), jnp.array([10]), strategy, 32)
+    assert tree.tokens.tolist() == [[0, 1, 3, 4]] and tree.parents.tolist() == [[-1, 0, 1, 2]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    return Drafter(TINY, nnx.Rngs(5))
+
+
+STRATEGIES = [(3, 1, 4), (3, 2, 6), (2, 3, 7)]
+
+
+@pytest.mark.parametrize("steps, topk, verify", STRATEGIES)
+def test_greedy_equals_plain_decoding(model, drafter, steps, topk, verify):
+    sd = SpecConfig(mode="on", steps=steps, topk=topk, verify_tokens=verify)
+    engine = RolloutEngine(model, SD_CFG, sd=sd, drafter=drafter, progress=False)
+    reqs = [Request(p, max_new_tokens=5 + 4 * i) for i, p in enumerate(prompts(7, seed=1))]
+    out = engine.generate(reqs)
+    assert engine.stats["resizes"] >= 1 and engine.stats["sd_steps"] > 0
+    for r, o in zip(reqs, out):
+        assert o.tokens == greedy_generate(model, r.prompt_ids, r.max_new_tokens)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_coupled_sampling_equals_plain_sampling(model, drafter, temperature):
+    reqs = [
+        Request(p, max_new_tokens=14, temperature=temperature, top_p=0.9, seed=i, stop_ids=(7,))
+        for i, p in enumerate(prompts(6, seed=2))
+    ]
+    plain = RolloutEngine(model, SD_CFG, progress=False).generate(reqs)
+    sd = SpecConfig(mode="on", steps=3, topk=2, verify_tokens=6)
+    spec = RolloutEngine(model, SD_CFG, sd=sd, drafter=drafter, progress=False).generate(reqs)
+    for a, b in zip(plain, spec):
+        assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-4, atol=1e-4)
+
+
+def oracle_draft_tree(policy, drafter, ds, root_token, root_pos, strategy, kv_len):
+    """A perfect drafter behind a decoy: node 1 is a wrong token, nodes 2.. the policy's greedy chain.
+
+    Accepting the chain moves its cache entries one slot down, which the real drafter rarely
+    exercises while untrained.
+    """
+    del drafter
+    B, n = root_token.shape[0], strategy.verify_tokens
+    cache, token, chain = ds.policy_cache, root_token, []
+    for d in range(n - 2):
+        pos = (root_pos + d)[:, None]
+        logits, _, cache = policy(token[:, None], pos, cache, root_pos + d, kv_len=kv_len)
+        token = jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
+        chain.append(token)
+    chain = jnp.stack(chain, 1)
+    decoy = (chain[:, :1] + 1) % policy.cfg.vocab_size
+    tree = speculative.Tree(
+        tokens=jnp.concatenate([root_token[:, None], decoy, chain], 1),
+        parents=jnp.broadcast_to(jnp.array([-1, 0, 0, *range(2, n - 1)], jnp.int32), (B, n)),
+        depth=jnp.broadcast_to(jnp.array([0, 1, *range(1, n - 1)], jnp.int32), (B, n)),
+        valid=jnp.ones((B, n), bool),
+    )
+    return tree, ds.cache
+
+
+def test_accepted_paths_move_the_cache(model, drafter, monkeypatch):
+    """With an oracle drafter nearly every draft is accepted, and outputs still equal plain decoding."""
+    real_step = speculative.sd_step
+
+    def step_with_oracle(policy, drafter_, s, ds, strategy, kv_len, mode):
+        monkeypatch.setattr(speculative, "draft_tree", lambda *a: oracle_draft_tree(*a))
+        return real_step(policy, drafter_, s, _WithPolicyCache(ds, s.cache), strategy, kv_len, mode)
+
+    monkeypatch.setattr(speculative, "sd_step", step_with_oracle)
+    sd = SpecConfig(mode="on", steps=4, topk=1, verify_tokens=5)
+    engine = RolloutEngine(model, SD_CFG, sd=sd, drafter=drafter, progress=False)
+    reqs = [Request(p, max_new_tokens=10 + 3 * i) for i, p in enumerate(prompts(5, seed=3))]
+    out = engine.generate(reqs)
+    for r, o in zip(reqs, out):
+        assert o.tokens == greedy_generate(model, r.prompt_ids, r.max_new_tokens)
+    assert engine.stats["acceptance_length"] > 3.0  # up to 4 per step: 3 chain drafts + bonus
+
+
+class _WithPolicyCache:
+    """DraftState plus the policy cache, so the oracle can run the policy."""
+
+    def __init__(self, ds, policy_cache):
+        self._ds, self.policy_cache = ds, policy_cache
+
+    def __getattr__(self, name):
+        return getattr(self._ds, name)
+
+    def replace(self, **kw):
+        return self._ds.replace(**kw)
+
+
+def test_sd_needs_a_drafter_and_room_for_the_tree(model, drafter):
+    with pytest.raises(ValueError, match="needs a drafter"):
+        RolloutEngine(model, SD_CFG, sd=SpecConfig(mode="on"), progress=False)
+    engine = RolloutEngine(model, SD_CFG, sd=SpecConfig(mode="on", steps=3, topk=2, verify_tokens=6),
+                           drafter=drafter, progress=False)
+    out = engine.generate([Request([1, 2], max_new_tokens=92)])[0]
+    assert out.finish_reason == "error" and "draft-tree slots" in out.error
+
+
+def test_jit_tree_shapes_are_static():
+    strategy = speculative.Strategy(steps=5, topk=4, verify_tokens=8)
+    assert strategy.num_candidates == 4 + 4 * 16 and strategy.scratch_slots == 16
+    with pytest.raises(ValueError):
+        speculative.Strategy(steps=1, topk=2, verify_tokens=5)
