@@ -62,14 +62,30 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from fastrl_jax.rollout.engine import Request, RolloutEngine
 
     # A one-off generation compiles only the programs it reaches.
-    cfg, model, model_cfg, tokenizer = _load(args, ["rollout.warm_up=false"])
+    spec = [f"sd.{key}={value}" for key, value in (
+        ("mode", args.sd), ("steps", args.spec_steps), ("topk", args.spec_topk),
+        ("verify_tokens", args.spec_verify_tokens), ("accept", args.spec_accept)) if value is not None]
+    cfg, model, model_cfg, tokenizer = _load(args, ["rollout.warm_up=false", *spec])
     prompts = _read_prompts(args, tokenizer)
     stop_ids = tuple(sorted(set(model_cfg.eos_token_ids) | ({tokenizer.eos_token_id} - {None})))
     requests = [
         Request(p, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed + i, stop_ids)
         for i, p in enumerate(prompts)
     ]
-    engine = RolloutEngine(model, cfg.rollout)
+    drafter = None
+    if cfg.sd.mode != "off":
+        from flax import nnx
+
+        from fastrl_jax.checkpoint import load_drafter
+        from fastrl_jax.models.decoder import DTYPES
+        from fastrl_jax.models.drafter import Drafter
+
+        if args.drafter:
+            drafter = load_drafter(args.drafter, model_cfg, DTYPES[cfg.model.dtype])
+        else:
+            print("[fastrl-jax] no --drafter: using a randomly initialised drafter (lossless, but slow)", file=sys.stderr)
+            drafter = Drafter(model_cfg, nnx.Rngs(cfg.seed), DTYPES[cfg.model.dtype])
+    engine = RolloutEngine(model, cfg.rollout, sd=cfg.sd, drafter=drafter)
     t0 = time.perf_counter()
     results = engine.generate(requests)
     seconds = time.perf_counter() - t0
@@ -90,6 +106,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
     tokens = sum(len(r.tokens) for r in results)
     print(f"[fastrl-jax] {len(rows)} completions, {tokens} tokens in {seconds:.1f}s "
           f"({tokens / seconds:.1f} tok/s, compilation included; {engine.pool.report()})", file=sys.stderr)
+    if "acceptance_length" in engine.stats:
+        print(f"[fastrl-jax] speculative: {engine.stats['sd_steps']} row-steps, acceptance length "
+              f"{engine.stats['acceptance_length']:.2f} tokens/step", file=sys.stderr)
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -113,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="0 is off")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=0, help="request i uses seed + i")
+    gen.add_argument("--sd", choices=["off", "on"], help="speculative decoding (overrides sd.mode)")
+    gen.add_argument("--drafter", help="drafter checkpoint directory; a random drafter when omitted")
+    gen.add_argument("--spec-steps", type=int, help="draft tree depth (sd.steps)")
+    gen.add_argument("--spec-topk", type=int, help="branching per step (sd.topk)")
+    gen.add_argument("--spec-verify-tokens", type=int, help="tree nodes verified, root included (sd.verify_tokens)")
+    gen.add_argument("--spec-accept", choices=["coupled", "rejection"], help="acceptance rule (sd.accept)")
     gen.set_defaults(func=cmd_generate)
     return parser
 
