@@ -62,7 +62,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from fastrl_jax.rollout.engine import Request, RolloutEngine
 
     # A one-off generation compiles only the programs it reaches.
-    spec = [f"sd.{key}={value}" for key, value in (
+    spec = [f"sd.{key}={value!r}" for key, value in (
         ("mode", args.sd), ("steps", args.spec_steps), ("topk", args.spec_topk),
         ("verify_tokens", args.spec_verify_tokens), ("accept", args.spec_accept)) if value is not None]
     cfg, model, model_cfg, tokenizer = _load(args, ["rollout.warm_up=false", *spec])

@@ -161,6 +161,8 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
         raise TypeError(f"config field {key}: unsupported type {hint}")
     wrong = ConfigError(f"{key} must be {_TYPE_NAMES[hint]}, got {value!r}")
     # bool is a subclass of int: `true` must not pass as 1.
+    if isinstance(value, bool) and hint is str:
+        raise ConfigError(f"{key} must be a string, got {value!r} (YAML reads on/off/yes/no as booleans: quote it, e.g. 'on')")
     if isinstance(value, bool) and hint is not bool:
         raise wrong
     if hint is float and isinstance(value, (int, str)):

@@ -152,3 +152,9 @@ def test_missing_and_broken_files(tmp_path):
     listed.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="must hold a mapping of sections"):
         load_config(listed)
+
+
+def test_yaml_booleans_for_strings_get_a_quoting_hint():
+    with pytest.raises(ConfigError, match="quote it"):
+        load_config(None, ["sd.mode=on"])
+    assert load_config(None, ["sd.mode='on'"]).sd.mode == "on"
