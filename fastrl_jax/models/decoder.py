@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from fastrl_jax.kernels.attention import masked_attention
 from fastrl_jax.models.config import ModelConfig, rope_inv_freq
 
 
@@ -190,29 +191,6 @@ def _write_rows(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array
     return jax.lax.fori_loop(0, cache.shape[1], write_row, cache)
 
 
-def _scores(q: jax.Array, k: jax.Array) -> jax.Array:
-    """q [B, KV, G, T, D] . k [B, KV, S, D] -> [B, KV, G, T, S] float32.
-
-    (batch, kv head) are flattened into one batch dimension: XLA CPU ran the two-batch-dimension
-    einsum about 4x slower.
-    """
-    B, KV, G, T, D = q.shape
-    S = k.shape[2]
-    s = jax.lax.dot_general(
-        q.reshape(B * KV, G * T, D), k.reshape(B * KV, S, D), (((2,), (2,)), ((0,), (0,))),
-        preferred_element_type=jnp.float32,
-    )
-    return s.reshape(B, KV, G, T, S)
-
-
-def _weighted(p: jax.Array, v: jax.Array) -> jax.Array:
-    """p [B, KV, G, T, S] . v [B, KV, S, D] -> [B, KV, G, T, D]."""
-    B, KV, G, T, S = p.shape
-    D = v.shape[-1]
-    out = jax.lax.dot_general(p.reshape(B * KV, G * T, S), v.reshape(B * KV, S, D), (((2,), (1,)), ((0,), (0,))))
-    return out.reshape(B, KV, G, T, D)
-
-
 def _layer(cfg: ModelConfig, p, x, k_cached, v_cached, cos, sin, start, mask, input_norm=True):
     """One decoder layer. k_cached/v_cached [B, KV, S, D] hold the prefix (slots < start)."""
     B, T, _ = x.shape
@@ -238,10 +216,7 @@ def _layer(cfg: ModelConfig, p, x, k_cached, v_cached, cos, sin, start, mask, in
     k_win = jnp.where(in_block, jnp.take_along_axis(k, idx, axis=2), k_cached)
     v_win = jnp.where(in_block, jnp.take_along_axis(v, idx, axis=2), v_cached)
     qg = q.reshape(B, T, cfg.num_kv_heads, G, cfg.head_dim) / np.sqrt(cfg.head_dim).astype(q.dtype)
-    qg = qg.transpose(0, 2, 3, 1, 4)  # [B, KV, G, T, D]
-    scores = jnp.where(mask[:, None, None], _scores(qg, k_win), -jnp.inf)
-    attn = _weighted(jax.nn.softmax(scores, axis=-1).astype(x.dtype), v_win)
-    attn = attn.transpose(0, 3, 1, 2, 4)  # [B, T, KV, G, D]
+    attn = masked_attention(qg, k_win, v_win, mask)  # [B, T, KV, G, D]; the backend suits the device
     x = x + jnp.einsum("btnd,ndh->bth", attn.reshape(B, T, cfg.num_heads, cfg.head_dim), p["wo"])
 
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)

@@ -1,0 +1,216 @@
+"""Masked (tree) attention: every CPU backend against a float64 numpy attention, and the dispatcher."""
+
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fastrl_jax.kernels import attention
+
+CPU_BACKENDS = ["reference", "pallas_interpret"]
+
+
+def naive_attention(q, k, v, mask):
+    """float64 numpy: q [B, T, KV, G, D], k/v [B, KV, S, D], mask [B, T, S] -> [B, T, KV, G, D]."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    s = np.einsum("btkgd,bksd->btkgs", q, k)
+    s = np.where(np.asarray(mask)[:, :, None, None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("btkgs,bksd->btkgd", p / p.sum(-1, keepdims=True), v)
+
+
+def random_parents(rng, T):
+    """Draft-tree parent array: node 0 is the root (-1), node i's parent is some node < i."""
+    return np.array([-1] + [int(rng.integers(0, i)) for i in range(1, T)])
+
+
+def ancestors_or_self(parents):
+    """[T, T] bool: anc[i, j] iff node j is node i or one of its ancestors."""
+    T = len(parents)
+    anc = np.eye(T, dtype=bool)
+    for i in range(1, T):  # parents[i] < i, so its row is already complete
+        anc[i] |= anc[parents[i]]
+    return anc
+
+
+def build_mask(starts, blocks, S):
+    """[B, T, S]: the cached prefix (slots < start[b]) plus block b [T, T] placed at slots start[b] + j."""
+    B, T = len(starts), blocks.shape[1]
+    mask = np.zeros((B, T, S), bool)
+    for b, start in enumerate(starts):
+        mask[b, :, :start] = True
+        mask[b, :, start : start + T] = blocks[b]
+    return mask
+
+
+def make_case(seed, B, T, KV, G, D, S, kind, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    starts = rng.integers(0, S - T + 1, size=B)
+    starts[0] = 0  # a row with no cached prefix: it sees only its own block
+    if kind == "causal":
+        blocks = np.broadcast_to(np.tril(np.ones((T, T), bool)), (B, T, T))
+    else:
+        blocks = np.stack([ancestors_or_self(random_parents(rng, T)) for _ in range(B)])
+    mask = build_mask(starts, blocks, S)
+    q = rng.standard_normal((B, T, KV, G, D)) / np.sqrt(D)
+    k = rng.standard_normal((B, KV, S, D))
+    v = rng.standard_normal((B, KV, S, D))
+    as_jax = lambda x: jnp.asarray(x, jnp.float32).astype(dtype)  # noqa: E731
+    return as_jax(q), as_jax(k), as_jax(v), jnp.asarray(mask)
+
+
+# (B, T, KV, G, D, S, mask kind). The interpret table's blocks are block_t=16, block_s=32, so
+# S=37/100/45/70 end in a ragged key block, T=20 spans two token blocks, S=6 is padded.
+CASES = [
+    (3, 1, 2, 1, 16, 37, "causal"),  # decode
+    (2, 1, 2, 3, 16, 64, "causal"),  # decode, grouped heads, S a multiple of block_s
+    (3, 8, 2, 3, 16, 100, "tree"),
+    (2, 16, 1, 1, 32, 45, "tree"),
+    (2, 16, 2, 3, 16, 40, "causal"),  # prefill-like chunk
+    (2, 20, 1, 2, 16, 70, "tree"),
+    (2, 4, 1, 3, 8, 6, "tree"),
+]
+
+
+def test_tree_mask_builder():
+    parents = np.array([-1, 0, 0, 1, 3, 2])
+    anc = ancestors_or_self(parents)
+    assert anc[4].tolist() == [True, True, False, True, True, False]
+    assert anc[5].tolist() == [True, False, True, False, False, True]
+    mask = build_mask([2], anc[None], 10)
+    assert mask[0, 4].tolist() == [True, True, True, True, False, True, True, False, False, False]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}T{}KV{}G{}D{}S{}-{}".format(*c))
+def test_matches_numpy(backend, case):
+    q, k, v, mask = make_case(sum(case[:6]), *case)
+    out = attention.masked_attention(q, k, v, mask, backend=backend)
+    assert attention.last_backend() == backend
+    assert out.shape == q.shape and out.dtype == q.dtype
+    np.testing.assert_allclose(np.asarray(out), naive_attention(q, k, v, mask), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_bfloat16(backend):
+    q, k, v, mask = make_case(7, 2, 8, 2, 3, 16, 100, "tree", dtype=jnp.bfloat16)
+    out = attention.masked_attention(q, k, v, mask, backend=backend)
+    assert out.dtype == jnp.bfloat16
+    # bf16 rounding of the probabilities and the output: ~3 significant digits.
+    np.testing.assert_allclose(np.asarray(out, np.float32), naive_attention(q, k, v, mask), atol=2e-2, rtol=2e-2)
+
+
+def test_backends_agree_under_jit():
+    q, k, v, mask = make_case(3, 2, 8, 2, 3, 16, 100, "tree")
+    outs = [jax.jit(lambda *a, b=b: attention.masked_attention(*a, backend=b))(q, k, v, mask) for b in CPU_BACKENDS]
+    np.testing.assert_allclose(np.asarray(outs[0]), np.asarray(outs[1]), atol=1e-5, rtol=1e-5)
+
+
+# (lowering platform, dtype, T, G, S, D): decode, tree verify with a ragged last key block,
+# a prefill chunk spanning several token blocks, and a window shorter than one key block.
+LOWERINGS = [
+    ("cuda", jnp.bfloat16, 1, 1, 1024, 128),
+    ("cuda", jnp.float32, 16, 3, 1000, 64),
+    ("cuda", jnp.bfloat16, 256, 3, 512, 64),
+    ("tpu", jnp.bfloat16, 16, 3, 1024, 128),
+    ("tpu", jnp.float32, 48, 3, 700, 64),
+    ("tpu", jnp.bfloat16, 4, 2, 6, 128),
+]
+
+
+@pytest.mark.parametrize("lowering", LOWERINGS, ids=lambda c: "{}-{}-T{}G{}S{}D{}".format(c[0], c[1].__name__, *c[2:]))
+def test_pallas_kernel_lowers_for_gpu_and_tpu(lowering):
+    """Pallas's Triton and Mosaic lowerings accept the kernel (cross-lowered from this CPU).
+
+    This checks the op set and static shapes up to each backend's own IR; compiling that IR
+    (PTX, TPU binary) happens only on the device, where the dispatcher's compile check falls
+    back to the reference if it fails.
+    """
+    target, dtype, T, G, S, D = lowering
+    args = [
+        jax.ShapeDtypeStruct(shape, dt)
+        for shape, dt in [((2, T, 2, G, D), dtype), ((2, 2, S, D), dtype), ((2, 2, S, D), dtype), ((2, T, S), bool)]
+    ]
+    fn = lambda *a: attention.masked_attention_pallas(*a, platform={"cuda": "gpu", "tpu": "tpu"}[target])  # noqa: E731
+    hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=(target,)).as_text()
+    expected = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}[target]
+    assert f"custom_call @{expected}" in hlo
+
+
+def test_cpu_dispatch_picks_reference():
+    assert attention.available_backends() == CPU_BACKENDS
+    q, k, v, mask = make_case(0, 1, 1, 1, 1, 16, 8, "causal")
+    attention.masked_attention(q, k, v, mask)
+    assert attention.last_backend() == "reference"
+
+
+@pytest.fixture
+def fresh_log(monkeypatch, caplog):
+    monkeypatch.setattr(attention, "_logged_fallbacks", set())
+    caplog.set_level(logging.WARNING, logger=attention.__name__)
+    return caplog
+
+
+def test_triton_on_cpu_falls_back_with_one_warning(fresh_log):
+    q, k, v, mask = make_case(1, 2, 8, 2, 3, 16, 40, "tree")
+    out = attention.masked_attention(q, k, v, mask, backend="triton")
+    assert attention.last_backend() == "reference"
+    np.testing.assert_allclose(np.asarray(out), naive_attention(q, k, v, mask), atol=1e-5, rtol=1e-5)
+    messages = [r.getMessage() for r in fresh_log.records]
+    assert any("'triton'" in m and "GPU" in m for m in messages), messages
+    assert any("'pallas'" in m for m in messages), messages  # triton -> pallas -> reference
+    fresh_log.clear()
+    attention.masked_attention(q, k, v, mask, backend="triton")
+    assert fresh_log.records == []  # logged once, not per call
+
+
+def test_kernel_that_fails_to_compile_falls_back(fresh_log, monkeypatch):
+    # With a "cpu" table entry the non-interpreted Pallas kernel traces on CPU but cannot lower:
+    # the stand-in for a Triton / Mosaic lowering failure on a real accelerator.
+    monkeypatch.setitem(attention.BLOCK_TABLE, "cpu", attention.BLOCK_TABLE["interpret"])
+    monkeypatch.setattr(attention, "_compile_failures", {})
+    q, k, v, mask = make_case(2, 1, 4, 1, 1, 16, 24, "tree")
+    out = jax.jit(lambda *a: attention.masked_attention(*a, backend="pallas"))(q, k, v, mask)
+    assert attention.last_backend() == "reference"
+    np.testing.assert_allclose(np.asarray(out), naive_attention(q, k, v, mask), atol=1e-5, rtol=1e-5)
+    assert any("does not compile" in r.getMessage() for r in fresh_log.records)
+
+
+def test_shape_and_argument_errors():
+    q, k, v, mask = make_case(0, 2, 4, 2, 3, 16, 24, "tree")
+    with pytest.raises(ValueError, match=r"mask is not \[B, T, S\].*mask \(2, 4, 23\)"):
+        attention.masked_attention(q, k, v, mask[:, :, :23])
+    with pytest.raises(ValueError, match="mask must be bool"):
+        attention.masked_attention(q, k, v, mask.astype(jnp.int32), backend="pallas_interpret")
+    with pytest.raises(ValueError, match="kv-head"):
+        attention.masked_attention(q, k[:, :1], v[:, :1], mask)
+    with pytest.raises(ValueError, match="unknown attention backend 'cuda'"):
+        attention.masked_attention(q, k, v, mask, backend="cuda")
+
+
+def test_triton_kernel_in_triton_interpreter(monkeypatch):
+    """The Triton kernel's arithmetic on CPU; skipped unless triton (and torch) are installed."""
+    import sys
+
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton was imported before TRITON_INTERPRET could be set")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # read when @triton.jit runs, i.e. at module import
+    pytest.importorskip("triton")
+    torch = pytest.importorskip("torch")  # the interpreter runs on torch CPU tensors
+    from fastrl_jax.kernels import attention_triton
+
+    # float16 stands in for bfloat16 on the non-float32 path: the interpreter's bf16 tl.dot is
+    # wrong (triton 3.9: a bare bf16 dot there is off by ~1e10), while fp16 follows the same code.
+    cases = [((3, 1, 2, 3, 16, 37, "causal"), np.float32, 1e-5), ((2, 16, 2, 3, 32, 100, "tree"), np.float32, 1e-5),
+             ((2, 8, 2, 3, 16, 100, "tree"), np.float16, 5e-3)]
+    for seed, (case, dtype, tol) in enumerate(cases):
+        q, k, v, mask = (np.array(x) for x in make_case(seed, *case, dtype=dtype))
+        params = attention_triton.launch_params(q.shape, k.shape)
+        grid = params.pop("grid")
+        out = torch.zeros(q.shape, dtype=torch.from_numpy(q).dtype)
+        args = [torch.from_numpy(x) for x in (q, k, v, mask.astype(np.int8))]
+        attention_triton.masked_attention_kernel[grid](*args, out, F32=dtype == np.float32, **params)
+        np.testing.assert_allclose(out.float().numpy(), naive_attention(q, k, v, mask), atol=tol, rtol=tol)
