@@ -24,6 +24,7 @@ Shapes (all backends):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -330,7 +331,29 @@ def _check_shapes(q, k, v, mask) -> None:
         fail("q, k and v dtypes differ")
 
 
+_auto_override: str | None = None
+
+
+@contextlib.contextmanager
+def auto_backend(name: str):
+    """Within the block (at trace time), backend 'auto' means `name`.
+
+    The RL trainer differentiates through attention, and the fused kernels define no VJP, so it
+    traces its training forward under auto_backend("reference").
+    """
+    global _auto_override
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; expected one of {', '.join(BACKENDS)}")
+    previous, _auto_override = _auto_override, name
+    try:
+        yield
+    finally:
+        _auto_override = previous
+
+
 def _auto_backend() -> str:
+    if _auto_override is not None:
+        return _auto_override
     platform = jax.default_backend()
     if platform == "gpu":
         return "triton" if _triton_importable() else "pallas"

@@ -1,17 +1,29 @@
-"""Rollout throughput: fastrl-jax's engine vs HF transformers `generate`, side by side in one run.
+"""Rollout benchmarks on SmolLM2-135M float32, side by side in one run. Prints a table, writes JSON.
 
-SmolLM2-135M float32, the same chat prompts, greedy, a fixed number of new tokens (no early
-stop, so both do the same work), batch sizes 1, 16, 64. Prints a table and writes JSON.
+--workload throughput (default): fastrl-jax's engine vs HF transformers `generate`: the same chat
+prompts, greedy, a fixed number of new tokens (no early stop, so both do the same work), batch
+sizes 1, 16, 64.
 
     python scripts/bench_rollout.py --out bench_rollout.json
+
+--workload longtail: a realistic RL rollout, 16 math word problems x 4 samples at temperature 0.7,
+up to 512 new tokens, run as plain decoding (with compaction), always-on speculative decoding (each
+strategy given; the best is the comparison) and adaptive SD (the config's sd section), with the same
+seeds, so all produce the same tokens (checked). Reports wall time, tokens/s, speedups, the share of
+plain time spent at live batch <= the SD threshold and adaptive's speedup inside it, and writes a PNG
+timeline (live batch, tokens/s, SD on/off and strategy over time).
+
+    python scripts/bench_rollout.py --workload longtail --drafter DRAFTER_DIR --out longtail.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -100,26 +112,233 @@ def bench_hf(gguf_path, prompt_ids, batch_sizes, new_tokens, repeats, pad_id):
     return out
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument("--out", default="bench_rollout.json")
-    args = parser.parse_args(argv)
-
+def load_smollm2():
     import jax
 
     from fastrl_jax.models.hub import smollm2_gguf_path
     from fastrl_jax.models.loading import load_model
-    from fastrl_jax.models.tokenizer import chat_prompt_ids, load_tokenizer
+    from fastrl_jax.models.tokenizer import load_tokenizer
 
     path = smollm2_gguf_path()
     mesh = jax.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"), devices=jax.devices()[:1],
                          axis_types=(jax.sharding.AxisType.Auto,) * 3)
     model, model_cfg = load_model(path, mesh, "float32")
-    tokenizer = load_tokenizer(path)
+    return path, model, model_cfg, load_tokenizer(path)
+
+
+# ---- long-tail workload -----------------------------------------------------------------------
+
+LONGTAIL_SEED = 2026  # problem stream of fastrl_jax.data.math_problems; not the training streams' seeds
+INSTRUCTION = "Explain step by step, then put the final answer after 'The answer is'."
+
+
+def longtail_requests(tokenizer, model_cfg, args):
+    from fastrl_jax.data.math_problems import problems
+    from fastrl_jax.models.tokenizer import chat_prompt_ids
+    from fastrl_jax.rollout.engine import Request
+
+    stop_ids = tuple(sorted(set(model_cfg.eos_token_ids) | ({tokenizer.eos_token_id} - {None})))
+    word_problems = problems(LONGTAIL_SEED, args.problems, levels=(4, 5))
+    return [
+        Request(chat_prompt_ids(tokenizer, f"{p.question} {INSTRUCTION}"), args.max_new_tokens, args.temperature,
+                seed=args.seed + 100 * i + j, stop_ids=stop_ids)
+        for i, p in enumerate(word_problems)
+        for j in range(args.samples)
+    ]
+
+
+def longtail_rollout_config(cfg, requests, margin: int):
+    """Batch buckets down to 1 for compaction; two length buckets sized for this workload."""
+    longest = max(len(r.prompt_ids) for r in requests)
+    prompt = -(-longest // 32) * 32
+    full = -(-(prompt + max(r.max_new_tokens for r in requests) + margin) // 32) * 32
+    return dataclasses.replace(
+        cfg.rollout, batch_buckets=(1, 2, 4, 8, 16, 32, 64), prompt_buckets=(prompt,),
+        length_buckets=(prompt + (full - prompt) // 2, full), warm_up=False,
+    )
+
+
+def time_at_or_below(timeline, live_batch: int) -> float:
+    """Seconds of a rollout spent in program calls that started at live batch <= live_batch."""
+    t_prev, total = 0.0, 0.0
+    for t, live, *_ in timeline:
+        total += (t - t_prev) * (live <= live_batch)
+        t_prev = t
+    return total
+
+
+def run_longtail(name, model, drafter, rollout_cfg, sd, requests):
+    from fastrl_jax.rollout.engine import RolloutEngine, bucket_for
+
+    engine = RolloutEngine(model, rollout_cfg, sd=sd, drafter=drafter if sd.mode != "off" else None, progress=False)
+    # Every program the rollout can reach, compiled before the clock starts: all requests fit in
+    # the first table, which only shrinks.
+    buckets = rollout_cfg.batch_buckets
+    first = bucket_for(min(len(requests), buckets[-1]), buckets)
+    keys = [k for k in engine.warm_up_keys() if k[1] <= first and (k[0] != "prefill" or k[1] == first)]
+    t0 = time.perf_counter()
+    engine.pool.warm_up(keys, progress=False)
+    compile_s = time.perf_counter() - t0
+    print(f"[{name}] {engine.pool_report()}; {compile_s:.0f}s", file=sys.stderr)
+    out = engine.generate(requests)
+    s = engine.stats
+    print(f"[{name}] {s['tokens']:.0f} tokens in {s['seconds']:.1f}s", file=sys.stderr)
+    return {
+        "name": name, "sd": dataclasses.asdict(sd), "seconds": s["seconds"], "tokens": int(s["tokens"]),
+        "tok_s": s["tokens"] / s["seconds"], "start_seconds": compile_s, "programs": engine.pool_report(),
+        "stats": s, "timeline": engine.timeline, "outputs": [o.tokens for o in out],
+    }
+
+
+def plot_timelines(runs, threshold: int, path: str) -> bool:
+    try:
+        import matplotlib
+    except ImportError:
+        print("no matplotlib: no timeline plot (pip install 'fastrl-jax[plot]')", file=sys.stderr)
+        return False
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_b, ax_t, ax_s) = plt.subplots(3, 1, figsize=(11, 8), sharex=True,
+                                          gridspec_kw={"height_ratios": [3, 3, 1.4]})
+    for run in runs:
+        t = np.array([0.0] + [e[0] for e in run["timeline"]])
+        live = [e[1] for e in run["timeline"]]
+        rate = [e[2] / max(t1 - t0, 1e-9) for e, t0, t1 in zip(run["timeline"], t[:-1], t[1:])]
+        ax_b.step(t[:-1], live, where="post", label=f"{run['name']} ({run['seconds']:.0f}s)")
+        ax_t.step(t[:-1], rate, where="post", label=run["name"], alpha=0.8)
+    ax_b.axhline(threshold, color="gray", ls=":", lw=1)
+    ax_b.set_ylabel("live batch")
+    ax_b.set_yscale("log", base=2)
+    ax_b.legend()
+    ax_t.set_ylabel("tokens/s")
+    adaptive = runs[-1]
+    labels = sorted({e[4] for e in adaptive["timeline"] if e[3]})
+    colors = dict(zip(labels, plt.cm.tab10.colors))
+    t_prev = 0.0
+    for t, _, _, on, label in adaptive["timeline"]:
+        ax_s.axvspan(t_prev, t, color=colors[label] if on else "lightgray", lw=0)
+        t_prev = t
+    handles = [plt.Rectangle((0, 0), 1, 1, color="lightgray")] + [plt.Rectangle((0, 0), 1, 1, color=colors[k]) for k in labels]
+    ax_s.legend(handles, ["plain"] + [f"SD {k}" for k in labels], ncol=len(handles), loc="upper left", fontsize=8)
+    ax_s.set_yticks([])
+    ax_s.set_ylabel(adaptive["name"])
+    ax_s.set_xlabel("seconds")
+    fig.suptitle("Long-tail rollout: 16 math problems x 4 samples, T=0.7, SmolLM2-135M on CPU")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def bench_longtail(args) -> int:
+    from flax import nnx
+
+    from fastrl_jax.checkpoint import load_drafter
+    from fastrl_jax.config import SpecConfig, load_config
+    from fastrl_jax.models.drafter import Drafter
+    from fastrl_jax.rollout.engine import acceptance_by_strategy
+
+    cfg = load_config(args.config, args.set)
+    path, model, model_cfg, tokenizer = load_smollm2()
+    if args.drafter:
+        drafter, drafter_name = load_drafter(args.drafter, model_cfg), args.drafter
+    else:
+        print("no --drafter: a RANDOM drafter (acceptance ~1 token/step; SD cannot pay)", file=sys.stderr)
+        drafter, drafter_name = Drafter(model_cfg, nnx.Rngs(0)), "random"
+    requests = longtail_requests(tokenizer, model_cfg, args)
+    adaptive_sd = dataclasses.replace(cfg.sd, mode="adaptive")
+    on_strategies = [tuple(s) for s in args.on_strategies] if args.on_strategies else adaptive_sd.strategy_list()
+    margin = max(s[2] for s in [*adaptive_sd.strategy_list(), *on_strategies]) - 1
+    rollout_cfg = longtail_rollout_config(cfg, requests, margin)
+    print(f"{len(requests)} requests, T={args.temperature}, max {args.max_new_tokens} new tokens; "
+          f"batch buckets {rollout_cfg.batch_buckets}, length buckets {rollout_cfg.length_buckets}; "
+          f"drafter {drafter_name}", file=sys.stderr)
+
+    plain = run_longtail("plain", model, drafter, rollout_cfg, SpecConfig(), requests)
+    on_runs = [
+        run_longtail(f"on {s[0]}/{s[1]}/{s[2]}", model, drafter, rollout_cfg,
+                     SpecConfig(mode="on", steps=s[0], topk=s[1], verify_tokens=s[2], accept=cfg.sd.accept), requests)
+        for s in on_strategies
+    ]
+    best_on = min(on_runs, key=lambda r: r["seconds"])
+    adaptive = run_longtail("adaptive", model, drafter, rollout_cfg, adaptive_sd, requests)
+
+    k = adaptive_sd.threshold_live_batch
+    plain_tail = time_at_or_below(plain["timeline"], k)
+    for run in [plain, *on_runs, adaptive]:
+        run["speedup"] = plain["seconds"] / run["seconds"]
+        run["identical_to_plain"] = sum(a == b for a, b in zip(run["outputs"], plain["outputs"]))
+        run[f"seconds_at_live_batch_le_{k}"] = time_at_or_below(run["timeline"], k)
+        run[f"speedup_at_live_batch_le_{k}"] = plain_tail / run[f"seconds_at_live_batch_le_{k}"]
+    lengths = np.array([len(o) for o in plain["outputs"]])
+    summary = {
+        "workload": f"{args.problems} math word problems x {args.samples} samples, T={args.temperature}, "
+                    f"max {args.max_new_tokens} new tokens",
+        "drafter": drafter_name, "backend": __import__("jax").default_backend(),
+        "response_tokens": {"p50": float(np.percentile(lengths, 50)), "p90": float(np.percentile(lengths, 90)),
+                            "max": int(lengths.max()), "at_limit": int((lengths >= args.max_new_tokens).sum())},
+        "threshold_live_batch": k, f"plain_share_at_live_batch_le_{k}": plain_tail / plain["seconds"],
+        "best_on": best_on["name"], "adaptive_vs_plain": adaptive["speedup"],
+        "adaptive_vs_best_on": best_on["seconds"] / adaptive["seconds"],
+        f"adaptive_speedup_at_live_batch_le_{k}": adaptive[f"speedup_at_live_batch_le_{k}"],
+        "rollout": dataclasses.asdict(rollout_cfg), "sd": dataclasses.asdict(adaptive_sd),
+    }
+    print(f"\n{summary['workload']}; drafter {drafter_name}; response tokens p50 {summary['response_tokens']['p50']:.0f}"
+          f" p90 {summary['response_tokens']['p90']:.0f} max {summary['response_tokens']['max']}")
+    print(f"{'run':>14} {'seconds':>8} {'tok/s':>7} {'speedup':>8} {'s@<=' + str(k):>7} {'x@<=' + str(k):>7}"
+          f" {'accept':>7} {'identical':>10}")
+    for run in [plain, *on_runs, adaptive]:
+        acc = run["stats"].get("acceptance_length", float("nan"))
+        print(f"{run['name']:>14} {run['seconds']:>8.1f} {run['tok_s']:>7.1f} {run['speedup']:>7.2f}x "
+              f"{run[f'seconds_at_live_batch_le_{k}']:>7.1f} {run[f'speedup_at_live_batch_le_{k}']:>6.2f}x {acc:>7.2f} "
+              f"{run['identical_to_plain']:>4}/{len(requests)}")
+    print(f"plain spends {summary[f'plain_share_at_live_batch_le_{k}']:.0%} of its time at live batch <= {k}; "
+          f"adaptive is {summary['adaptive_vs_plain']:.2f}x plain ({summary[f'adaptive_speedup_at_live_batch_le_{k}']:.2f}x "
+          f"inside that share) and {summary['adaptive_vs_best_on']:.2f}x the best always-on ({best_on['name']})")
+    s = adaptive["stats"]
+    per_strategy = acceptance_by_strategy(s)
+    print("adaptive: steps plain {:.0f}, SD {:.0f}; acceptance by strategy {}; seconds {}".format(
+        s.get("steps_plain", 0), s.get("steps_sd", 0), {k2: round(v, 2) for k2, v in per_strategy.items()},
+        {k2[len("seconds_"):]: round(v, 1) for k2, v in s.items() if k2.startswith("seconds_") and "[" not in k2}))
+    plot = args.plot or str(Path(args.out).with_suffix(".png"))
+    if plot_timelines([plain, best_on, adaptive], k, plot):
+        print(f"timeline plot: {plot}")
+    with open(args.out, "w") as f:
+        json.dump({"summary": summary, "runs": [{k2: v for k2, v in r.items() if k2 != "outputs"}
+                                                for r in [plain, *on_runs, adaptive]]}, f, indent=1)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", choices=["throughput", "longtail"], default="throughput")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--out", default="bench_rollout.json")
+    longtail = parser.add_argument_group("longtail")
+    longtail.add_argument("--config", default="configs/smollm2_cpu.yaml", help="its sd section drives adaptive")
+    longtail.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides, e.g. sd.threshold_live_batch=4")
+    longtail.add_argument("--drafter", help="drafter checkpoint directory (save_drafter); a random drafter when omitted")
+    longtail.add_argument("--on-strategies", type=int, nargs=3, action="append", metavar=("STEPS", "TOPK", "VERIFY"),
+                          help="always-on strategies to run (repeatable); default: the config's sd strategies")
+    longtail.add_argument("--problems", type=int, default=16)
+    longtail.add_argument("--samples", type=int, default=4)
+    longtail.add_argument("--temperature", type=float, default=0.7)
+    longtail.add_argument("--max-new-tokens", type=int, default=512)
+    longtail.add_argument("--seed", type=int, default=0)
+    longtail.add_argument("--plot", help="timeline PNG (default: --out with .png)")
+    args = parser.parse_args(argv)
+    if args.workload == "longtail":
+        return bench_longtail(args)
+
+    import jax
+
+    from fastrl_jax.models.tokenizer import chat_prompt_ids
+
+    path, model, model_cfg, tokenizer = load_smollm2()
     prompt_ids = [chat_prompt_ids(tokenizer, q) for q in make_prompts(64)]
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(__import__("flax").nnx.state(model)))
     bandwidth = copy_bandwidth_gbs()

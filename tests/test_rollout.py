@@ -54,7 +54,7 @@ def test_greedy_matches_plain_decode_with_compaction(engine, model):
     ps = prompts(13, seed=1)
     reqs = [Request(p, max_new_tokens=5 + 3 * i) for i, p in enumerate(ps)]
     out = engine.generate(reqs)
-    assert engine.stats["resizes"] >= 1  # 13 requests of different lengths shrink 16 -> 4 -> 1
+    assert engine.stats["resize_calls"] >= 1  # 13 requests of different lengths shrink 16 -> 4 -> 1
     for r, o in zip(reqs, out):
         assert o.tokens == greedy_generate(model, r.prompt_ids, r.max_new_tokens)
         assert o.finish_reason == "length" and len(o.logprobs) == len(o.tokens)

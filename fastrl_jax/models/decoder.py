@@ -125,11 +125,12 @@ class Decoder(nnx.Module):
         return jnp.einsum("...h,hv->...v", x, self.head_weight(), preferred_element_type=jnp.float32)
 
 
-def run_layers(cfg: ModelConfig, layers: Layers, x, positions, cache: KVCache, start, mask, input_norm=True):
+def run_layers(cfg: ModelConfig, layers: Layers, x, positions, cache: KVCache, start, mask, input_norm=True, remat=False):
     """Scanned decoder layers over x [B, T, H]; new keys/values go to cache slots [start, start + T).
 
     mask [B, T, kv_len] gives the cache window attention reads. input_norm=False skips the first
-    layer's input RMSNorm (the EAGLE drafter's layer has none).
+    layer's input RMSNorm (the EAGLE drafter's layer has none). remat=True recomputes each layer's
+    activations in the backward pass instead of keeping them (training memory).
     """
     kv_len = mask.shape[-1]
     inv_freq, rope_scale = rope_inv_freq(cfg)
@@ -140,6 +141,9 @@ def run_layers(cfg: ModelConfig, layers: Layers, x, positions, cache: KVCache, s
     def layer(x, inputs):
         p, k_cached, v_cached = inputs
         return _layer(cfg, p, x, k_cached[:, :, :kv_len], v_cached[:, :, :kv_len], cos, sin, start, mask, input_norm)
+
+    if remat:
+        layer = jax.checkpoint(layer)
 
     # The cache is only read inside the scan; the new keys/values come out as small [L, B, KV, T, D]
     # outputs and are written once afterwards, in place (the caller donates the cache). Carrying

@@ -2,7 +2,10 @@
 
 The host loop between program calls decides what runs next: admit queued requests into free rows
 (prefill), harvest finished rows, compact the live rows into the smallest batch bucket that holds
-them, then decode several steps on device until a row finishes.
+them, then run several steps on device until a row finishes: plain decoding, or speculative steps
+with a draft-tree strategy (sd.mode 'on' always; 'adaptive' as the controller decides from the
+live batch). Speculation starting mid-generation first rebuilds the drafter's cache from the
+stored policy hidden states (the draft_prefill program), never re-running the policy.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import dataclasses
 import logging
 import sys
 import time
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Sequence
 
 import jax
@@ -26,6 +29,7 @@ from fastrl_jax.config import RolloutConfig, SpecConfig
 from fastrl_jax.models.decoder import Decoder
 from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.rollout import programs, speculative
+from fastrl_jax.rollout.controller import OnOff, StrategyChooser
 from fastrl_jax.rollout.pool import ProgramPool, enable_persistent_cache
 from fastrl_jax.rollout.sampling import SamplingParams
 
@@ -54,6 +58,16 @@ class Completion:
     hidden_states: np.ndarray | None = None
 
 
+def strategy_label(s: speculative.Strategy) -> str:
+    """'steps/topk/verify_tokens', the notation of stats keys and timelines."""
+    return f"{s.steps}/{s.topk}/{s.verify_tokens}"
+
+
+def acceptance_by_strategy(stats: dict[str, float]) -> dict[str, float]:
+    """Acceptance length (tokens per speculative row-step) of each strategy in an engine's stats."""
+    return {k[9:-1]: stats[f"sd_tokens[{k[9:-1]}]"] / v for k, v in stats.items() if k.startswith("sd_steps[") and v}
+
+
 def bucket_for(n: int, buckets: Sequence[int]) -> int:
     """Smallest bucket >= n (buckets sorted ascending)."""
     i = bisect.bisect_left(buckets, n)
@@ -80,9 +94,15 @@ class RolloutEngine:
         self.graphdef, self.state = nnx.split(model)
         self.dtype = model.embed.get_value().dtype
         self.sd = sd
-        self.strategy = speculative.Strategy(sd.steps, sd.topk, sd.verify_tokens)
         if sd.mode != "off" and drafter is None:
-            raise ValueError("speculative decoding needs a drafter (sd.mode is on)")
+            raise ValueError(f"speculative decoding needs a drafter (sd.mode is {sd.mode})")
+        self.strategies = [speculative.Strategy(*s) for s in sd.strategy_list()] if sd.mode != "off" else []
+        self.onoff = OnOff(sd.threshold_live_batch, sd.patience_host_steps)
+        # The bandit outlives a rollout: what it learned carries over to the next RL step.
+        ranges = sd.live_batch_ranges() if sd.mode == "adaptive" else {}
+        self.chooser = StrategyChooser(
+            self.strategies, ranges, sd.bandit, sd.epsilon, sd.window_host_steps, sd.bandit_seed
+        ) if ranges else None
         self.drafter_graphdef, self.drafter_state = nnx.split(drafter) if drafter is not None else (None, None)
         # Speculation restarts the drafter from stored policy hidden states, so it keeps them.
         self.keep_hidden = keep_hidden or sd.mode != "off"
@@ -96,22 +116,51 @@ class RolloutEngine:
         if cfg.compile_cache_dir:
             enable_persistent_cache(cfg.compile_cache_dir)
         self.pool = ProgramPool(self._build)
-        self.stats: dict[str, float] = {}
+        self.stats: dict[str, float] = {}  # the last rollout's counters and seconds (summable across rollouts)
+        # The last rollout, one entry per program call: (seconds since start at its end, live batch,
+        # tokens it emitted, speculative, strategy label or "").
+        self.timeline: list[tuple[float, int, int, bool, str]] = []
         if cfg.warm_up:
             t0 = time.perf_counter()
             self.pool.warm_up(self.warm_up_keys(), progress)
-            log.info("%s, wall %.1fs", self.pool.report(), time.perf_counter() - t0)
+            report = self.pool_report()
+            log.info("%s; wall %.1fs", report, time.perf_counter() - t0)
+            if progress:
+                print(f"[rollout] {report}", file=sys.stderr)
 
     # ---- programs -------------------------------------------------------------------------
+    def strategy_buckets(self) -> dict[speculative.Strategy, list[int]]:
+        """The batch buckets each strategy can run at: all with sd.mode 'on', its group's range when adaptive."""
+        buckets = self.cfg.batch_buckets
+        if self.chooser is None:
+            return {s: list(buckets) for s in self.strategies}
+        out = {}
+        for s in self.strategies:
+            lo, hi = self.chooser.ranges[s.verify_tokens]
+            hi = min(hi, self.sd.threshold_live_batch, buckets[-1])  # SD never runs above the threshold
+            out[s] = [b for b in buckets if bucket_for(lo, buckets) <= b <= bucket_for(hi, buckets)] if lo <= hi else []
+        return out
+
     def warm_up_keys(self) -> list[tuple]:
         c = self.cfg
-        phase = "decode" if self.sd.mode == "off" else "sd"
-        keys = [(phase, b, n) for b in c.batch_buckets for n in c.length_buckets]
-        if self.sd.mode != "off":
-            keys += [("draft_prefill", b, n) for b in c.batch_buckets for n in c.length_buckets]
+        keys = []
+        if self.sd.mode != "on":
+            keys += [("decode", b, n) for b in c.batch_buckets for n in c.length_buckets]
+        sd_buckets = set()
+        for s, buckets in self.strategy_buckets().items():
+            keys += [("sd", b, n, s) for b in buckets for n in c.length_buckets]
+            sd_buckets.update(buckets)
+        keys += [("draft_prefill", b, n) for b in sorted(sd_buckets) for n in c.length_buckets]
         keys += [("prefill", b, b, t) for b in c.batch_buckets for t in c.prompt_buckets]
         keys += [("resize", b, s) for b in c.batch_buckets for s in c.batch_buckets if s < b]
         return keys
+
+    def pool_report(self) -> str:
+        """The compiled pool, and each strategy's share of it."""
+        parts = [self.pool.report()]
+        for s in self.strategies:
+            parts.append(f"strategy {strategy_label(s)}: {self.pool.report(lambda k, s=s: k[0] == 'sd' and k[3] == s)}")
+        return "; ".join(parts)
 
     def _empty(self, batch: int) -> programs.Slots:
         slots = programs.Slots.empty(
@@ -119,14 +168,17 @@ class RolloutEngine:
         )
         if self.sd.mode == "off":
             return slots
-        st, H = self.strategy, self.model_cfg.hidden_size
+        # One draft state serves every strategy: sized for the deepest tree and the most scratch.
+        pending = max(s.pending for s in self.strategies)
+        scratch = max(s.scratch_slots for s in self.strategies)
+        H = self.model_cfg.hidden_size
         zeros = lambda *shape, dtype=jnp.int32: jnp.zeros(shape, dtype)  # noqa: E731
         draft = speculative.DraftState(
             cache=nnx.merge(self.drafter_graphdef, self.drafter_state).empty_cache(
-                batch, self.max_len + st.scratch_slots, self.dtype
+                batch, self.max_len + scratch, self.dtype
             ),
-            pending_tok=zeros(batch, st.pending),
-            pending_h=zeros(batch, st.pending, H, dtype=jnp.float32),
+            pending_tok=zeros(batch, pending),
+            pending_h=zeros(batch, pending, H, dtype=jnp.float32),
             n_pending=zeros(batch),
             sd_steps=zeros(batch),
             sd_tokens=zeros(batch),
@@ -137,26 +189,29 @@ class RolloutEngine:
         phase, batch = key[0], key[1]
         slots = jax.eval_shape(lambda: self._empty(batch))
         slots = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self._replicated), slots)
+        # Outputs pinned to the row table's sharding: left free, XLA may shard e.g. hidden states like
+        # the weights (fsdp), and the next program, compiled for replicated inputs, would reject them.
+        out = self._replicated
         if phase == "decode":
-            fn = jax.jit(programs.decode, static_argnums=(0, 4), donate_argnums=(2,))
+            fn = jax.jit(programs.decode, static_argnums=(0, 4), donate_argnums=(2,), out_shardings=out)
             steps = jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated)
             return fn, (self.graphdef, self.state, slots, steps, key[2])
         if phase == "prefill":
             _, _, p, t = key
             adm = self._admission_shapes(p, t)
-            fn = jax.jit(programs.prefill, static_argnums=(0,), donate_argnums=(2,))
+            fn = jax.jit(programs.prefill, static_argnums=(0,), donate_argnums=(2,), out_shardings=out)
             return fn, (self.graphdef, self.state, slots, adm)
         if phase == "sd":
-            fn = jax.jit(speculative.sd_program, static_argnums=(0, 2, 6, 7, 8), donate_argnums=(4,))
+            fn = jax.jit(speculative.sd_program, static_argnums=(0, 2, 6, 7, 8), donate_argnums=(4,), out_shardings=out)
             steps = jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated)
             args = (self.graphdef, self.state, self.drafter_graphdef, self.drafter_state, slots, steps)
-            return fn, (*args, self.strategy, key[2], self.sd.accept)
+            return fn, (*args, key[3], key[2], self.sd.accept)
         if phase == "draft_prefill":
-            fn = jax.jit(speculative.drafter_prefill_program, static_argnums=(0, 2, 5), donate_argnums=(4,))
+            fn = jax.jit(speculative.drafter_prefill_program, static_argnums=(0, 2, 5), donate_argnums=(4,), out_shardings=out)
             return fn, (self.graphdef, self.state, self.drafter_graphdef, self.drafter_state, slots, key[2])
         if phase == "resize":
             index = jax.ShapeDtypeStruct((key[2],), jnp.int32, sharding=self._replicated)
-            return jax.jit(programs.resize), (slots, index)
+            return jax.jit(programs.resize, out_shardings=out), (slots, index)
         raise KeyError(key)
 
     def _admission_shapes(self, p: int, t: int):
@@ -196,7 +251,7 @@ class RolloutEngine:
         if r.max_new_tokens < 1:
             return f"max_new_tokens must be >= 1, got {r.max_new_tokens}"
         # A speculative step writes its whole draft tree after the last token.
-        margin = 0 if self.sd.mode == "off" else self.strategy.verify_tokens - 1
+        margin = max((s.verify_tokens - 1 for s in self.strategies), default=0)
         if n + r.max_new_tokens + margin > self.max_len:
             extra = f" + {margin} draft-tree slots" if margin else ""
             return (
@@ -245,6 +300,14 @@ class RolloutEngine:
         )
         return jax.device_put(adm, self._replicated), p, t
 
+    def _plan(self, live_batch: int) -> speculative.Strategy | None:
+        """The strategy of this host step's speculative steps, or None for plain decoding."""
+        if self.sd.mode == "on":
+            return self.strategies[0]
+        if self.sd.mode == "adaptive" and self.onoff.update(live_batch):
+            return self.chooser.choose(live_batch)
+        return None
+
     def generate(self, requests: Sequence[Request]) -> list[Completion]:
         """Completes every request; a request that cannot run gets finish_reason 'error', the rest still run."""
         results: list[Completion | None] = [None] * len(requests)
@@ -261,36 +324,27 @@ class RolloutEngine:
         batch = bucket_for(min(len(pending), c.batch_buckets[-1]), c.batch_buckets)
         slots = jax.device_put(self._empty(batch), self._replicated)
         row_req = [-1] * batch
-        counts = {"prefill_calls": 0, "decode_calls": 0, "resizes": 0, "tokens": 0, "sd_steps": 0, "sd_tokens": 0}
-        t_start = time.perf_counter()
+        stats = _Stats(self.pool)
+        self.onoff.reset()
+        draft_fresh = False  # whether the drafter cache holds every row's prefix
         bar = tqdm(total=len(pending), desc="rollout", unit="req", file=sys.stderr, disable=not self.progress)
         while True:
             free = [r for r in range(batch) if row_req[r] < 0]
             if pending and free:
                 take = [pending.popleft() for _ in range(min(len(pending), len(free)))]
                 adm, p, t = self._admission([requests[i] for i in take], free[: len(take)])
-                slots = self.pool.get(("prefill", batch, p, t))(self.state, slots, adm)
+                slots, _ = stats.run("prefill", self.pool.get(("prefill", batch, p, t)), self.state, slots, adm)
                 for row, i in zip(free, take):
                     row_req[row] = i
-                counts["prefill_calls"] += 1
-                if self.sd.mode != "off":
-                    longest = int(max(len(requests[row_req[r]].prompt_ids) for r in range(batch) if row_req[r] >= 0))
-                    live_len = int(jax.device_get(jnp.max(slots.length)))
-                    kv = bucket_for(max(longest, live_len) + 1, c.length_buckets)
-                    slots = self.pool.get(("draft_prefill", batch, kv))(
-                        self.state, self.drafter_state, slots
-                    )
+                draft_fresh = False
             live, length = jax.device_get((slots.live, slots.length))
+            before = _counters(slots)
             done = [r for r in range(batch) if row_req[r] >= 0 and not live[r]]
             if done:
                 for r, completion in zip(done, self._harvest(slots, done, requests, row_req)):
                     results[row_req[r]] = completion
-                    counts["tokens"] += len(completion.tokens)
+                    stats.add("tokens", len(completion.tokens))
                     row_req[r] = -1
-                if slots.draft is not None:
-                    steps, toks = jax.device_get((slots.draft.sd_steps[np.asarray(done)], slots.draft.sd_tokens[np.asarray(done)]))
-                    counts["sd_steps"] += int(steps.sum())
-                    counts["sd_tokens"] += int(toks.sum())
                 bar.update(len(done))
             live_rows = [r for r in range(batch) if row_req[r] >= 0]
             if not live_rows:
@@ -301,29 +355,50 @@ class RolloutEngine:
             if not pending and target < batch:
                 index = np.full(target, -1, np.int32)
                 index[: len(live_rows)] = live_rows
-                slots = self.pool.get(("resize", batch, target))(slots, jax.device_put(index, self._replicated))
+                slots, _ = stats.run("resize", self.pool.get(("resize", batch, target)), slots,
+                                     jax.device_put(index, self._replicated))
                 row_req = [row_req[r] for r in live_rows] + [-1] * (target - len(live_rows))
                 length = length[live_rows]
+                before = np.pad(before[:, live_rows], ((0, 0), (0, target - len(live_rows))))
                 batch = target
-                counts["resizes"] += 1
             longest = int(max(length[r] for r in range(batch) if row_req[r] >= 0))
-            if self.sd.mode == "off":
+            strategy = self._plan(len(live_rows))
+            if strategy is None:
                 kv_len = bucket_for(longest + 1, c.length_buckets)
                 steps = min(c.steps_per_call, kv_len - longest)
-                slots = self.pool.get(("decode", batch, kv_len))(self.state, slots, jnp.int32(steps))
+                key, args = ("decode", batch, kv_len), (self.state, slots, jnp.int32(steps))
+                draft_fresh = False  # plain steps leave the drafter behind
             else:
-                n, depth = self.strategy.verify_tokens, self.strategy.steps
+                if not draft_fresh:
+                    kv = bucket_for(longest + 1, c.length_buckets)
+                    slots, _ = stats.run("draft_prefill", self.pool.get(("draft_prefill", batch, kv)),
+                                         self.state, self.drafter_state, slots)
+                    draft_fresh = True
+                n, depth = strategy.verify_tokens, strategy.steps
                 kv_len = bucket_for(min(longest + n, self.max_len), c.length_buckets)
                 steps = min(c.steps_per_call, (kv_len - longest - n) // (depth + 1) + 1)
-                slots = self.pool.get(("sd", batch, kv_len))(
-                    self.state, self.drafter_state, slots, jnp.int32(steps)
-                )
-            counts["decode_calls"] += 1
+                key = ("sd", batch, kv_len, strategy)
+                args = (self.state, self.drafter_state, slots, jnp.int32(steps))
+            program = self.pool.get(key)  # compiles outside the timed call when not warmed up
+            slots, seconds = stats.run(key[0], program, *args)
+            diff = _counters(slots) - before  # [2, B] tokens and speculative steps per row
+            tokens, row_steps = (int(x) for x in diff.sum(1))
+            if strategy is None:
+                stats.add("steps_plain", int(diff[0].max()))
+            else:
+                label = strategy_label(strategy)
+                stats.add("steps_sd", int(diff[1].max()))
+                for suffix in ("", f"[{label}]"):
+                    stats.add("sd_tokens" + suffix, tokens)
+                    stats.add("sd_steps" + suffix, row_steps)
+                stats.add(f"seconds_sd[{label}]", seconds)
+                if self.chooser is not None:
+                    self.chooser.record(strategy, tokens / seconds)  # accepted tokens x live rows / second
+            stats.timeline.append(
+                (stats.elapsed(), len(live_rows), tokens, strategy is not None, strategy_label(strategy) if strategy else "")
+            )
         bar.close()
-        counts["seconds"] = time.perf_counter() - t_start
-        if counts["sd_steps"]:
-            counts["acceptance_length"] = counts["sd_tokens"] / counts["sd_steps"]
-        self.stats = counts
+        self.stats, self.timeline = stats.finish(), stats.timeline
         return results
 
     def _harvest(self, slots, rows: list[int], requests, row_req) -> list[Completion]:
@@ -340,4 +415,48 @@ class RolloutEngine:
             reason = "stop" if toks and toks[-1] in req.stop_ids else "length"
             h = hidden[j, : int(length[j])] if hidden is not None else None
             out.append(Completion(toks, logprobs[j, :n].tolist(), reason, hidden_states=h))
+        return out
+
+
+def _counters(slots: programs.Slots) -> np.ndarray:
+    """[2, B] int64: completion tokens and speculative steps so far of every row."""
+    if slots.draft is None:
+        n_out = jax.device_get(slots.n_out)
+        return np.stack([n_out, np.zeros_like(n_out)]).astype(np.int64)
+    return np.stack(jax.device_get((slots.n_out, slots.draft.sd_steps))).astype(np.int64)
+
+
+class _Stats:
+    """One rollout's counters, seconds per phase, and timeline."""
+
+    def __init__(self, pool: ProgramPool):
+        self.pool, self.compile_seconds = pool, pool.compile_seconds()
+        self.start = time.perf_counter()
+        self.values: dict[str, float] = defaultdict(float)
+        self.timeline: list[tuple[float, int, int, bool, str]] = []
+
+    def add(self, key: str, n: float = 1) -> None:
+        self.values[key] += n
+
+    def run(self, phase: str, program, *args):
+        """Runs a program to completion; returns (its output, seconds), counted under `phase`."""
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(program(*args))
+        seconds = time.perf_counter() - t0
+        self.add(f"{phase}_calls")
+        self.add(f"seconds_{phase}", seconds)
+        return out, seconds
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def finish(self) -> dict[str, float]:
+        out = dict(self.values)
+        out["seconds"] = self.elapsed()
+        out["seconds_compile"] = self.pool.compile_seconds() - self.compile_seconds
+        out["seconds_host"] = out["seconds"] - sum(
+            v for k, v in out.items() if k.startswith("seconds_") and "[" not in k
+        )
+        if out.get("sd_steps"):
+            out["acceptance_length"] = out["sd_tokens"] / out["sd_steps"]
         return out

@@ -35,12 +35,27 @@ def enable_persistent_cache(directory: str | os.PathLike) -> Path:
     return path
 
 
+# Programs served by the persistent compilation cache, over the process (pools compiling in several
+# threads at once may credit a hit to the wrong program: the count only feeds reports).
+_cache_hits = 0
+
+
+def _count_cache_hits(event: str, **kwargs) -> None:
+    global _cache_hits
+    if event == "/jax/compilation_cache/cache_hits":
+        _cache_hits += 1
+
+
+jax.monitoring.register_event_listener(_count_cache_hits)
+
+
 @dataclasses.dataclass
 class ProgramStats:
     key: Hashable
     compile_seconds: float
     temp_bytes: int
     argument_bytes: int
+    from_cache: bool  # loaded from the persistent compilation cache instead of compiled
 
 
 class ProgramPool:
@@ -73,6 +88,7 @@ class ProgramPool:
 
     def _compile(self, key: Hashable) -> None:
         fn, args = self._build(key)
+        hits = _cache_hits
         t0 = time.perf_counter()
         compiled = fn.lower(*args).compile()
         seconds = time.perf_counter() - t0
@@ -83,12 +99,20 @@ class ProgramPool:
             compile_seconds=seconds,
             temp_bytes=getattr(memory, "temp_size_in_bytes", 0) if memory else 0,
             argument_bytes=getattr(memory, "argument_size_in_bytes", 0) if memory else 0,
+            from_cache=_cache_hits > hits,
         )
 
-    def report(self) -> str:
-        total = sum(s.compile_seconds for s in self.stats.values())
-        peak_temp = max((s.temp_bytes for s in self.stats.values()), default=0)
+    def compile_seconds(self) -> float:
+        return sum(s.compile_seconds for s in self.stats.values())
+
+    def report(self, where: Callable[[Hashable], bool] = lambda key: True) -> str:
+        """Count, compile seconds and memory of the programs whose key satisfies `where`."""
+        stats = [s for s in self.stats.values() if where(s.key)]
+        total = sum(s.compile_seconds for s in stats)
+        cached = sum(s.from_cache for s in stats)
+        peak_temp = max((s.temp_bytes for s in stats), default=0)
+        peak_args = max((s.argument_bytes for s in stats), default=0)
         return (
-            f"{len(self.stats)} programs compiled in {total:.1f}s "
-            f"(largest scratch {peak_temp / 2**20:.0f} MiB)"
+            f"{len(stats)} programs ({cached} from the persistent cache) in {total:.1f}s, "
+            f"largest arguments {peak_args / 2**20:.0f} MiB, largest scratch {peak_temp / 2**20:.0f} MiB"
         )

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from fastrl_jax.models.decoder import KVCache
+from fastrl_jax.models.drafter import policy_features
 from fastrl_jax.rollout import accept as accept_lib
 from fastrl_jax.rollout.programs import Slots
 
@@ -55,7 +56,7 @@ class DraftState:
 
     cache: KVCache  # [1, B, KV, S + scratch, D]
     pending_tok: jax.Array  # [B, P] x_{t+1} of entries not yet fed to the drafter
-    pending_h: jax.Array  # [B, P, H] h_t of those entries
+    pending_h: jax.Array  # [B, P, H] f_t (policy_features of h_t) of those entries
     n_pending: jax.Array  # [B]
     sd_steps: jax.Array  # [B] speculative steps taken (acceptance length = tokens / steps)
     sd_tokens: jax.Array  # [B] tokens those steps emitted
@@ -111,14 +112,16 @@ def draft_tree(policy, drafter, ds: DraftState, root_token, root_pos, strategy: 
     B, P = ds.pending_tok.shape
     window = kv_len + strategy.scratch_slots
     first = root_pos - ds.n_pending  # slot (= entry index) of the first pending entry
+    head = drafter.head_weight(policy)  # gathered once: a reduced draft vocabulary's head rows
     logits, h_out, cache = drafter(
-        policy, ds.pending_tok, ds.pending_h, first[:, None] + jnp.arange(P), ds.cache, first, kv_len=window
+        policy, ds.pending_tok, ds.pending_h, first[:, None] + jnp.arange(P), ds.cache, first, kv_len=window, head=head
     )
     last = (ds.n_pending - 1)[:, None]
     logp = jax.nn.log_softmax(jnp.take_along_axis(logits, last[:, :, None], 1)[:, 0], -1)
     h_root = jnp.take_along_axis(h_out, last[:, :, None], 1)[:, 0]
 
     scores, tokens = jax.lax.top_k(logp, k)  # depth-1 candidates
+    tokens = drafter.token_ids(tokens)
     cand = dict(tokens=[tokens], parents=[jnp.full((B, k), -1, jnp.int32)], scores=[scores],
                 depth=[jnp.ones((B, k), jnp.int32)])
     frontier = jnp.broadcast_to(jnp.arange(k), (B, k))  # candidate indices of the frontier
@@ -141,9 +144,10 @@ def draft_tree(policy, drafter, ds: DraftState, root_token, root_pos, strategy: 
         ftok = jnp.take_along_axis(all_tokens, frontier, 1)
         logits, h_out, cache = drafter(
             policy, ftok, front_h, jnp.broadcast_to((root_pos - 1 + depth)[:, None], (B, k)), cache, base,
-            kv_len=window, mask=mask,
+            kv_len=window, mask=mask, head=head,
         )
         child_scores, child_tokens = jax.lax.top_k(jax.nn.log_softmax(logits, -1), k)  # [B, k, k]
+        child_tokens = drafter.token_ids(child_tokens)
         child_scores = child_scores + jnp.take_along_axis(all_scores, frontier, 1)[:, :, None]
         offset = all_tokens.shape[1]
         cand["tokens"].append(child_tokens.reshape(B, k * k))
@@ -222,11 +226,11 @@ def sd_step(policy, drafter, s: Slots, ds: DraftState, strategy: Strategy, kv_le
             acc.tokens, mode="drop"
         ),
     )
-    P = strategy.pending
+    P = ds.pending_tok.shape[1]  # >= strategy.pending: the engine sizes it for its largest strategy
     new_ds = ds.replace(
         cache=dcache,
         pending_tok=jnp.pad(jnp.maximum(acc.tokens, 0), ((0, 0), (0, max(0, P - N))))[:, :P],
-        pending_h=jnp.pad(path_hidden, ((0, 0), (0, max(0, P - N)), (0, 0)))[:, :P],
+        pending_h=jnp.pad(policy_features(policy, path_hidden), ((0, 0), (0, max(0, P - N)), (0, 0)))[:, :P],
         n_pending=jnp.where(s.live, n_emit, ds.n_pending),
         sd_steps=ds.sd_steps + s.live,
         sd_tokens=ds.sd_tokens + n_emit,
@@ -243,7 +247,7 @@ def drafter_prefill(policy, drafter, s: Slots, ds: DraftState, kv_len: int) -> D
     B = s.batch
     T = kv_len
     tokens = s.history[:, 1 : T + 1]
-    hidden = s.hidden[:, :T]
+    hidden = policy_features(policy, s.hidden[:, :T])
     positions = jnp.broadcast_to(jnp.arange(T), (B, T))
     _, _, cache = drafter(policy, tokens, hidden, positions, ds.cache, jnp.zeros(B, jnp.int32), kv_len=T)
     last = jnp.maximum(s.length - 1, 0)
@@ -252,7 +256,7 @@ def drafter_prefill(policy, drafter, s: Slots, ds: DraftState, kv_len: int) -> D
         cache=cache,
         pending_tok=jnp.zeros((B, P), jnp.int32).at[:, 0].set(s.token),
         pending_h=jnp.zeros_like(ds.pending_h).at[:, 0].set(
-            jnp.take_along_axis(s.hidden, last[:, None, None], 1)[:, 0].astype(ds.pending_h.dtype)
+            policy_features(policy, jnp.take_along_axis(s.hidden, last[:, None, None], 1)[:, 0]).astype(ds.pending_h.dtype)
         ),
         n_pending=jnp.ones(B, jnp.int32),
     )

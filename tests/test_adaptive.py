@@ -1,0 +1,169 @@
+"""Adaptive speculative decoding: the controller on synthetic inputs, and the engine switching SD on mid-run."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from flax import nnx
+from test_rollout import CFG, TINY, prompts, tiny_model
+
+from fastrl_jax.config import ConfigError, SpecConfig, load_config
+from fastrl_jax.models.drafter import Drafter
+from fastrl_jax.models.greedy import greedy_generate
+from fastrl_jax.rollout.controller import OnOff, StrategyChooser
+from fastrl_jax.rollout.engine import Request, RolloutEngine
+from fastrl_jax.rollout.speculative import Strategy
+
+# ---- controller (pure) ------------------------------------------------------------------------
+
+
+def test_on_off_needs_patience_and_turns_off_at_once():
+    c = OnOff(threshold=4, patience=3)
+    live = [9, 4, 3, 5, 4, 4, 4, 2, 1, 6, 3]
+    assert [c.update(b) for b in live] == [False, False, False, False, False, False, True, True, True, False, False]
+
+
+def test_on_off_does_not_flap_around_the_threshold():
+    c = OnOff(threshold=8, patience=2)
+    hovering = [8, 9] * 20 + [9, 8] * 20
+    assert not any(c.update(b) for b in hovering)
+    # A batch shrinking through the threshold switches exactly once.
+    c.reset()
+    states = [c.update(b) for b in [16, 12, 9, 8, 7, 5, 3, 2, 1]]
+    assert sum(a != b for a, b in zip(states, states[1:])) == 1
+
+
+A, B, C = Strategy(6, 4, 16), Strategy(4, 4, 16), Strategy(3, 2, 6)
+RANGES = {16: (1, 2), 6: (3, 8)}
+
+
+def test_bandit_buckets_by_live_batch():
+    chooser = StrategyChooser([A, B, C], RANGES, kind="fixed")
+    assert [chooser.choose(b) for b in (1, 2, 3, 8)] == [A, A, C, C]
+    assert chooser.choose(9) is None
+    with pytest.raises(ValueError, match="disjoint"):
+        StrategyChooser([A, C], {16: (1, 4), 6: (4, 8)})
+    with pytest.raises(ValueError, match="one live-batch range per verify_tokens group"):
+        StrategyChooser([A, C], {16: (1, 4)})
+
+
+def _play(kind, means, rounds=300, seed=0, epsilon=0.1, chooser=None):
+    """Plays the bucket at live batch 1 with noisy synthetic rewards; returns the chooser."""
+    chooser = chooser or StrategyChooser([A, B, C], RANGES, kind=kind, epsilon=epsilon, window=9, seed=seed)
+    noise = np.random.default_rng(seed + 1)
+    for _ in range(rounds):
+        s = chooser.choose(1)
+        chooser.record(s, means[s] * (1 + 0.3 * noise.standard_normal()))
+    return chooser
+
+
+@pytest.mark.parametrize("kind", ["beg", "ucb1"])
+def test_bandit_finds_the_better_strategy_and_keeps_exploring(kind):
+    chooser = _play(kind, {A: 100.0, B: 160.0})
+    pulls = dict(chooser.pulls)
+    assert pulls[C] == 0  # other bucket
+    assert pulls[B] > 0.7 * 300  # exploits the better arm
+    assert pulls[A] >= 5  # and still explores the worse one
+    # The better arm changes (the policy drifts): the sliding window lets the bandit follow.
+    _play(kind, {A: 160.0, B: 100.0}, chooser=chooser)
+    assert chooser.pulls[A] - pulls[A] > 0.7 * 300
+
+
+def test_bandit_is_deterministic_given_a_seed():
+    means = {A: 100.0, B: 110.0}
+    def pulls(seed):
+        return _play("beg", means, seed=seed, epsilon=0.3).pulls
+
+    assert pulls(3) == pulls(3) != pulls(4)
+    assert _play("fixed", means).pulls[B] == 0
+
+
+def test_adaptive_config_is_validated():
+    ok = load_config(None, ["sd.mode=adaptive", "sd.strategies=[[6,4,16],[3,2,6]]",
+                            "sd.group_live_batch_ranges=[[16,1,2],[6,3,8]]"])
+    assert ok.sd.live_batch_ranges() == {16: (1, 2), 6: (3, 8)}
+    with pytest.raises(ConfigError, match="give sd.group_live_batch_ranges"):
+        SpecConfig(mode="adaptive", strategies=((6, 4, 16), (3, 2, 6)))
+    with pytest.raises(ConfigError, match="without gaps or overlaps"):
+        SpecConfig(mode="adaptive", strategies=((6, 4, 16), (3, 2, 6)), group_live_batch_ranges=((16, 1, 2), (6, 4, 8)))
+    with pytest.raises(ConfigError, match="one range per verify_tokens group"):
+        SpecConfig(mode="adaptive", strategies=((6, 4, 16),), group_live_batch_ranges=((8, 1, 8),))
+    with pytest.raises(ConfigError, match=r"sd.strategies\[1\]: verify_tokens=40 exceeds"):
+        SpecConfig(mode="adaptive", strategies=((6, 4, 16), (2, 2, 40)))
+    with pytest.raises(ConfigError, match="sd.bandit must be one of beg, ucb1, fixed"):
+        SpecConfig(bandit="greedy")
+    with pytest.raises(ConfigError, match="sd.patience_host_steps must be >= 1"):
+        SpecConfig(patience_host_steps=0)
+
+
+# ---- engine -------------------------------------------------------------------------------------
+
+ADAPTIVE_CFG = dataclasses.replace(CFG, length_buckets=(64,))
+# SD at live batch <= 3: the 6-token tree alone at 1, a bandit over two 4-token trees at 2..3.
+ADAPTIVE = SpecConfig(
+    mode="adaptive", threshold_live_batch=3, patience_host_steps=1,
+    strategies=((3, 2, 6), (2, 2, 4), (3, 1, 4)), group_live_batch_ranges=((6, 1, 1), (4, 2, 3)),
+)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def adaptive_engine(model):
+    return RolloutEngine(model, ADAPTIVE_CFG, sd=ADAPTIVE, drafter=Drafter(TINY, nnx.Rngs(5)), progress=False)
+
+
+def _count_keys(engine, monkeypatch) -> list[tuple]:
+    keys = []
+    get = engine.pool.get
+    monkeypatch.setattr(engine.pool, "get", lambda key: keys.append(key) or get(key))
+    return keys
+
+
+def test_adaptive_greedy_equals_plain_and_never_reruns_the_policy(adaptive_engine, model, monkeypatch):
+    engine = adaptive_engine
+    keys = _count_keys(engine, monkeypatch)
+    reqs = [Request(p, max_new_tokens=5 + 4 * i) for i, p in enumerate(prompts(7, seed=1))]
+    out = engine.generate(reqs)
+    for r, o in zip(reqs, out):
+        assert o.tokens == greedy_generate(model, r.prompt_ids, r.max_new_tokens)
+    phases = [k[0] for k in keys]
+    # Plain steps while the batch is large, then the drafter starts from stored hidden states:
+    # one admission prefill only, and a draft_prefill before the first speculative step.
+    assert phases.count("prefill") == 1
+    first_sd = phases.index("sd")
+    assert "decode" in phases[:first_sd] and phases[first_sd - 1] == "draft_prefill"
+    assert "decode" not in phases[first_sd:]  # the batch never grows back: no flapping
+    s = engine.stats
+    assert s["steps_plain"] > 0 and s["steps_sd"] > 0 and s["draft_prefill_calls"] == 1
+    assert s["sd_steps[2/2/4]"] > 0 and s["sd_steps[3/1/4]"] > 0  # the bandit tried both at live batch 2..3
+    assert s["sd_steps[3/2/6]"] > 0  # the last row alone runs the 6-token tree
+    # The timeline accounts for every token but each request's first (sampled by the prefill).
+    assert sum(e[2] for e in engine.timeline) + len(reqs) == s["tokens"] == sum(len(o.tokens) for o in out)
+    assert all(e[3] == (e[1] <= 3) for e in engine.timeline)
+    assert all(e[4] in ("", "3/2/6") or e[1] > 1 for e in engine.timeline)
+
+
+def test_adaptive_coupled_sampling_is_bit_identical_to_plain(adaptive_engine, model):
+    reqs = [
+        Request(p, max_new_tokens=6 + 4 * i, temperature=0.8, top_p=0.9, seed=i, stop_ids=(7,))
+        for i, p in enumerate(prompts(7, seed=2))
+    ]
+    plain = RolloutEngine(model, ADAPTIVE_CFG, progress=False).generate(reqs)
+    adaptive = adaptive_engine.generate(reqs)
+    assert adaptive_engine.stats["steps_sd"] > 0
+    for a, b in zip(plain, adaptive):
+        assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-4, atol=1e-4)
+
+
+def test_programs_compile_only_for_the_buckets_a_strategy_covers(adaptive_engine):
+    by_strategy = {str(s): b for s, b in adaptive_engine.strategy_buckets().items()}
+    assert by_strategy == {str(Strategy(3, 2, 6)): [1], str(Strategy(2, 2, 4)): [4], str(Strategy(3, 1, 4)): [4]}
+    keys = adaptive_engine.warm_up_keys()
+    assert {(k[1], k[3].verify_tokens) for k in keys if k[0] == "sd"} == {(1, 6), (4, 4)}
+    assert {k[1] for k in keys if k[0] == "draft_prefill"} == {1, 4}
+    assert {k[1] for k in keys if k[0] == "decode"} == {1, 4, 16}
