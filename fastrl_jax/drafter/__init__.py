@@ -1,0 +1,1 @@
+"""Drafter training: sample buffer, loss and train step, warm-up trainer, reduced vocabulary, export."""

@@ -1,0 +1,237 @@
+"""The bucketed speculative-decoding benchmark: plain vs SD tokens/s per batch size, strategy,
+temperature and draft vocabulary, on the same prompts in one run; and a per-phase profile of one
+speculative step.
+
+Plain and speculative decoding produce the same tokens (greedy, and coupled sampling at T > 0 with
+the same seeds), so both do the same work and tokens/s compare directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from fastrl_jax.config import RolloutConfig, SpecConfig
+from fastrl_jax.models.decoder import Decoder, KVCache
+from fastrl_jax.models.drafter import Drafter
+from fastrl_jax.rollout import accept as accept_lib
+from fastrl_jax.rollout import speculative
+from fastrl_jax.rollout.engine import Request, RolloutEngine
+from fastrl_jax.rollout.programs import Slots
+from fastrl_jax.rollout.sampling import SamplingParams
+
+
+def with_full_vocab(drafter: Drafter) -> Drafter:
+    """The same drafter weights scoring the whole vocabulary."""
+    if drafter.draft_vocab is None:
+        return drafter
+    full = nnx.eval_shape(lambda: Drafter(drafter.cfg, nnx.Rngs(0), drafter.fc[...].dtype))
+    graphdef, state = nnx.split(full)
+    nnx.replace_by_pure_dict(state, nnx.to_pure_dict(nnx.state(drafter, nnx.Param)))
+    return nnx.merge(graphdef, state)
+
+
+def _bench_cfg(base: RolloutConfig, batch_sizes, prompt_len: int, new_tokens: int, margin: int) -> RolloutConfig:
+    prompt_bucket = -(-prompt_len // 32) * 32
+    length = -(-(prompt_bucket + new_tokens + margin) // 64) * 64
+    return dataclasses.replace(
+        base, batch_buckets=tuple(sorted(set(batch_sizes))), prompt_buckets=(prompt_bucket,),
+        length_buckets=(length,), steps_per_call=new_tokens, warm_up=False,
+    )
+
+
+def _timed(engine: RolloutEngine, reqs: list[Request], repeats: int) -> tuple[float, list, dict]:
+    engine.generate(reqs)  # compiles what this batch reaches
+    best, out, stats = float("inf"), None, {}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = engine.generate(reqs)
+        seconds = time.perf_counter() - t0
+        if seconds < best:
+            best, stats = seconds, dict(engine.stats)
+    tokens = sum(len(o.tokens) for o in out)
+    return tokens / best, out, stats
+
+
+def run_bench(policy: Decoder, drafter: Drafter, prompts: Sequence[Sequence[int]], stop_ids: Sequence[int], *,
+              base_cfg: RolloutConfig, batch_sizes: Sequence[int], strategies: Sequence[tuple[int, int, int]],
+              temperatures: Sequence[float], vocabs: Sequence[str], new_tokens: int, repeats: int,
+              log=print) -> list[dict]:
+    """Rows {temperature, batch, strategy, vocab, plain_tok_s, sd_tok_s, acceptance_length, speedup, same}."""
+    margin = max(s[2] for s in strategies)
+    cfg = _bench_cfg(base_cfg, batch_sizes, max(len(p) for p in prompts), new_tokens, margin)
+    drafters = {"reduced": drafter, "full": with_full_vocab(drafter)}
+    if "reduced" in vocabs and drafter.draft_vocab is None:
+        raise ValueError("--vocab reduced needs a drafter trained with a draft vocabulary (drafter_train.draft_vocab_size > 0)")
+
+    def requests(b: int, t: float) -> list[Request]:
+        return [Request(prompts[i % len(prompts)], new_tokens, t, seed=i, stop_ids=tuple(stop_ids)) for i in range(b)]
+
+    plain_engine = RolloutEngine(policy, cfg, progress=False)
+    plain = {}
+    for t in temperatures:
+        for b in batch_sizes:
+            plain[t, b] = _timed(plain_engine, requests(b, t), repeats)
+            log(f"plain T={t:g} batch {b}: {plain[t, b][0]:.1f} tok/s")
+    rows = []
+    for vocab in vocabs:
+        for strat in strategies:
+            sd = SpecConfig(mode="on", steps=strat[0], topk=strat[1], verify_tokens=strat[2])
+            engine = RolloutEngine(policy, cfg, sd=sd, drafter=drafters[vocab], progress=False)
+            for t in temperatures:
+                for b in batch_sizes:
+                    tok_s, out, stats = _timed(engine, requests(b, t), repeats)
+                    base_tok_s, base_out, _ = plain[t, b]
+                    row = {
+                        "temperature": t, "batch": b, "strategy": list(strat), "vocab": vocab,
+                        "plain_tok_s": base_tok_s, "sd_tok_s": tok_s,
+                        "acceptance_length": stats.get("acceptance_length", float("nan")),
+                        "speedup": tok_s / base_tok_s,
+                        "same_tokens": sum(a.tokens == c.tokens for a, c in zip(out, base_out)),
+                    }
+                    rows.append(row)
+                    log(format_row(row))
+    return rows
+
+
+def stop_paying(rows: list[dict]) -> dict[str, int | None]:
+    """Per (temperature, strategy, vocab): the smallest batch whose speedup is below 1 (None: never)."""
+    out: dict[str, int | None] = {}
+    for r in sorted(rows, key=lambda r: r["batch"]):
+        key = f"T={r['temperature']:g} {'/'.join(map(str, r['strategy']))} {r['vocab']}"
+        out.setdefault(key, None)
+        if out[key] is None and r["speedup"] < 1:
+            out[key] = r["batch"]
+    return out
+
+
+HEADER = f"{'T':>4} {'batch':>5} {'strategy':>9} {'vocab':>7} {'plain tok/s':>11} {'SD tok/s':>9} {'accept':>6} {'speedup':>7} {'same':>6}"
+
+
+def format_row(r: dict) -> str:
+    return (f"{r['temperature']:>4g} {r['batch']:>5} {'/'.join(map(str, r['strategy'])):>9} {r['vocab']:>7} "
+            f"{r['plain_tok_s']:>11.1f} {r['sd_tok_s']:>9.1f} {r['acceptance_length']:>6.2f} {r['speedup']:>6.2f}x "
+            f"{str(r['same_tokens']) + '/' + str(r['batch']):>6}")
+
+
+def plot(rows: list[dict], path: str | Path) -> bool:
+    """Speedup vs batch size, one line per (strategy, vocab), one panel per temperature; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    temps = sorted({r["temperature"] for r in rows})
+    fig, axes = plt.subplots(1, len(temps), figsize=(5 * len(temps), 4), squeeze=False)
+    for ax, t in zip(axes[0], temps):
+        lines: dict[str, list] = {}
+        for r in rows:
+            if r["temperature"] == t:
+                lines.setdefault(f"{'/'.join(map(str, r['strategy']))} {r['vocab']}", []).append((r["batch"], r["speedup"]))
+        for label, pts in sorted(lines.items()):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("speedup over plain decoding")
+        ax.set_title(f"temperature {t:g}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+# ---- profile of one speculative step -------------------------------------------------------------
+
+def _median_ms(fn, *args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return 1000 * float(np.median(times))
+
+
+def profile_step(policy: Decoder, drafter: Drafter, strategy: tuple[int, int, int], *, batch: int = 1,
+                 prefix_len: int = 160, kv_len: int = 320, temperature: float = 0.0, repeats: int = 10) -> dict[str, float]:
+    """Median milliseconds of each phase of one speculative step (each jitted alone, same shapes as
+    the engine's), of the whole sd_step, and of one plain decode step. Random prefix contents: the
+    cost does not depend on them."""
+    st = speculative.Strategy(*strategy)
+    cfg = policy.cfg
+    B, N, H = batch, st.verify_tokens, cfg.hidden_size
+    pg, ps = nnx.split(policy)
+    dg, dstate = nnx.split(drafter)
+    L = jnp.full((B,), prefix_len, jnp.int32)
+    cache = KVCache.zeros(cfg, B, kv_len)
+    ds = speculative.DraftState(
+        cache=drafter.empty_cache(B, kv_len + st.scratch_slots), pending_tok=jnp.zeros((B, st.pending), jnp.int32),
+        pending_h=jnp.zeros((B, st.pending, H)), n_pending=jnp.full((B,), 2, jnp.int32),
+        sd_steps=jnp.zeros(B, jnp.int32), sd_tokens=jnp.zeros(B, jnp.int32))
+    params = SamplingParams(jnp.full((B,), temperature, jnp.float32), jnp.zeros(B, jnp.int32),
+                            jnp.ones(B, jnp.float32), jnp.arange(B, dtype=jnp.uint32))
+    tree_shape = jax.eval_shape(lambda: speculative.draft_tree(
+        nnx.merge(pg, ps), nnx.merge(dg, dstate), ds, jnp.zeros(B, jnp.int32), L, st, kv_len)[0])
+    parents = jnp.broadcast_to(jnp.arange(N) - 1, (B, N)).astype(jnp.int32)  # a chain: the costliest walk
+    tree = speculative.Tree(tokens=jnp.ones(tree_shape.tokens.shape, jnp.int32), parents=parents,
+                            depth=jnp.broadcast_to(jnp.arange(N), (B, N)).astype(jnp.int32), valid=jnp.ones((B, N), bool))
+
+    @jax.jit
+    def decode(ps, cache):
+        return nnx.merge(pg, ps)(jnp.zeros((B, 1), jnp.int32), L[:, None], cache, L, kv_len=kv_len)[0]
+
+    @jax.jit
+    def draft(ps, dstate, ds):
+        return speculative.draft_tree(nnx.merge(pg, ps), nnx.merge(dg, dstate), ds, jnp.zeros(B, jnp.int32), L, st, kv_len)[0]
+
+    @jax.jit
+    def verify(ps, cache, tree):
+        mask = speculative.ancestor_mask(tree.parents)
+        return nnx.merge(pg, ps)(tree.tokens, L[:, None] + tree.depth, cache, L, block_mask=mask, kv_len=kv_len)[0]
+
+    logits = verify(ps, cache, tree)
+
+    @jax.jit
+    def accept(logits, tree):
+        return accept_lib.accept_coupled(tree.tokens, tree.parents, tree.valid, logits, params, L)
+
+    @jax.jit
+    def move(cache):
+        return speculative._move_path(cache, L, jnp.broadcast_to(jnp.arange(N), (B, N)).astype(jnp.int32))
+
+    slots = Slots.empty(cfg, B, kv_len, 4, True, jnp.float32).replace(
+        length=L, live=jnp.ones(B, bool), max_new=jnp.full((B,), 10_000, jnp.int32), params=params)
+
+    @jax.jit
+    def full_step(ps, dstate, slots, ds):
+        return speculative.sd_step(nnx.merge(pg, ps), nnx.merge(dg, dstate), slots, ds, st, kv_len, "coupled")
+
+    out = {
+        "plain_decode_step": _median_ms(decode, ps, cache, repeats=repeats),
+        "draft_tree": _median_ms(draft, ps, dstate, ds, repeats=repeats),
+        "verify_forward": _median_ms(verify, ps, cache, tree, repeats=repeats),
+        "accept": _median_ms(accept, logits, tree, repeats=repeats),
+        "cache_move": _median_ms(move, cache, repeats=repeats),
+        "sd_step": _median_ms(full_step, ps, dstate, slots, ds, repeats=repeats),
+    }
+    out["other"] = out["sd_step"] - sum(out[k] for k in ("draft_tree", "verify_forward", "accept", "cache_move"))
+    return out
+
+
+def write_json(path: str | Path, result: dict) -> None:
+    Path(path).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"[bench-sd] wrote {path}", file=sys.stderr)

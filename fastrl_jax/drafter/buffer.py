@@ -1,0 +1,173 @@
+"""A bounded buffer of (tokens, last-layer hidden states, loss mask) sequences, packed into static batches.
+
+Sequences come from rollouts tagged with the RL step that produced them. The buffer keeps at most
+`max_tokens` tokens (oldest sequences leave first) and samples only from the latest `keep_steps`
+steps, so online training follows the current policy. A batch packs whole sequences (a longer one
+is cropped to a random window) into rows of a fixed length with segment ids, so every train step
+has the same shapes and little padding.
+
+Alignment (one sequence of n tokens): tokens x_0 .. x_{n-1}; hidden h_0 .. h_{n-2} (the policy's
+hidden state after each token but the last, as the engine returns them); loss_mask [n] marks the
+tokens a drafter should learn to predict (the completion).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class Batch:
+    """Rows of packed sequences; every field's leading shape is [B, S]."""
+
+    tokens: np.ndarray  # [B, S] int32
+    hidden: np.ndarray  # [B, S, H] hidden state after each token (zero where the sequence has none)
+    loss_mask: np.ndarray  # [B, S] bool, the token is one to predict
+    positions: np.ndarray  # [B, S] int32 position of each token in its sequence (its crop, if cropped)
+    segments: np.ndarray  # [B, S] int32 sequence number within the row, from 1; 0 is padding
+
+
+@dataclasses.dataclass
+class _Sequence:
+    tokens: np.ndarray  # [n] int32
+    hidden: np.ndarray  # [n - 1, H]
+    loss_mask: np.ndarray  # [n] bool
+    step: int
+
+
+class SampleBuffer:
+    """Bounded store of rollout sequences for drafter training (warm-up and online)."""
+
+    def __init__(self, max_tokens: int, hidden_size: int, keep_steps: int = 0, hidden_dtype=np.float16):
+        """max_tokens: the most tokens held (memory ~ max_tokens x hidden_size x itemsize);
+        keep_steps: sample from the latest this many steps only (0: every step held)."""
+        if max_tokens < 2 or hidden_size < 1 or keep_steps < 0:
+            raise ValueError(f"need max_tokens >= 2, hidden_size >= 1, keep_steps >= 0; got {max_tokens}, {hidden_size}, {keep_steps}")
+        self.max_tokens = max_tokens
+        self.hidden_size = hidden_size
+        self.keep_steps = keep_steps
+        self.hidden_dtype = np.dtype(hidden_dtype)
+        self._seqs: deque[_Sequence] = deque()
+        self._tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._tokens
+
+    @property
+    def steps(self) -> list[int]:
+        return sorted({s.step for s in self._seqs})
+
+    def add(self, tokens, hidden, loss_mask, step: int = 0) -> None:
+        """Adds one sequence: tokens [n], hidden [n - 1, H] (or [n, H], the last row is dropped), loss_mask [n]."""
+        tokens = np.asarray(tokens, np.int32)
+        hidden = np.asarray(hidden)
+        loss_mask = np.asarray(loss_mask, bool)
+        n = len(tokens)
+        if tokens.ndim != 1 or n < 2:
+            raise ValueError(f"a sequence needs at least 2 tokens in a 1-d array, got shape {tokens.shape}")
+        if hidden.ndim != 2 or hidden.shape[1] != self.hidden_size or hidden.shape[0] not in (n - 1, n):
+            raise ValueError(f"hidden must be [{n - 1}, {self.hidden_size}] for {n} tokens, got {hidden.shape}")
+        if loss_mask.shape != (n,):
+            raise ValueError(f"loss_mask must be [{n}], got {loss_mask.shape}")
+        if n > self.max_tokens:
+            raise ValueError(f"a {n}-token sequence does not fit a buffer of {self.max_tokens} tokens")
+        if not np.isfinite(hidden).all() or np.abs(hidden).max(initial=0) > np.finfo(self.hidden_dtype).max:
+            raise ValueError(f"hidden states are not finite or exceed the range of {self.hidden_dtype}")
+        self._seqs.append(_Sequence(tokens, hidden[: n - 1].astype(self.hidden_dtype), loss_mask, int(step)))
+        self._tokens += n
+        while self._tokens > self.max_tokens:
+            self._tokens -= len(self._seqs.popleft().tokens)
+
+    def _eligible(self) -> list[_Sequence]:
+        if not self.keep_steps:
+            return list(self._seqs)
+        recent = set(self.steps[-self.keep_steps :])
+        return [s for s in self._seqs if s.step in recent]
+
+    def sample(self, rng: np.random.Generator, rows: int, seq_len: int) -> Batch:
+        """Packs randomly drawn sequences into `rows` rows of `seq_len` tokens.
+
+        Sequences are drawn without replacement until every row is full (or the eligible
+        sequences run out, then with replacement); one longer than seq_len is cropped to a random
+        window, and one that does not fit a row's remaining space ends that row.
+        """
+        pool = [s for s in self._eligible() if s.loss_mask[1:].any()]
+        if not pool:
+            raise ValueError("the sample buffer holds no sequence with a token to learn (add rollouts first)")
+        if rows < 1 or seq_len < 3:
+            raise ValueError(f"need rows >= 1 and seq_len >= 3, got {rows}, {seq_len}")
+        H = self.hidden_size
+        batch = Batch(
+            tokens=np.zeros((rows, seq_len), np.int32),
+            hidden=np.zeros((rows, seq_len, H), np.float32),
+            loss_mask=np.zeros((rows, seq_len), bool),
+            positions=np.zeros((rows, seq_len), np.int32),
+            segments=np.zeros((rows, seq_len), np.int32),
+        )
+        order = rng.permutation(len(pool))
+        drawn = 0
+        for r in range(rows):
+            at, segment = 0, 1
+            while at < seq_len:
+                if drawn == len(order):
+                    order, drawn = rng.permutation(len(pool)), 0
+                seq = pool[order[drawn]]
+                n = len(seq.tokens)
+                if n > seq_len - at and at > 0:
+                    break
+                drawn += 1
+                lo = int(rng.integers(0, n - (seq_len - at) + 1)) if n > seq_len - at else 0
+                m = min(n - lo, seq_len - at)
+                span = slice(at, at + m)
+                batch.tokens[r, span] = seq.tokens[lo : lo + m]
+                h = seq.hidden[lo : lo + m]  # the last token of an uncropped sequence has no hidden state
+                batch.hidden[r, at : at + len(h)] = h
+                batch.loss_mask[r, span] = seq.loss_mask[lo : lo + m]
+                batch.positions[r, span] = np.arange(m)
+                batch.segments[r, span] = segment
+                at, segment = at + m, segment + 1
+        return batch
+
+    def save(self, path: str | Path) -> None:
+        """Writes every held sequence to one .npz file (atomically: a temporary file, then a rename)."""
+        path = Path(path)
+        seqs = list(self._seqs)
+        lengths = np.array([len(s.tokens) for s in seqs], np.int64)
+        arrays = dict(
+            lengths=lengths,
+            steps=np.array([s.step for s in seqs], np.int64),
+            tokens=np.concatenate([s.tokens for s in seqs]) if seqs else np.zeros(0, np.int32),
+            loss_mask=np.concatenate([s.loss_mask for s in seqs]) if seqs else np.zeros(0, bool),
+            hidden=np.concatenate([s.hidden for s in seqs]) if seqs else np.zeros((0, self.hidden_size), self.hidden_dtype),
+        )
+        tmp = path.with_name(path.name + ".tmp.npz")
+        np.savez(tmp, **arrays)
+        tmp.replace(path)
+
+    def load(self, path: str | Path) -> None:
+        """Adds the sequences of a file written by save (in their order, with their steps)."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"sample buffer file {path} not found")
+        with np.load(path) as f:
+            lengths, steps = f["lengths"], f["steps"]
+            tokens, loss_mask, hidden = f["tokens"], f["loss_mask"], f["hidden"]
+        t = h = 0
+        for n, step in zip(lengths, steps):
+            self.add(tokens[t : t + n], hidden[h : h + n - 1], loss_mask[t : t + n], int(step))
+            t, h = t + n, h + n - 1
+
+    def token_counts(self, vocab_size: int) -> np.ndarray:
+        """[vocab_size] int64: how often each token id occurs among the tokens to learn (loss_mask)."""
+        counts = np.zeros(vocab_size, np.int64)
+        for s in self._seqs:
+            np.add.at(counts, s.tokens[s.loss_mask], 1)
+        return counts

@@ -1,0 +1,132 @@
+"""The drafter's training loss and jitted train step (EAGLE recipe, optional EAGLE-3 style unrolling).
+
+Alignment, pinned by tests/test_drafter_train.py: entry t of a sequence is (f_t, x_{t+1}) with
+f_t = policy_features(h_t); it predicts f_{t+1}, and through the head the token x_{t+2}:
+    loss_t = SmoothL1(pred_t, f_{t+1}) + ce_weight x CE(softmax(head f_{t+1}), log_softmax(head pred_t))
+counted where x_{t+2} is a token to learn (loss_mask) of the same sequence. The CE target is the
+policy's own next-token distribution at f_{t+1}; with a reduced draft vocabulary both sides are
+restricted to it.
+
+Unrolling (training-time test): drafting feeds the drafter its own predictions, so unroll step j
+re-runs the drafter at anchor a with entry (pred_{a+j-1}, x_{a+j+1}) at position a+j, attending to
+the true entries <= a and to its own earlier unroll entries for the same anchor, exactly as a depth
+j+1 draft-tree node sees the cache; it predicts f_{a+j+1}. Step j's loss is weighted decay**j.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from fastrl_jax.models.decoder import Decoder, KVCache
+from fastrl_jax.models.drafter import Drafter, policy_features
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSettings:
+    ce_weight: float = 0.1  # weight of the cross-entropy term
+    input_noise: float = 0.0  # input features get uniform noise in [-input_noise, input_noise]
+    unroll_steps: int = 1  # 1 = EAGLE (true features only); k > 1 adds k - 1 steps on own predictions
+    unroll_decay: float = 0.8
+
+
+def _shift(x: jax.Array, n: int, fill=0) -> jax.Array:
+    """x[:, t + n] at t along axis 1, `fill` past the end. x [B, S, ...]."""
+    if n == 0:
+        return x
+    pad = jnp.full((x.shape[0], n, *x.shape[2:]), fill, x.dtype)
+    return jnp.concatenate([x[:, n:], pad], axis=1)
+
+
+def smooth_l1(x: jax.Array) -> jax.Array:
+    """torch's SmoothL1 with beta 1, elementwise."""
+    a = jnp.abs(x)
+    return jnp.where(a < 1.0, 0.5 * x * x, a - 0.5)
+
+
+def drafter_loss(drafter: Drafter, policy: Decoder, batch: dict, key: jax.Array, settings: LossSettings):
+    """Mean loss over the batch's valid entries, and metrics.
+
+    batch (see buffer.Batch): tokens [B, S] int32, hidden [B, S, H] policy hidden states (before
+    the final norm), loss_mask [B, S] bool, positions [B, S] int32, segments [B, S] int32 (0 = pad).
+    Returns (loss, {"loss", "hidden_l1", "ce", "acc_<j>" per unroll step, "entries"}).
+    """
+    tokens, seg, mask = batch["tokens"], batch["segments"], batch["loss_mask"]
+    B, S = tokens.shape
+    J = settings.unroll_steps
+    feats = jax.lax.stop_gradient(policy_features(policy, batch["hidden"].astype(jnp.float32)))
+    head = drafter.head_weight(policy)  # [H, K]
+    noise = jax.random.uniform(key, feats.shape, feats.dtype, -settings.input_noise, settings.input_noise)
+    slot = jnp.arange(S)
+    # Step 0 entries see the true entries of their own sequence up to themselves.
+    causal = (slot[None, :, None] >= slot[None, None, :]) & (seg[:, :, None] == seg[:, None, :])
+    causal = causal | jnp.eye(S, dtype=bool)[None]  # padding entries see themselves (no empty softmax row)
+    cache = KVCache.zeros(drafter.cfg, B, S * J, feats.dtype)
+    own = jnp.broadcast_to(jnp.eye(S, dtype=bool), (B, S, S))
+    inputs = feats + noise
+    total, metrics = 0.0, {}
+    weight_sum = 0.0
+    for j in range(J):
+        # Entry at anchor a: token x_{a+j+1}, position pos_a + j, predicts f_{a+j+1} / x_{a+j+2}.
+        tok_in = _shift(tokens, j + 1)
+        mask_j = jnp.concatenate(
+            [causal] + [own] * j + [jnp.zeros((B, S, S), bool)] * (J - 1 - j), axis=2
+        )
+        logits, pred, cache = drafter(
+            policy, tok_in, inputs, batch["positions"] + j, cache, jnp.full((B,), j * S, jnp.int32),
+            mask=mask_j, kv_len=S * J, head=head,
+        )
+        valid = (seg > 0) & (_shift(seg, j + 2) == seg) & _shift(mask, j + 2, False)
+        w = valid.astype(jnp.float32)
+        n = jnp.maximum(w.sum(), 1.0)
+        target = _shift(feats, j + 1)
+        l1 = (smooth_l1(pred - target).mean(-1) * w).sum() / n
+        target_logits = jnp.einsum("bsh,hk->bsk", target, head, preferred_element_type=jnp.float32)
+        p = jax.nn.softmax(target_logits, -1)
+        ce = (-(p * jax.nn.log_softmax(logits, -1)).sum(-1) * w).sum() / n
+        acc = ((jnp.argmax(logits, -1) == jnp.argmax(target_logits, -1)) * w).sum() / n
+        scale = settings.unroll_decay**j
+        total = total + scale * (l1 + settings.ce_weight * ce)
+        weight_sum += scale
+        metrics |= {f"hidden_l1_{j}": l1, f"ce_{j}": ce, f"acc_{j}": acc}
+        if j == 0:
+            metrics["entries"] = w.sum()
+        inputs = pred  # the next unroll step feeds the drafter its own predictions
+    loss = total / weight_sum
+    metrics["loss"] = loss
+    return loss, metrics
+
+
+def make_optimizer(learning_rate: float, warmup_steps: int, total_steps: int, weight_decay: float,
+                   grad_clip_norm: float) -> optax.GradientTransformation:
+    """AdamW with linear warm-up then cosine decay to a tenth, after global-norm clipping."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, learning_rate, max(warmup_steps, 1), max(total_steps, warmup_steps + 1), learning_rate / 10
+    )
+    parts = [optax.clip_by_global_norm(grad_clip_norm)] if grad_clip_norm > 0 else []
+    return optax.chain(*parts, optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay))
+
+
+def make_train_step(optimizer: optax.GradientTransformation, settings: LossSettings):
+    """A jitted step (dgraphdef, params, rest, opt_state, pgraphdef, pstate, batch, key) ->
+    (params, opt_state, metrics). Only the drafter's nnx.Param leaves train; the policy (embedding,
+    final norm, head) is an input, never differentiated."""
+
+    @functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=(1, 3))
+    def step(dgraphdef, params, rest, opt_state, pgraphdef, pstate, batch, key):
+        policy = nnx.merge(pgraphdef, pstate)
+
+        def loss_fn(params):
+            return drafter_loss(nnx.merge(dgraphdef, params, rest), policy, batch, key, settings)
+
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        return optax.apply_updates(params, updates), opt_state, metrics
+
+    return step

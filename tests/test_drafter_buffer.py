@@ -1,0 +1,101 @@
+"""SampleBuffer: memory bound, latest-steps sampling, packing alignment, save/load; draft vocabulary choice."""
+
+import numpy as np
+import pytest
+
+from fastrl_jax.drafter.buffer import SampleBuffer
+from fastrl_jax.drafter.vocab import coverage, select_draft_vocab
+
+H = 4
+
+
+def seq(n, start, prompt=2):
+    """Tokens start .. start+n-1; hidden row t = token t (so alignment is checkable); completion after `prompt`."""
+    tokens = np.arange(start, start + n)
+    hidden = np.repeat(tokens[: n - 1, None], H, 1).astype(np.float32)
+    return tokens, hidden, np.arange(n) >= prompt
+
+
+def test_memory_bound_evicts_oldest():
+    buf = SampleBuffer(max_tokens=25, hidden_size=H)
+    for i in range(5):
+        buf.add(*seq(10, 100 * i), step=i)
+    assert buf.num_tokens == 20 and len(buf) == 2 and buf.steps == [3, 4]
+    with pytest.raises(ValueError, match="does not fit"):
+        buf.add(*seq(30, 0))
+
+
+def test_samples_only_latest_steps():
+    buf = SampleBuffer(max_tokens=10_000, hidden_size=H, keep_steps=2)
+    for step in range(4):
+        for j in range(3):
+            buf.add(*seq(6, 1000 * step + 10 * j), step=step)
+    batch = buf.sample(np.random.default_rng(0), rows=8, seq_len=16)
+    used = batch.tokens[batch.segments > 0]
+    assert used.min() >= 2000  # steps 2 and 3 only
+
+
+def test_packing_keeps_alignment_and_segments():
+    buf = SampleBuffer(max_tokens=10_000, hidden_size=H)
+    for j in range(5):
+        buf.add(*seq(5 + j, 100 * j))
+    b = buf.sample(np.random.default_rng(1), rows=3, seq_len=20)
+    assert b.tokens.shape == (3, 20) and b.hidden.shape == (3, 20, H)
+    for r in range(3):
+        for s in set(b.segments[r]) - {0}:
+            idx = np.flatnonzero(b.segments[r] == s)
+            toks = b.tokens[r, idx]
+            assert np.array_equal(np.diff(toks), np.ones(len(toks) - 1))  # one contiguous sequence
+            assert np.array_equal(b.positions[r, idx], np.arange(len(idx)))
+            # hidden after token t is h_t; the sequence's last token has none (zero)
+            np.testing.assert_array_equal(b.hidden[r, idx[:-1], 0], toks[:-1])
+            assert np.all(b.hidden[r, idx[-1]] == 0)
+            np.testing.assert_array_equal(b.loss_mask[r, idx], (toks % 100) >= 2)
+        assert np.all(b.tokens[r, b.segments[r] == 0] == 0)
+
+
+def test_long_sequences_are_cropped():
+    buf = SampleBuffer(max_tokens=10_000, hidden_size=H)
+    buf.add(*seq(50, 0))
+    b = buf.sample(np.random.default_rng(2), rows=2, seq_len=16)
+    assert np.all(b.segments == 1)
+    for r in range(2):
+        assert np.array_equal(np.diff(b.tokens[r]), np.ones(15))
+        np.testing.assert_array_equal(b.hidden[r, :, 0], b.tokens[r])  # inside the sequence every token has h
+
+
+def test_save_load_round_trip(tmp_path):
+    buf = SampleBuffer(max_tokens=10_000, hidden_size=H, keep_steps=3)
+    for i in range(4):
+        buf.add(*seq(4 + i, 10 * i), step=i)
+    buf.save(tmp_path / "b.npz")
+    back = SampleBuffer(max_tokens=10_000, hidden_size=H, keep_steps=3)
+    back.load(tmp_path / "b.npz")
+    assert back.num_tokens == buf.num_tokens and back.steps == buf.steps
+    x = buf.sample(np.random.default_rng(3), 2, 12)
+    y = back.sample(np.random.default_rng(3), 2, 12)
+    for a, b in zip(vars(x).values(), vars(y).values()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_bad_input_is_rejected():
+    buf = SampleBuffer(max_tokens=100, hidden_size=H)
+    tokens, hidden, mask = seq(6, 0)
+    with pytest.raises(ValueError, match="hidden must be"):
+        buf.add(tokens, hidden[:3], mask)
+    bad = hidden.copy()
+    bad[1, 2] = np.nan
+    with pytest.raises(ValueError, match="not finite"):
+        buf.add(tokens, bad, mask)
+    with pytest.raises(ValueError, match="no sequence"):
+        buf.sample(np.random.default_rng(0), 1, 8)
+
+
+def test_draft_vocab_takes_most_frequent_and_always():
+    counts = np.array([5, 0, 9, 1, 9, 0, 2])
+    vocab = select_draft_vocab(counts, 3, always=[6])
+    assert vocab.tolist() == [2, 4, 6]
+    assert coverage(counts, vocab) == pytest.approx(20 / 26)
+    assert select_draft_vocab(counts, 7).tolist() == list(range(7))
+    with pytest.raises(ValueError):
+        select_draft_vocab(counts, 8)

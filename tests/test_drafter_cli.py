@@ -1,0 +1,45 @@
+"""`fastrl-jax export-drafter` end to end on a tiny policy config, and clear errors."""
+
+import json
+
+import numpy as np
+from flax import nnx
+from test_cli import fastrl_jax
+from test_rollout import TINY
+
+from fastrl_jax.checkpoint import load_drafter, save_drafter
+from fastrl_jax.drafter.export import load_eagle
+from fastrl_jax.models.drafter import Drafter
+
+
+def tiny_model_dir(tmp_path):
+    d = tmp_path / "policy"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": TINY.vocab_size, "hidden_size": TINY.hidden_size,
+        "intermediate_size": TINY.intermediate_size, "num_hidden_layers": TINY.num_layers,
+        "num_attention_heads": TINY.num_heads, "num_key_value_heads": TINY.num_kv_heads,
+        "rms_norm_eps": TINY.rms_norm_eps, "max_position_embeddings": TINY.max_position_embeddings,
+    }))
+    return d
+
+
+def test_export_drafter_writes_orbax_and_eagle(tmp_path):
+    run = tmp_path / "run"
+    drafter = Drafter(TINY, nnx.Rngs(0), draft_vocab=np.arange(0, 128, 2))
+    save_drafter(run / "drafter", drafter)  # a train-drafter out_dir holds drafter/
+    out = tmp_path / "export"
+    res = fastrl_jax("export-drafter", "--model", str(tiny_model_dir(tmp_path)), "--drafter", str(run), "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    assert (out / "eagle" / "config.json").is_file() and (out / "eagle" / "model.safetensors").is_file()
+    for back in (load_drafter(out / "orbax", TINY), load_eagle(out / "eagle", TINY)):
+        np.testing.assert_array_equal(back.fc[...], drafter.fc[...])
+        np.testing.assert_array_equal(back.draft_vocab[...], drafter.draft_vocab[...])
+    again = fastrl_jax("export-drafter", "--model", str(tmp_path / "policy"), "--drafter", str(run), "--out", str(out))
+    assert again.returncode == 2 and "not empty" in again.stderr and "Traceback" not in again.stderr
+
+
+def test_missing_drafter_is_one_clear_line(tmp_path):
+    res = fastrl_jax("export-drafter", "--model", str(tiny_model_dir(tmp_path)), "--drafter", str(tmp_path / "none"),
+                     "--out", str(tmp_path / "o"))
+    assert res.returncode == 2 and "none" in res.stderr and "Traceback" not in res.stderr

@@ -1,0 +1,200 @@
+"""Drafter loss alignment (entry t sees f_t and x_{t+1}, predicts f_{t+1}), the train step, and resume."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from test_rollout import TINY, tiny_model
+
+from fastrl_jax.checkpoint import load_drafter
+from fastrl_jax.config import Config, DrafterTrainConfig, RolloutConfig
+from fastrl_jax.drafter import warmup
+from fastrl_jax.drafter.train import LossSettings, drafter_loss, make_optimizer, make_train_step, smooth_l1
+from fastrl_jax.models.drafter import Drafter, policy_features
+
+S, P = 12, 9  # sequence length; the one token to learn is x_P
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return tiny_model()
+
+
+def make_batch(seed=0):
+    rng = np.random.default_rng(seed)
+    mask = np.zeros((1, S), bool)
+    mask[0, P] = True
+    return {
+        "tokens": jnp.asarray(rng.integers(0, TINY.vocab_size, (1, S)), jnp.int32),
+        "hidden": jnp.asarray(rng.normal(size=(1, S, TINY.hidden_size)) * 3, jnp.float32),
+        "loss_mask": jnp.asarray(mask),
+        "positions": jnp.arange(S, dtype=jnp.int32)[None],
+        "segments": jnp.ones((1, S), jnp.int32),
+    }
+
+
+def expected_terms(drafter, policy, batch, t):
+    """Entry t alone after entries 0..t-1, run as drafting runs it: (f_t, x_{t+1}) -> pred vs f_{t+1}."""
+    f = policy_features(policy, batch["hidden"])
+    logits, pred, _ = drafter(policy, batch["tokens"][:, 1 : t + 2], f[:, : t + 1], batch["positions"][:, : t + 1],
+                              drafter.empty_cache(1, t + 1), jnp.zeros(1, jnp.int32))
+    target = f[:, t + 1]
+    l1 = smooth_l1(pred[:, t] - target).mean()
+    p = jax.nn.softmax(target @ drafter.head_weight(policy), -1)
+    ce = -(p * jax.nn.log_softmax(logits[:, t], -1)).sum()
+    return float(l1), float(ce), pred
+
+
+@pytest.mark.parametrize("vocab", [None, np.arange(0, 128, 3)])
+def test_loss_alignment_position_t_predicts_t_plus_1(policy, vocab):
+    drafter = Drafter(TINY, nnx.Rngs(1), draft_vocab=vocab)
+    batch = make_batch()
+    loss, m = drafter_loss(drafter, policy, batch, jax.random.key(0), LossSettings(ce_weight=0.1))
+    l1, ce, _ = expected_terms(drafter, policy, batch, P - 2)
+    assert float(m["entries"]) == 1
+    np.testing.assert_allclose([float(m["hidden_l1_0"]), float(m["ce_0"])], [l1, ce], rtol=1e-5)
+    np.testing.assert_allclose(float(loss), l1 + 0.1 * ce, rtol=1e-5)
+
+
+def test_loss_depends_on_the_right_positions(policy):
+    drafter = Drafter(TINY, nnx.Rngs(1))
+    batch = make_batch()
+    settings = LossSettings()
+
+    def loss_with(name, index, value):
+        b = dict(batch)
+        b[name] = b[name].at[0, index].set(value)
+        return float(drafter_loss(drafter, policy, b, jax.random.key(0), settings)[0])
+
+    base = float(drafter_loss(drafter, policy, batch, jax.random.key(0), settings)[0])
+    # x_P is learnt through the policy's distribution at f_{P-1}: neither x_P nor anything later matters.
+    for name, index, value in [("tokens", P, 5), ("tokens", P + 1, 6), ("hidden", P, 9.0), ("hidden", P + 2, 9.0)]:
+        assert loss_with(name, index, value) == pytest.approx(base, rel=1e-6), (name, index)
+    # The target f_{P-1}, the input token x_{P-1} and the input feature f_{P-2} all matter.
+    for name, index, value in [("hidden", P - 1, 9.0), ("tokens", P - 1, int(batch["tokens"][0, P - 1]) ^ 1),
+                               ("hidden", P - 2, 9.0)]:
+        assert loss_with(name, index, value) != pytest.approx(base, rel=1e-6), (name, index)
+
+
+def test_unrolled_step_sees_what_a_depth_two_draft_node_sees(policy):
+    """Unroll step 1 at anchor a = P-3: entry (pred_a, x_{P-1}) at position P-2 after the true entries
+    0..a, predicting f_{P-1}; computed here with the drafter cache as draft_tree does."""
+    drafter = Drafter(TINY, nnx.Rngs(2))
+    batch = make_batch(1)
+    _, m = drafter_loss(drafter, policy, batch, jax.random.key(0), LossSettings(unroll_steps=2))
+    a = P - 3
+    f = policy_features(policy, batch["hidden"])
+    cache = drafter.empty_cache(1, P)
+    _, pred, cache = drafter(policy, batch["tokens"][:, 1 : a + 2], f[:, : a + 1], batch["positions"][:, : a + 1],
+                             cache, jnp.zeros(1, jnp.int32))
+    logits, pred2, _ = drafter(policy, batch["tokens"][:, a + 2 : a + 3], pred[:, a : a + 1],
+                               jnp.full((1, 1), a + 1, jnp.int32), cache, jnp.full((1,), a + 1, jnp.int32))
+    target = f[:, P - 1]
+    np.testing.assert_allclose(float(m["hidden_l1_1"]), float(smooth_l1(pred2[:, 0] - target).mean()), rtol=1e-5)
+    p = jax.nn.softmax(target @ drafter.head_weight(policy), -1)
+    np.testing.assert_allclose(float(m["ce_1"]), float(-(p * jax.nn.log_softmax(logits[:, 0], -1)).sum()), rtol=1e-5)
+
+
+def test_packed_segments_do_not_see_each_other(policy):
+    drafter = Drafter(TINY, nnx.Rngs(1))
+    batch = make_batch()
+    packed = dict(batch)
+    # A second sequence packed in front of the first must not change the first's loss.
+    prefix = make_batch(5)
+    prefix["loss_mask"] = jnp.zeros_like(prefix["loss_mask"])
+    for k in ("tokens", "hidden", "loss_mask"):
+        packed[k] = jnp.concatenate([prefix[k], batch[k]], 1)
+    packed["positions"] = jnp.concatenate([batch["positions"], batch["positions"]], 1)
+    packed["segments"] = jnp.concatenate([jnp.ones((1, S), jnp.int32), 2 * jnp.ones((1, S), jnp.int32)], 1)
+    settings = LossSettings(unroll_steps=2)
+    a = drafter_loss(drafter, policy, batch, jax.random.key(0), settings)[0]
+    b = drafter_loss(drafter, policy, packed, jax.random.key(0), settings)[0]
+    np.testing.assert_allclose(float(a), float(b), rtol=1e-5)
+
+
+def test_train_step_learns_and_trains_only_the_drafter(policy):
+    drafter = Drafter(TINY, nnx.Rngs(3), draft_vocab=np.arange(64))
+    batch = make_batch()
+    batch["loss_mask"] = jnp.ones((1, S), bool)
+    graphdef, params, rest = nnx.split(drafter, nnx.Param, ...)
+    before = jax.tree.map(np.asarray, nnx.to_pure_dict(params))
+    pg, ps = nnx.split(policy)
+    policy_before = jax.tree.map(np.asarray, nnx.to_pure_dict(ps))
+    opt = make_optimizer(3e-3, 2, 30, 0.0, 1.0)
+    step = make_train_step(opt, LossSettings(input_noise=0.05, unroll_steps=2))
+    state = opt.init(params)
+    losses = []
+    for i in range(30):
+        params, state, m = step(graphdef, params, rest, state, pg, ps, batch, jax.random.key(i))
+        losses.append(float(m["loss"]))
+    assert losses[-1] < 0.5 * losses[0]
+    changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), before, nnx.to_pure_dict(params))
+    assert changed["fc"] and changed["layers"]["wq"]
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, policy_before, nnx.to_pure_dict(ps))))
+    np.testing.assert_array_equal(nnx.merge(graphdef, params, rest).draft_vocab[...], np.arange(64))
+
+
+class FakeTokenizer:
+    eos_token_id = 3
+
+
+def run_config(tmp_path, name, steps=4):
+    prompts = tmp_path / "prompts.jsonl"
+    rng = np.random.default_rng(0)
+    prompts.write_text("".join(json.dumps({"prompt_ids": rng.integers(4, 128, 6).tolist()}) + "\n" for _ in range(6)))
+    rollout = RolloutConfig(batch_buckets=(8,), length_buckets=(48,), prompt_buckets=(8,), steps_per_call=8,
+                            compile_cache_dir="", warm_up=False)
+    dt = DrafterTrainConfig(
+        out_dir=str(tmp_path / name), prompts=str(prompts), num_prompts=6, max_new_tokens=24, draft_vocab_size=32,
+        steps=steps, batch_rows=2, seq_len_tokens=32, warmup_steps=1, learning_rate=1e-3, log_every_steps=1,
+        eval_every_steps=0, eval_prompts=0, checkpoint_every_steps=2, keep_checkpoints=2, tensorboard=False,
+        unroll_steps=2, buffer_max_tokens=4096,
+    )
+    return Config(rollout=rollout, drafter_train=dt)
+
+
+def test_resume_continues_the_same_run(policy, tmp_path, monkeypatch):
+    whole = warmup.train_drafter(run_config(tmp_path, "whole"), policy, FakeTokenizer(), progress=False)
+    assert whole["data"]["sequences"] == 6
+
+    real = warmup.make_train_step
+
+    def crashing(*args):
+        step, calls = real(*args), []
+
+        def wrapped(*a):
+            calls.append(1)
+            if len(calls) == 3:
+                raise KeyboardInterrupt  # killed during step 3, after the step-2 checkpoint
+            return step(*a)
+
+        return wrapped
+
+    cfg = run_config(tmp_path, "killed")
+    monkeypatch.setattr(warmup, "make_train_step", crashing)
+    with pytest.raises(KeyboardInterrupt):
+        warmup.train_drafter(cfg, policy, FakeTokenizer(), progress=False)
+    monkeypatch.setattr(warmup, "make_train_step", real)
+    warmup.train_drafter(cfg, policy, FakeTokenizer(), progress=False)
+
+    a = load_drafter(tmp_path / "whole" / "drafter", TINY)
+    b = load_drafter(tmp_path / "killed" / "drafter", TINY)
+    for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b))):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+    assert a.draft_vocab[...].shape == (32,)
+    steps = [json.loads(ln)["step"] for ln in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]  # the killed run's lines were kept up to its checkpoint, then continued
+
+
+def test_config_errors_name_the_key():
+    from fastrl_jax.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="drafter_train.unroll_steps"):
+        load_config(None, ["drafter_train.unroll_steps=0"])
+    with pytest.raises(ConfigError, match="drafter_train.prompts"):
+        load_config(None, ["drafter_train.prompts=data.txt"])
+    assert dataclasses.asdict(load_config("configs/smollm2_cpu.yaml").drafter_train)["draft_vocab_size"] > 0
