@@ -7,19 +7,27 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
 from fastrl_jax.models.config import ModelConfig
-from fastrl_jax.models.drafter import Drafter
+from fastrl_jax.models.drafter import Drafter, DraftVocab
 
 
 def save_drafter(path: str | Path, drafter: Drafter) -> Path:
-    """Writes the drafter's parameters as an Orbax checkpoint at `path` (a new directory)."""
+    """Writes the drafter's parameters (and its draft vocabulary, if any) as an Orbax checkpoint
+    at `path` (a new directory)."""
     path = Path(path).expanduser().resolve()
     with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(path, nnx.to_pure_dict(nnx.state(drafter, nnx.Param)))
+        ckptr.save(path, nnx.to_pure_dict(nnx.state(drafter, (nnx.Param, DraftVocab))))
     return path
+
+
+def abstract_drafter(cfg: ModelConfig, dtype="float32", draft_vocab_size: int = 0) -> Drafter:
+    """The drafter's structure without memory; draft_vocab_size 0 means the full vocabulary."""
+    vocab = np.arange(draft_vocab_size) if draft_vocab_size else None
+    return nnx.eval_shape(lambda: Drafter(cfg, nnx.Rngs(0), dtype, draft_vocab=vocab))
 
 
 def load_drafter(path: str | Path, cfg: ModelConfig, dtype="float32") -> Drafter:
@@ -27,13 +35,15 @@ def load_drafter(path: str | Path, cfg: ModelConfig, dtype="float32") -> Drafter
     path = Path(path).expanduser().resolve()
     if not path.is_dir():
         raise FileNotFoundError(f"drafter checkpoint {path} not found (expected a directory written by save_drafter)")
-    abstract = nnx.eval_shape(lambda: Drafter(cfg, nnx.Rngs(0), dtype))
-    graphdef, state = nnx.split(abstract)
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(state))
     with ocp.StandardCheckpointer() as ckptr:
         try:
+            saved = ckptr.metadata(path).item_metadata
+            vocab = saved.get("draft_vocab")
+            abstract = abstract_drafter(cfg, dtype, vocab.shape[0] if vocab is not None else 0)
+            graphdef, state = nnx.split(abstract)
+            target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(state))
             restored = ckptr.restore(path, target)
-        except (ValueError, KeyError) as e:
+        except (ValueError, KeyError, AttributeError) as e:
             raise ValueError(f"{path} is not a drafter checkpoint for this policy ({e})") from e
     nnx.replace_by_pure_dict(state, restored)
     return nnx.merge(graphdef, state)

@@ -59,7 +59,7 @@ def _read_prompts(args, tokenizer) -> list[list[int]]:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from fastrl_jax.rollout.engine import Request, RolloutEngine
+    from fastrl_jax.rollout.engine import Request, RolloutEngine, acceptance_by_strategy
 
     # A one-off generation compiles only the programs it reaches.
     spec = [f"sd.{key}={value!r}" for key, value in (
@@ -106,9 +106,106 @@ def cmd_generate(args: argparse.Namespace) -> None:
     tokens = sum(len(r.tokens) for r in results)
     print(f"[fastrl-jax] {len(rows)} completions, {tokens} tokens in {seconds:.1f}s "
           f"({tokens / seconds:.1f} tok/s, compilation included; {engine.pool.report()})", file=sys.stderr)
-    if "acceptance_length" in engine.stats:
-        print(f"[fastrl-jax] speculative: {engine.stats['sd_steps']} row-steps, acceptance length "
-              f"{engine.stats['acceptance_length']:.2f} tokens/step", file=sys.stderr)
+    st = engine.stats
+    if "acceptance_length" in st:
+        by_strategy = ", ".join(f"{k} {v:.2f}" for k, v in acceptance_by_strategy(st).items())
+        print(f"[fastrl-jax] speculative: {st['sd_steps']:.0f} row-steps, acceptance length "
+              f"{st['acceptance_length']:.2f} tokens/step ({by_strategy}); device steps with SD "
+              f"{st.get('steps_sd', 0):.0f}, without {st.get('steps_plain', 0):.0f}", file=sys.stderr)
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from fastrl_jax.config import load_config
+
+    cfg = load_config(args.config, [*args.overrides, *args.set])
+    if args.dry_run:
+        from fastrl_jax.rl.dry_run import plan
+
+        print(plan(cfg, args.devices))
+        return
+    if args.distributed or args.coordinator:
+        from fastrl_jax.rl.distributed import initialize
+
+        initialize(args.coordinator, args.num_processes, args.process_id)
+    from fastrl_jax.rl.trainer import train
+
+    t0 = time.perf_counter()
+    history = train(cfg, resume=args.resume)
+    print(f"[fastrl-jax] {len(history)} steps in {time.perf_counter() - t0:.1f}s; metrics in "
+          f"{Path(cfg.rl.out_dir) / 'metrics.jsonl'}", file=sys.stderr)
+
+
+def _drafter_dir(path: str) -> Path:
+    """A drafter checkpoint directory: `path` itself, or the drafter/ a train-drafter run wrote there."""
+    p = Path(path).expanduser()
+    if (p / "drafter").is_dir():
+        return p / "drafter"
+    if not p.is_dir():
+        raise FileNotFoundError(f"drafter {p} not found: give a train-drafter out_dir or a drafter checkpoint directory")
+    return p
+
+
+def cmd_train_drafter(args: argparse.Namespace) -> None:
+    from fastrl_jax.drafter.warmup import train_drafter
+
+    cfg, model, _, tokenizer = _load(args, ["rollout.warm_up=false"])
+    summary = train_drafter(cfg, model, tokenizer, resume=not args.restart)
+    final = summary.get("final_eval", {})
+    figures = ", ".join(f"{k.removeprefix('accept_')} {v:.2f}" for k, v in final.items() if k.startswith("accept_"))
+    print(f"[fastrl-jax] drafter in {summary['drafter']}; held-out acceptance length: {figures or '-'}; "
+          f"wall {summary['wall_seconds'] / 60:.1f} min", file=sys.stderr)
+
+
+def cmd_export_drafter(args: argparse.Namespace) -> None:
+    from fastrl_jax.checkpoint import load_drafter, save_drafter
+    from fastrl_jax.config import load_config
+    from fastrl_jax.drafter.export import export_eagle
+    from fastrl_jax.models.hub import resolve_model_path
+    from fastrl_jax.models.loading import read_model_config
+
+    cfg = load_config(args.config, [*([f"model.path={args.model}"] if args.model else []), *args.set])
+    model_cfg = read_model_config(resolve_model_path(cfg.model.path))
+    drafter = load_drafter(_drafter_dir(args.drafter), model_cfg, cfg.model.dtype)
+    out = Path(args.out).expanduser()
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"--out {out} exists and is not empty; choose a new directory")
+    orbax_dir = save_drafter(out / "orbax", drafter)
+    eagle_dir = export_eagle(drafter, model_cfg, out / "eagle")
+    print(f"[fastrl-jax] wrote {orbax_dir} (Orbax, fastrl-jax generate --drafter) and {eagle_dir} "
+          f"(safetensors, SGLang LlamaForCausalLMEagle)", file=sys.stderr)
+
+
+def cmd_bench_sd(args: argparse.Namespace) -> None:
+    from fastrl_jax.checkpoint import load_drafter
+    from fastrl_jax.drafter import bench
+    from fastrl_jax.drafter.warmup import held_out_sets, stop_ids
+
+    cfg, model, model_cfg, tokenizer = _load(args, ["rollout.warm_up=false"])
+    drafter = load_drafter(_drafter_dir(args.drafter), model_cfg, cfg.model.dtype)
+    strategies = [tuple(int(x) for x in s.split("/")) for s in args.strategies]
+    sets = held_out_sets(cfg, tokenizer, args.prompts)
+    prompts = [p for pair in zip(sets["math"], sets["chat"]) for p in pair]  # alternate the two kinds
+    result = {"model": cfg.model.path, "dtype": cfg.model.dtype, "drafter": str(args.drafter),
+              "new_tokens": args.new_tokens, "repeats": args.repeats, "backend": __import__("jax").default_backend()}
+    if args.profile:
+        prof = bench.profile_step(model, drafter, strategies[0], temperature=args.temperatures[-1])
+        result["profile_ms"] = prof
+        print("[bench-sd] one speculative step at batch 1, strategy " + args.strategies[0] + " (ms): "
+              + ", ".join(f"{k} {v:.1f}" for k, v in prof.items()))
+    rows = bench.run_bench(
+        model, drafter, prompts, stop_ids(model_cfg, tokenizer), base_cfg=cfg.rollout, batch_sizes=args.batch_sizes,
+        strategies=strategies, temperatures=args.temperatures, vocabs=args.vocab, new_tokens=args.new_tokens,
+        repeats=args.repeats, log=lambda line: print(f"[bench-sd] {line}", file=sys.stderr, flush=True))
+    result["rows"] = rows
+    result["stops_paying_at_batch"] = bench.stop_paying(rows)
+    print(bench.HEADER)
+    for row in rows:
+        print(bench.format_row(row))
+    for key, b in result["stops_paying_at_batch"].items():
+        print(f"{key}: SD stops paying at batch {b if b is not None else '> ' + str(max(args.batch_sizes))}")
+    bench.write_json(args.out, result)
+    if args.plot and bench.plot(rows, args.plot):
+        print(f"[bench-sd] wrote {args.plot}", file=sys.stderr)
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -132,13 +229,54 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="0 is off")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=0, help="request i uses seed + i")
-    gen.add_argument("--sd", choices=["off", "on"], help="speculative decoding (overrides sd.mode)")
+    gen.add_argument("--sd", choices=["off", "on", "adaptive"],
+                     help="speculative decoding: off, on (always), adaptive (at small live batch; overrides sd.mode)")
     gen.add_argument("--drafter", help="drafter checkpoint directory; a random drafter when omitted")
     gen.add_argument("--spec-steps", type=int, help="draft tree depth (sd.steps)")
     gen.add_argument("--spec-topk", type=int, help="branching per step (sd.topk)")
     gen.add_argument("--spec-verify-tokens", type=int, help="tree nodes verified, root included (sd.verify_tokens)")
     gen.add_argument("--spec-accept", choices=["coupled", "rejection"], help="acceptance rule (sd.accept)")
     gen.set_defaults(func=cmd_generate)
+    train = sub.add_parser("train", help="GRPO training (rollout -> rewards -> update -> weight hand-off)")
+    train.add_argument("--config", help="YAML config (configs/*.yaml); defaults apply without it")
+    train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. rl.steps=10")
+    train.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more config overrides")
+    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in rl.out_dir")
+    train.add_argument("--dry-run", action="store_true",
+                       help="build the abstract model, mesh and shardings; print memory per device and the program plan")
+    train.add_argument("--devices", type=int, help="--dry-run: devices to plan for (default: the mesh sizes' product)")
+    train.add_argument("--distributed", action="store_true",
+                       help="call jax.distributed.initialize() first (SLURM / TPU pods are auto-detected)")
+    train.add_argument("--coordinator", help="host:port of process 0 (multi-process without SLURM; implies --distributed)")
+    train.add_argument("--num-processes", type=int)
+    train.add_argument("--process-id", type=int)
+    train.set_defaults(func=cmd_train)
+    td = sub.add_parser("train-drafter", help="warm-up training of the EAGLE drafter on the policy's own generations")
+    _common(td)
+    td.add_argument("--restart", action="store_true",
+                    help="refuse to resume: fail if drafter_train.out_dir already holds checkpoints")
+    td.set_defaults(func=cmd_train_drafter)
+    ex = sub.add_parser("export-drafter", help="write a trained drafter as Orbax and as an SGLang EAGLE safetensors dir")
+    _common(ex)
+    ex.add_argument("--drafter", required=True, help="train-drafter out_dir, or a drafter checkpoint directory")
+    ex.add_argument("--out", required=True, help="new directory: OUT/orbax and OUT/eagle are written")
+    ex.set_defaults(func=cmd_export_drafter)
+    bs = sub.add_parser("bench-sd", help="plain vs speculative decoding tokens/s per batch size, strategy, temperature")
+    _common(bs)
+    bs.add_argument("--drafter", required=True, help="train-drafter out_dir, or a drafter checkpoint directory")
+    bs.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    bs.add_argument("--strategies", nargs="+", default=["6/4/16", "5/4/8", "4/2/6"],
+                    help="draft trees as steps/topk/verify_tokens")
+    bs.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
+    bs.add_argument("--vocab", nargs="+", choices=["reduced", "full"], default=["reduced", "full"],
+                    help="the drafter's reduced draft vocabulary and/or the same weights over the full vocabulary")
+    bs.add_argument("--new-tokens", type=int, default=128, help="max new tokens per request (stop tokens end earlier)")
+    bs.add_argument("--prompts", type=int, default=16, help="held-out prompts of each kind (math, chat), alternated")
+    bs.add_argument("--repeats", type=int, default=1, help="timed runs per cell after the compiling one (best is kept)")
+    bs.add_argument("--profile", action="store_true", help="also time each phase of one speculative step at batch 1")
+    bs.add_argument("--out", default="bench_sd.json")
+    bs.add_argument("--plot", default="bench_sd.png", help="PNG of speedup vs batch size ('' to skip)")
+    bs.set_defaults(func=cmd_bench_sd)
     return parser
 
 

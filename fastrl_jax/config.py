@@ -87,22 +87,263 @@ class RolloutConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
-    """Speculative decoding: a draft tree of `steps` x `topk`, `verify_tokens` nodes verified (root included)."""
+    """Speculative decoding: a draft tree of `steps` x `topk`, `verify_tokens` nodes verified (root included).
 
-    mode: str = "off"  # off | on
+    mode 'on' always runs that one tree. mode 'adaptive' runs plain decoding while the live batch is
+    large and SD once it has stayed <= threshold_live_batch for patience_host_steps program calls,
+    choosing among `strategies` with a bandit; each verify_tokens group of strategies owns a live-batch
+    range in group_live_batch_ranges.
+    """
+
+    mode: str = "off"  # off | on | adaptive
     steps: int = 5
     topk: int = 4
     verify_tokens: int = 8  # SGLang's defaults: 5 / 4 / 8
     accept: str = "coupled"  # coupled (bit-identical to plain sampling) | rejection (exact in distribution)
+    threshold_live_batch: int = 8  # adaptive: SD only at live batch <= this
+    patience_host_steps: int = 2  # adaptive: consecutive program calls at or below the threshold before SD turns on
+    strategies: tuple[tuple[int, ...], ...] = ()  # adaptive: [steps, topk, verify_tokens] each; empty = the one above
+    group_live_batch_ranges: tuple[tuple[int, ...], ...] = ()  # adaptive: [verify_tokens, min, max] per group; empty = [1, threshold] for a single group
+    bandit: str = "beg"  # adaptive: beg (bucketed epsilon-greedy) | ucb1 | fixed (each group's first strategy)
+    epsilon: float = 0.1  # beg: exploration probability
+    window_host_steps: int = 16  # bandit: rewards kept per strategy (sliding window)
+    bandit_seed: int = 0
 
     def __post_init__(self):
-        _check_choice("sd.mode", self.mode, ("off", "on"))
+        _check_choice("sd.mode", self.mode, ("off", "on", "adaptive"))
         _check_choice("sd.accept", self.accept, ("coupled", "rejection"))
-        if self.steps < 1 or self.topk < 1 or self.verify_tokens < 2:
-            raise ConfigError(f"sd needs steps >= 1, topk >= 1, verify_tokens >= 2; got {self}")
-        most = 1 + self.topk + (self.steps - 1) * self.topk**2
-        if self.verify_tokens > most:
-            raise ConfigError(f"sd.verify_tokens={self.verify_tokens} exceeds the {most} nodes steps x topk can draft")
+        _check_choice("sd.bandit", self.bandit, ("beg", "ucb1", "fixed"))
+        for key, tree in [("sd", (self.steps, self.topk, self.verify_tokens)),
+                          *((f"sd.strategies[{i}]", s) for i, s in enumerate(self.strategies))]:
+            if len(tree) != 3:
+                raise ConfigError(f"{key} must be [steps, topk, verify_tokens], got {list(tree)}")
+            steps, topk, verify = tree
+            if steps < 1 or topk < 1 or verify < 2:
+                raise ConfigError(f"{key} needs steps >= 1, topk >= 1, verify_tokens >= 2; got {list(tree)}")
+            most = 1 + topk + (steps - 1) * topk**2
+            if verify > most:
+                raise ConfigError(f"{key}: verify_tokens={verify} exceeds the {most} nodes steps x topk can draft")
+        for name in ("threshold_live_batch", "patience_host_steps", "window_host_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"sd.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.epsilon <= 1:
+            raise ConfigError(f"sd.epsilon must be in [0, 1], got {self.epsilon}")
+        self.live_batch_ranges()  # validates the groups' ranges
+
+    def strategy_list(self) -> list[tuple[int, int, int]]:
+        """Adaptive mode's candidate trees (steps, topk, verify_tokens); mode 'on' uses the first."""
+        if self.mode == "adaptive" and self.strategies:
+            return [tuple(s) for s in self.strategies]
+        return [(self.steps, self.topk, self.verify_tokens)]
+
+    def live_batch_ranges(self) -> dict[int, tuple[int, int]]:
+        """{verify_tokens: (min_live_batch, max_live_batch)}: disjoint, covering 1 .. threshold_live_batch."""
+        groups = sorted({s[2] for s in self.strategy_list()})
+        key = "sd.group_live_batch_ranges"
+        if not self.group_live_batch_ranges:
+            if len(groups) > 1:
+                raise ConfigError(
+                    f"sd.strategies has {len(groups)} verify_tokens groups {groups}: give {key} as "
+                    "[verify_tokens, min_live_batch, max_live_batch] per group, e.g. [[16, 1, 2], [8, 3, 8]]"
+                )
+            return {groups[0]: (1, self.threshold_live_batch)}
+        ranges = {}
+        for r in self.group_live_batch_ranges:
+            if len(r) != 3 or r[1] < 1 or r[2] < r[1]:
+                raise ConfigError(f"{key} entries must be [verify_tokens, min, max] with 1 <= min <= max, got {list(r)}")
+            if r[0] in ranges:
+                raise ConfigError(f"{key} gives verify_tokens={r[0]} twice")
+            ranges[r[0]] = (r[1], r[2])
+        if self.mode == "adaptive" and sorted(ranges) != groups:
+            raise ConfigError(f"{key} must give one range per verify_tokens group of sd.strategies {groups}, got {sorted(ranges)}")
+        covered = sorted(ranges.values())
+        if covered[0][0] != 1 or any(b[0] != a[1] + 1 for a, b in zip(covered, covered[1:])) \
+                or covered[-1][1] < self.threshold_live_batch:
+            raise ConfigError(
+                f"{key} must tile live batches 1 .. sd.threshold_live_batch ({self.threshold_live_batch}) "
+                f"without gaps or overlaps, got {[list(r) for r in self.group_live_batch_ranges]}"
+            )
+        return ranges
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """RL prompts: the built-in math generator ('math') or a .jsonl / .parquet file, and a held-out set."""
+
+    source: str = "math"  # 'math' or a path; records need prompt (or messages) and answer
+    eval_source: str = "math"  # held-out prompts: 'math' (a different seed from training) or a path
+    prompt_field: str = "prompt"
+    messages_field: str = "messages"
+    answer_field: str = "answer"
+    math_levels: tuple[int, ...] = (1, 2, 3, 4, 5)  # built-in problem difficulty levels to draw from
+    instruction: str = "Put the final answer after 'The answer is'."  # appended to every prompt text
+    chat_template: bool = True
+    shuffle: bool = True
+
+    def __post_init__(self):
+        for name in ("source", "eval_source"):
+            if not getattr(self, name):
+                raise ConfigError(f"data.{name} must be 'math' or a .jsonl / .parquet path")
+        if not self.math_levels or not set(self.math_levels) <= {1, 2, 3, 4, 5}:
+            raise ConfigError(f"data.math_levels must be a non-empty subset of [1, 2, 3, 4, 5]; got {list(self.math_levels)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+    """Reward = sum of weight x registered reward function (fastrl_jax.rl.rewards)."""
+
+    functions: tuple[str, ...] = ("correct",)
+    weights: tuple[float, ...] = (1.0,)
+
+    def __post_init__(self):
+        if not self.functions or len(self.functions) != len(self.weights):
+            raise ConfigError(
+                f"reward.functions ({list(self.functions)}) and reward.weights ({list(self.weights)}) "
+                "must be non-empty lists of the same length"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """optax AdamW with global-norm clipping and a learning-rate schedule over rl.steps."""
+
+    learning_rate: float = 1e-6
+    schedule: str = "constant"  # constant | cosine | linear (decay to 0 at the last step)
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0  # 0 disables clipping
+
+    def __post_init__(self):
+        _check_choice("optim.schedule", self.schedule, ("constant", "cosine", "linear"))
+        if self.learning_rate <= 0 or self.warmup_steps < 0 or self.max_grad_norm < 0 or self.weight_decay < 0:
+            raise ConfigError(
+                "optim needs learning_rate > 0, warmup_steps >= 0, max_grad_norm >= 0, weight_decay >= 0; "
+                f"got {self}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    """GRPO: rollout sizes, sampling, loss, batching of the update, and the run's outputs."""
+
+    steps: int = 3
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 4  # the GRPO group size
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    minibatches_per_step: int = 1  # optimizer updates per rollout batch; > 1 makes later ones off-policy
+    micro_batch_size: int = 8  # sequences per forward/backward; gradients accumulate over a mini-batch
+    clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high] (DAPO's clip-higher)
+    clip_high: float = 0.28
+    loss_aggregation: str = "token"  # token (DAPO) | sequence (GRPO)
+    advantage_std_normalize: bool = True
+    kl_coef: float = 0.0  # > 0 keeps a frozen reference policy
+    kl_estimator: str = "k3"  # k1 | k3
+    remat: bool = False  # recompute layer activations in the backward pass
+    drafter_path: str = ""  # drafter checkpoint for sd.mode != off; '' = randomly initialised (lossless, slow)
+    out_dir: str = "runs/grpo"  # checkpoints, metrics.jsonl, tensorboard/
+    checkpoint_every_steps: int = 1  # 0 disables checkpoints
+    keep_checkpoints: int = 2
+    eval_every_steps: int = 0  # held-out accuracy (greedy) every N steps and at the end; 0 = never
+    eval_prompts: int = 64
+    tensorboard: bool = True
+
+    def __post_init__(self):
+        _check_choice("rl.loss_aggregation", self.loss_aggregation, ("token", "sequence"))
+        _check_choice("rl.kl_estimator", self.kl_estimator, ("k1", "k3"))
+        for name in ("steps", "prompts_per_step", "max_new_tokens", "minibatches_per_step", "micro_batch_size",
+                     "keep_checkpoints", "eval_prompts"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"rl.{name} must be >= 1, got {getattr(self, name)}")
+        if self.samples_per_prompt < 2:
+            raise ConfigError(f"rl.samples_per_prompt must be >= 2 (GRPO compares samples of a prompt), got {self.samples_per_prompt}")
+        if self.temperature <= 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ConfigError(f"rl needs temperature > 0, 0 < top_p <= 1, top_k >= 0; got {self.temperature}, {self.top_p}, {self.top_k}")
+        if not 0 <= self.clip_low < 1 or self.clip_high < 0 or self.kl_coef < 0:
+            raise ConfigError(f"rl needs 0 <= clip_low < 1, clip_high >= 0, kl_coef >= 0; got {self.clip_low}, {self.clip_high}, {self.kl_coef}")
+        if self.checkpoint_every_steps < 0 or self.eval_every_steps < 0:
+            raise ConfigError("rl.checkpoint_every_steps and rl.eval_every_steps must be >= 0")
+        sequences = self.prompts_per_step * self.samples_per_prompt
+        if sequences % (self.minibatches_per_step * self.micro_batch_size):
+            raise ConfigError(
+                f"rl.prompts_per_step x rl.samples_per_prompt = {sequences} sequences must split into "
+                f"rl.minibatches_per_step ({self.minibatches_per_step}) mini-batches of whole "
+                f"rl.micro_batch_size ({self.micro_batch_size}) micro-batches"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterTrainConfig:
+    """Warm-up training of the EAGLE drafter on the policy's own generations (`fastrl-jax train-drafter`)."""
+
+    out_dir: str = "~/.cache/fastrl_jax/drafters/smollm2"  # run dir: data, checkpoints, metrics, drafter/
+    prompts: str = "builtin"  # 'builtin' (math problems + general chat) or a JSONL file of {"prompt": text}
+    num_prompts: int = 512  # prompts generated from (before samples_per_prompt)
+    chat_fraction: float = 0.5  # builtin: share of general chat prompts, the rest math problems
+    instruction: str = "Put the final answer after 'The answer is'."  # builtin: appended to math prompts
+    samples_per_prompt: int = 1
+    max_new_tokens: int = 256
+    temperature: float = 0.7  # generation temperature of the training data
+    buffer_max_tokens: int = 1_000_000  # sample buffer bound (hidden states stored as float16)
+    draft_vocab_size: int = 8192  # reduced draft vocabulary: most frequent completion tokens; 0 = full vocab
+    steps: int = 2000  # optimizer steps
+    batch_rows: int = 8  # packed rows per step
+    seq_len_tokens: int = 512  # tokens per packed row
+    learning_rate: float = 1e-3
+    warmup_steps: int = 100
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.5  # 0 disables clipping
+    ce_weight: float = 0.1  # loss = SmoothL1(features) + ce_weight x CE(policy's next-token distribution)
+    input_noise: float = 0.1  # input features get uniform noise in [-input_noise, input_noise]
+    unroll_steps: int = 2  # 1 = EAGLE; k > 1 also trains on the drafter's own predictions k - 1 deep
+    unroll_decay: float = 0.8  # weight of unroll step j is unroll_decay ** j
+    log_every_steps: int = 10
+    eval_every_steps: int = 500  # held-out acceptance length; 0 = only at the end
+    eval_prompts: int = 4  # per held-out set (math, chat)
+    eval_max_new_tokens: int = 96
+    eval_strategy: tuple[int, ...] = (6, 4, 16)  # [steps, topk, verify_tokens] of the eval draft tree
+    checkpoint_every_steps: int = 250
+    keep_checkpoints: int = 2
+    tensorboard: bool = True
+
+    def __post_init__(self):
+        key = "drafter_train."
+        if not self.out_dir:
+            raise ConfigError(f"{key}out_dir must be a directory path")
+        if self.prompts != "builtin" and not self.prompts.endswith(".jsonl"):
+            raise ConfigError(f"{key}prompts must be 'builtin' or a .jsonl file, got {self.prompts!r}")
+        for name in ("num_prompts", "samples_per_prompt", "max_new_tokens", "steps", "batch_rows",
+                     "log_every_steps", "checkpoint_every_steps", "keep_checkpoints", "eval_max_new_tokens",
+                     "unroll_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{key}{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup_steps", "eval_every_steps", "eval_prompts", "draft_vocab_size"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{key}{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("weight_decay", "grad_clip_norm", "ce_weight", "input_noise", "temperature"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{key}{name} must be >= 0, got {getattr(self, name)}")
+        if self.learning_rate <= 0:
+            raise ConfigError(f"{key}learning_rate must be > 0, got {self.learning_rate}")
+        if not 0 <= self.chat_fraction <= 1 or not 0 < self.unroll_decay <= 1:
+            raise ConfigError(f"{key}chat_fraction must be in [0, 1] and unroll_decay in (0, 1]; "
+                              f"got {self.chat_fraction}, {self.unroll_decay}")
+        if self.seq_len_tokens < 8:
+            raise ConfigError(f"{key}seq_len_tokens must be >= 8, got {self.seq_len_tokens}")
+        if self.buffer_max_tokens < self.seq_len_tokens:
+            raise ConfigError(f"{key}buffer_max_tokens ({self.buffer_max_tokens}) must be >= seq_len_tokens ({self.seq_len_tokens})")
+        if len(self.eval_strategy) != 3:
+            raise ConfigError(f"{key}eval_strategy must be [steps, topk, verify_tokens], got {list(self.eval_strategy)}")
+        try:
+            SpecConfig(mode="on", steps=self.eval_strategy[0], topk=self.eval_strategy[1],
+                       verify_tokens=self.eval_strategy[2])
+        except ConfigError as e:
+            raise ConfigError(f"{key}eval_strategy: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +354,11 @@ class Config:
     mesh: MeshConfig = MeshConfig()
     rollout: RolloutConfig = RolloutConfig()
     sd: SpecConfig = SpecConfig()
+    data: DataConfig = DataConfig()
+    reward: RewardConfig = RewardConfig()
+    optim: OptimConfig = OptimConfig()
+    rl: RLConfig = RLConfig()
+    drafter_train: DrafterTrainConfig = DrafterTrainConfig()
     seed: int = 0
 
 

@@ -1,0 +1,41 @@
+"""HF config.json values of the models the shipped configs name, for planning without the checkpoint.
+
+`fastrl-jax train --dry-run` reads the model's config.json when the checkpoint is there, and
+falls back to this table (matched by the checkpoint directory's name) so a cluster config can be
+checked on a laptop. Values copied from the models' published config.json files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+KNOWN: dict[str, dict[str, Any]] = {
+    "qwen2.5-7b": {
+        "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768, "tie_word_embeddings": False, "rope_theta": 1000000.0,
+        "bos_token_id": 151643, "eos_token_id": 151645,
+    },
+    "qwen2.5-32b": {
+        "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 5120, "intermediate_size": 27648,
+        "num_hidden_layers": 64, "num_attention_heads": 40, "num_key_value_heads": 8, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768, "tie_word_embeddings": False, "rope_theta": 1000000.0,
+        "bos_token_id": 151643, "eos_token_id": 151645,
+    },
+    "smollm2-135m": {
+        "model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 8192, "tie_word_embeddings": True, "rope_theta": 100000.0,
+        "bos_token_id": 1, "eos_token_id": 2,
+    },
+}
+
+
+def known_config(path: str) -> dict[str, Any] | None:
+    """The table entry whose key the checkpoint name contains ('.../Qwen2.5-7B-Instruct' -> qwen2.5-7b)."""
+    name = "smollm2-135m" if path == "smollm2" else Path(path).name.lower()
+    for key in sorted(KNOWN, key=len, reverse=True):
+        if key in name:
+            return KNOWN[key]
+    return None

@@ -1,0 +1,119 @@
+"""GRPO math as pure functions: group advantages, token log-probs, the clipped surrogate, KL, aggregation.
+
+Losses come out as *sums divided by a normaliser the caller passes* (all completion tokens, or
+all sequences, of the whole mini-batch), so per-micro-batch gradients add up to exactly the
+gradient of the mini-batch loss under gradient accumulation.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+AGGREGATIONS = ("token", "sequence")
+KL_ESTIMATORS = ("k1", "k3")
+
+
+def group_advantages(rewards: jax.Array, group_size: int, std_normalize: bool = True, eps: float = 1e-6) -> jax.Array:
+    """rewards [N] (N = groups x group_size, a group's samples adjacent) -> advantages [N].
+
+    A = (r - mean of its group) / (std of its group + eps); a group whose samples all got the same
+    reward has A = 0 and contributes no gradient. std_normalize=False keeps r - mean (Dr. GRPO).
+    """
+    if rewards.shape[0] % group_size:
+        raise ValueError(f"{rewards.shape[0]} rewards do not split into groups of {group_size}")
+    r = rewards.reshape(-1, group_size).astype(jnp.float32)
+    centred = r - r.mean(axis=1, keepdims=True)
+    if std_normalize:
+        centred = centred / (r.std(axis=1, keepdims=True) + eps)
+    return centred.reshape(-1)
+
+
+def token_logprobs(logits: jax.Array, targets: jax.Array, temperature: float = 1.0) -> jax.Array:
+    """logits [B, T, V], targets [B, T] int -> log p(target) [B, T] under softmax(logits / temperature).
+
+    The rollout engine reports log-probs under the same temperature-scaled distribution.
+    """
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+    return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+
+
+def entropy(logits: jax.Array, temperature: float = 1.0) -> jax.Array:
+    """logits [B, T, V] -> entropy of each position's temperature-scaled distribution [B, T]."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+    return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+
+
+def clipped_surrogate(
+    logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, clip_low: float, clip_high: float
+) -> tuple[jax.Array, jax.Array]:
+    """Per-token PPO loss with DAPO's decoupled clip range [1 - clip_low, 1 + clip_high].
+
+    logp, old_logp [B, T]; advantages [B] (one per sequence). Returns (loss [B, T], clipped [B, T]
+    bool: tokens whose gradient the clip removed).
+    """
+    ratio = jnp.exp(logp - old_logp)
+    adv = advantages[:, None]
+    unclipped = ratio * adv
+    clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
+    return -jnp.minimum(unclipped, clipped), clipped < unclipped
+
+
+def kl_penalty(logp: jax.Array, ref_logp: jax.Array, estimator: str) -> jax.Array:
+    """Per-token estimate of KL(policy || reference) from the sampled tokens' log-probs [B, T].
+
+    k1 = log p - log q (unbiased, can be negative); k3 = q/p - log(q/p) - 1 (unbiased, >= 0,
+    lower variance; Schulman's estimator, GRPO's choice).
+    """
+    if estimator == "k1":
+        return logp - ref_logp
+    if estimator == "k3":
+        log_ratio = ref_logp - logp
+        return jnp.exp(log_ratio) - log_ratio - 1.0
+    raise ValueError(f"unknown KL estimator {estimator!r}; use one of {', '.join(KL_ESTIMATORS)}")
+
+
+def aggregate(per_token: jax.Array, mask: jax.Array, mode: str, normalizer: jax.Array | float) -> jax.Array:
+    """Sums per-token values [B, T] over the mask [B, T] into one scalar.
+
+    token: sum over tokens / normalizer (= completion tokens of the mini-batch): every token weighs
+      the same, so long responses are not diluted (DAPO).
+    sequence: sum over sequences of each one's token mean / normalizer (= sequences of the
+      mini-batch): every sequence weighs the same (the original GRPO).
+    """
+    mask = mask.astype(jnp.float32)
+    if mode == "token":
+        return jnp.sum(per_token * mask) / normalizer
+    if mode == "sequence":
+        per_seq = jnp.sum(per_token * mask, axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1.0)
+        return jnp.sum(per_seq) / normalizer
+    raise ValueError(f"unknown loss aggregation {mode!r}; use one of {', '.join(AGGREGATIONS)}")
+
+
+def grpo_loss(
+    logp: jax.Array,
+    old_logp: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    *,
+    clip_low: float,
+    clip_high: float,
+    aggregation: str,
+    normalizer: jax.Array | float,
+    ref_logp: jax.Array | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The GRPO objective of one micro-batch: clipped surrogate + kl_coef x KL, aggregated.
+
+    logp, old_logp, ref_logp, mask [B, T]; advantages [B]. Returns (loss, metrics); metrics are
+    aggregated the same way, so they too add up over micro-batches.
+    """
+    surrogate, clipped = clipped_surrogate(logp, old_logp, advantages, clip_low, clip_high)
+    loss = aggregate(surrogate, mask, aggregation, normalizer)
+    metrics = {"pg_loss": loss, "clip_fraction": aggregate(clipped.astype(jnp.float32), mask, aggregation, normalizer)}
+    if ref_logp is not None:
+        kl = aggregate(kl_penalty(logp, ref_logp, kl_estimator), mask, aggregation, normalizer)
+        loss = loss + kl_coef * kl
+        metrics["kl"] = kl
+    return loss, metrics

@@ -1,0 +1,124 @@
+"""Per-step metrics: summaries of a rollout, and their sinks (a table on stdout, JSONL, TensorBoard)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def rollout_summary(rewards: Sequence[float], correct: Sequence[float], lengths: Sequence[int],
+                    finish_reasons: Sequence[str], stats: dict[str, float]) -> dict[str, float]:
+    """Reward, accuracy and response-length statistics of one rollout, plus the engine's SD figures."""
+    r, n = np.asarray(rewards, np.float64), np.asarray(lengths, np.float64)
+    out = {
+        "reward_mean": float(r.mean()),
+        "reward_std": float(r.std()),
+        "accuracy": float(np.mean(correct)),
+        "len_mean": float(n.mean()),
+        "len_p50": float(np.percentile(n, 50)),
+        "len_p99": float(np.percentile(n, 99)),
+        "len_max": int(n.max()),
+        "truncated_frac": float(np.mean([f == "length" for f in finish_reasons])),
+        "tokens": int(n.sum()),
+    }
+    tokens = stats.get("tokens", 0)
+    plain, spec = stats.get("steps_plain", 0), stats.get("steps_sd", 0)
+    # Share of decode steps that were speculative (1 with sd.mode=on, 0 when off, the tail when adaptive),
+    # and share of generated tokens those steps produced.
+    out["sd_share"] = float(spec / (plain + spec)) if plain + spec else 0.0
+    out["sd_token_share"] = float(stats.get("sd_tokens", 0) / tokens) if tokens else 0.0
+    out["rollout_compile_s"] = float(stats.get("seconds_compile", 0.0))
+    steps = stats.get("sd_steps", 0)
+    out["acceptance_length"] = float(stats["sd_tokens"] / steps) if steps else float("nan")
+    return out
+
+
+# (metric key, column header, width, format spec); a missing or NaN value prints as '-'.
+COLUMNS = (
+    ("step", "step", 4, "d"),
+    ("reward_mean", "reward", 6, ".3f"),
+    ("reward_std", "r_std", 5, ".3f"),
+    ("accuracy", "acc", 5, ".3f"),
+    ("len_mean", "len", 5, ".1f"),
+    ("len_p50", "p50", 4, ".0f"),
+    ("len_p99", "p99", 4, ".0f"),
+    ("len_max", "max", 4, "d"),
+    ("rollout_s", "roll_s", 6, ".1f"),
+    ("sd_share", "sd", 4, ".2f"),
+    ("acceptance_length", "acc_len", 7, ".2f"),
+    ("train_s", "train_s", 7, ".1f"),
+    ("tokens_per_s", "tok/s", 6, ".1f"),
+    ("loss", "loss", 8, ".4f"),
+    ("eval_accuracy", "eval_acc", 8, ".3f"),
+)
+
+
+def _cell(value: Any, width: int, spec: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-".rjust(width)
+    return format(value, f">{width}{spec}")
+
+
+def table_header() -> str:
+    return " ".join(header.rjust(width) for _, header, width, _ in COLUMNS)
+
+
+def table_row(metrics: dict[str, Any]) -> str:
+    return " ".join(_cell(metrics.get(key), width, spec) for key, _, width, spec in COLUMNS)
+
+
+class MetricsLog:
+    """Writes each step's metrics to stdout (one table row), out_dir/metrics.jsonl and TensorBoard."""
+
+    def __init__(self, out_dir: str | Path, tensorboard: bool = True, resume_after: int | None = None,
+                 enabled: bool = True, stream=sys.stdout):
+        self.enabled = enabled
+        self.stream = stream
+        self.path = Path(out_dir) / "metrics.jsonl"
+        self._writer = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_after is None:
+            self.path.write_text("")
+        elif self.path.exists():  # drop steps the killed run logged after its last checkpoint
+            keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and _step(ln) <= resume_after]
+            self.path.write_text("".join(ln + "\n" for ln in keep))
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._writer = SummaryWriter(str(Path(out_dir) / "tensorboard"), purge_step=None if resume_after is None else resume_after + 1)
+        print(table_header(), file=self.stream, flush=True)
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        print(table_row(metrics), file=self.stream, flush=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if self._writer is not None:
+            for key, value in metrics.items():
+                if key != "step" and isinstance(value, (int, float)) and not math.isnan(value):
+                    self._writer.add_scalar(key, value, metrics["step"])
+            self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
+def _step(line: str) -> int:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return 1 << 62
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    return [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]

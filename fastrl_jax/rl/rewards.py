@@ -1,0 +1,127 @@
+"""Rewards: final-answer extraction, numeric normalisation, and reward functions registered by name.
+
+A reward function maps (completion text, ground-truth answer) to a float. Register one with
+`@register("name")`; the config's `reward.functions` lists names and `reward.weights` their
+weights, and the trainer sums them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable
+from fractions import Fraction
+
+RewardFn = Callable[[str, str], float]
+
+_REGISTRY: dict[str, RewardFn] = {}
+
+_NUMBER = r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+"
+_ANSWER_IS = re.compile(r"answer is\s*:?\s*\$?\s*(" + _NUMBER + ")", re.IGNORECASE)
+_LAST_NUMBER = re.compile(_NUMBER)
+
+
+def register(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: makes `fn(completion, answer) -> float` available as reward `name`."""
+
+    def add(fn: RewardFn) -> RewardFn:
+        if name in _REGISTRY and _REGISTRY[name] is not fn:
+            raise ValueError(f"reward {name!r} is already registered")
+        _REGISTRY[name] = fn
+        return fn
+
+    return add
+
+
+def get(name: str) -> RewardFn:
+    """A registered reward, or `package.module:function` imported (so a config can name user code)."""
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"reward {name!r}: cannot import {attr} from {module} ({e})") from e
+    raise ValueError(
+        f"unknown reward {name!r}; registered rewards: {', '.join(sorted(_REGISTRY))} "
+        "(or name your own function as package.module:function)"
+    )
+
+
+def registered() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} (nested braces allowed), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    i = start + len("\\boxed{")
+    depth = 1
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j].strip()
+    return None
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer of a completion: the last \\boxed{}, else the last "The answer is X",
+    else the last number in the text; None when there is none."""
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed
+    stated = _ANSWER_IS.findall(text)
+    if stated:
+        return stated[-1]
+    numbers = _LAST_NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def normalize_number(text: str | None) -> Fraction | None:
+    """'1,234', '$12.50', '3/4', '\\frac{3}{4}', '-0.5', '7.' -> an exact Fraction; None if not a number."""
+    if text is None:
+        return None
+    s = text.strip().rstrip(".").replace(",", "").replace("$", "").replace(" ", "")
+    s = re.sub(r"\\(?:text|mathrm)\{[^}]*\}", "", s)
+    frac = re.fullmatch(r"(-?)\\d?frac\{(-?\d+)\}\{(\d+)\}", s)
+    if frac:
+        s = f"{frac.group(1)}{frac.group(2)}/{frac.group(3)}"
+    s = s.rstrip("%")
+    try:
+        value = Fraction(s)
+    except (ValueError, ZeroDivisionError):
+        return None
+    return value
+
+
+def answers_match(predicted: str | None, truth: str) -> bool:
+    """Numerically equal when both parse as numbers, else equal as stripped strings."""
+    if predicted is None:
+        return False
+    a, b = normalize_number(predicted), normalize_number(str(truth))
+    if a is not None and b is not None:
+        return a == b
+    return predicted.strip() == str(truth).strip()
+
+
+@register("correct")
+def correctness_reward(completion: str, answer: str) -> float:
+    """1.0 when the extracted final answer equals the ground truth, else 0.0."""
+    return float(answers_match(extract_answer(completion), answer))
+
+
+@register("format")
+def format_reward(completion: str, answer: str) -> float:
+    """1.0 when the completion states its answer explicitly (\\boxed{} or "The answer is")."""
+    return float(last_boxed(completion) is not None or bool(_ANSWER_IS.search(completion)))
+
+
+def combined(names: tuple[str, ...], weights: tuple[float, ...]) -> Callable[[str, str], float]:
+    """sum_i weights[i] * reward names[i]; unknown names fail here, at start-up."""
+    if len(names) != len(weights):
+        raise ValueError(f"reward.functions has {len(names)} names but reward.weights has {len(weights)} weights")
+    fns = [get(n) for n in names]
+    return lambda completion, answer: sum(w * f(completion, answer) for w, f in zip(weights, fns))

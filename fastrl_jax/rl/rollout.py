@@ -1,0 +1,153 @@
+"""Rollout side of the RL loop: one engine per local replica, the weight hand-off, and the gather.
+
+Replicas are the mesh's sub-meshes along `data` (fastrl_jax.sharding.replica_meshes). The trainer's
+parameters are sharded over (fsdp, tensor) and replicated over data, so each replica's devices
+already hold the shards its engine needs: the hand-off re-wraps those buffers with the replica's
+sharding (no copy, no recompilation; engine.update_weights keeps every program). Requests are
+split over the replicas by group; on several processes each runs its own replicas and the
+completions are all-gathered, so every process ends the rollout with all of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from fastrl_jax.config import Config, ConfigError
+from fastrl_jax.models.drafter import Drafter
+from fastrl_jax.rollout.engine import Completion, Request, RolloutEngine
+from fastrl_jax.sharding import replica_meshes, shardings_for
+
+_FINISH = ("stop", "length", "error")
+
+
+def reshard(tree: Any, shardings: Any) -> Any:
+    """Each array of `tree` on the matching NamedSharding of `shardings` (same pytree).
+
+    Zero-copy when the target's devices already hold the target's shards (a replica of a mesh whose
+    parameters are replicated along data); otherwise a device_put (single process only).
+    """
+
+    def one(x: jax.Array, target: NamedSharding) -> jax.Array:
+        if x.sharding == target:
+            return x
+        devices = set(target.device_set)
+        shards = [s for s in x.addressable_shards if s.device in devices]
+        if len({s.device for s in shards}) == len(devices) and all(
+            s.data.shape == target.shard_shape(x.shape) and s.index == target.devices_indices_map(x.shape)[s.device]
+            for s in shards
+        ):
+            unique = {s.device: s.data for s in shards}
+            return jax.make_array_from_single_device_arrays(x.shape, target, list(unique.values()))
+        return jax.device_put(x, target)
+
+    return jax.tree.map(one, tree, shardings)
+
+
+@dataclasses.dataclass
+class Replica:
+    index: int
+    mesh: Mesh
+    shardings: Any  # pure dict of NamedSharding, the policy on this replica
+    engine: RolloutEngine
+
+
+class RolloutWorkers:
+    """The local replicas' engines; `generate` runs this process's share and returns every completion."""
+
+    def __init__(self, cfg: Config, graphdef, params: dict, mesh: Mesh, drafter: Drafter | None):
+        self.graphdef = graphdef
+        self.num_replicas = mesh.shape["data"]
+        me = jax.process_index()
+        self.replicas: list[Replica] = []
+        for i, sub in enumerate(replica_meshes(mesh)):
+            owners = {d.process_index for d in sub.devices.flat}
+            if len(owners) > 1:
+                raise ConfigError(
+                    f"rollout replica {i} spans processes {sorted(owners)}: make mesh.data a multiple of the "
+                    "number of hosts so every replica (one index along data) lives on one host"
+                )
+            if owners != {me}:
+                continue
+            abstract = nnx.eval_shape(lambda: nnx.merge(graphdef, params))
+            shardings = nnx.to_pure_dict(shardings_for(nnx.state(abstract), sub))
+            model = nnx.merge(graphdef, reshard(params, shardings))
+            local_drafter = None
+            if drafter is not None:
+                d_graph, d_state = nnx.split(drafter)
+                local_drafter = nnx.merge(d_graph, jax.device_put(d_state, shardings_for(d_state, sub)))
+            engine = RolloutEngine(model, cfg.rollout, sd=cfg.sd, drafter=local_drafter, progress=False)
+            self.replicas.append(Replica(i, sub, shardings, engine))
+
+    def update_weights(self, params: dict) -> None:
+        """Hands new policy parameters to every local engine (no recompilation)."""
+        for r in self.replicas:
+            r.engine.update_weights(nnx.merge(self.graphdef, reshard(params, r.shardings)))
+
+    def update_drafter(self, drafter: Drafter) -> None:
+        d_graph, d_state = nnx.split(drafter)
+        for r in self.replicas:
+            r.engine.update_drafter(nnx.merge(d_graph, jax.device_put(d_state, shardings_for(d_state, r.mesh))))
+
+    def generate(self, requests: Sequence[Request], group_size: int) -> tuple[list[Completion], dict[str, float]]:
+        """All completions (in request order) and the local engines' summed stats.
+
+        Group g (requests g*group_size ...) goes to replica g % num_replicas.
+        """
+        owner = [(i // group_size) % self.num_replicas for i in range(len(requests))]
+
+        def run(r: Replica):
+            mine = [i for i in range(len(requests)) if owner[i] == r.index]
+            out = r.engine.generate([requests[i] for i in mine]) if mine else []
+            return mine, out, dict(r.engine.stats) if mine else {}
+
+        if len(self.replicas) == 1:
+            results = [run(self.replicas[0])]
+        else:  # JAX releases the GIL while a program runs, so replicas decode concurrently
+            with ThreadPoolExecutor(len(self.replicas)) as pool:
+                results = list(pool.map(run, self.replicas))
+        completions: list[Completion | None] = [None] * len(requests)
+        stats: dict[str, float] = {}
+        for mine, out, st in results:
+            for i, c in zip(mine, out):
+                completions[i] = c
+            for k, v in st.items():
+                if k != "acceptance_length":
+                    stats[k] = stats.get(k, 0) + v
+        if jax.process_count() > 1:
+            completions = _allgather(completions, requests, owner, self.num_replicas)
+        return completions, stats
+
+
+def _allgather(local: list[Completion | None], requests, owner, num_replicas) -> list[Completion]:
+    """Every process's completions on every process (fixed-size arrays through process_allgather)."""
+    from jax.experimental import multihost_utils
+
+    n = len(requests)
+    width = max(r.max_new_tokens for r in requests)
+    tokens = np.zeros((n, width), np.int32)
+    logprobs = np.zeros((n, width), np.float32)
+    lengths = np.zeros(n, np.int32)
+    finish = np.zeros(n, np.int32)
+    have = np.zeros(n, np.int32)
+    for i, c in enumerate(local):
+        if c is not None:
+            tokens[i, : len(c.tokens)] = c.tokens
+            logprobs[i, : len(c.logprobs)] = c.logprobs
+            lengths[i], finish[i], have[i] = len(c.tokens), _FINISH.index(c.finish_reason), 1
+    g = multihost_utils.process_allgather((tokens, logprobs, lengths, finish, have))
+    out = []
+    for i in range(n):
+        p = int(np.argmax(g[4][:, i]))
+        if not g[4][p, i]:
+            raise RuntimeError(f"request {i} was generated by no process (replica {owner[i]} of {num_replicas})")
+        k = int(g[2][p, i])
+        out.append(Completion(g[0][p, i, :k].tolist(), g[1][p, i, :k].tolist(), _FINISH[int(g[3][p, i])]))
+    return out

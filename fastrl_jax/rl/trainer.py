@@ -1,0 +1,334 @@
+"""The GRPO loop: prompts -> rollout (SD off / on / adaptive) -> rewards -> update -> weight hand-off.
+
+A thin shell over pure parts: grpo.py (math), update.py (the jitted step), rollout.py (engines and
+hand-off), data.py, rewards.py, metrics.py. All randomness is a function of (seed, step, index)
+(request seeds) or lives in the checkpoint (data position), so a resumed run repeats the
+uninterrupted one exactly.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from fastrl_jax.checkpoint import RunCheckpointer, load_drafter
+from fastrl_jax.config import Config, to_dict
+from fastrl_jax.models.decoder import DTYPES, Decoder
+from fastrl_jax.models.drafter import Drafter
+from fastrl_jax.rl import data as data_lib
+from fastrl_jax.rl import grpo, rewards, update
+from fastrl_jax.rl.metrics import MetricsLog, rollout_summary
+from fastrl_jax.rl.rollout import RolloutWorkers
+from fastrl_jax.rollout.engine import Completion, Request
+from fastrl_jax.sharding import make_mesh, shardings_for
+
+log = logging.getLogger(__name__)
+
+EVAL_SEED_OFFSET = 1_000_003  # the held-out math stream is a different seed from the training stream
+TRAIN_LENGTH_QUANTUM = 32  # prompt and completion widths of a training batch are multiples of this
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss became NaN/inf; the update was not applied and the last good checkpoint kept."""
+
+
+def _round_up(n: int, quantum: int) -> int:
+    return -(-n // quantum) * quantum
+
+
+def request_seed(seed: int, step: int, index: int) -> int:
+    """Sampling seed of request `index` of RL step `step` (independent of the replica that runs it)."""
+    return int(np.random.SeedSequence([seed, step, index]).generate_state(1)[0])
+
+
+class Trainer:
+    """Owns the policy, optimizer, engines, data and checkpoints of one GRPO run."""
+
+    def __init__(self, cfg: Config, model: Decoder, tokenizer, *, resume: bool = False, stream=sys.stdout):
+        self.cfg, rl = cfg, cfg.rl
+        self.tokenizer = tokenizer
+        self.mesh = make_mesh(cfg.mesh)
+        update.check_batch_fits_mesh(rl, self.mesh)
+        self.graphdef, state = nnx.split(model)
+        self.param_shardings = nnx.to_pure_dict(shardings_for(state, self.mesh))
+        self.params = jax.device_put(nnx.to_pure_dict(state), self.param_shardings)
+        self.total_updates = rl.steps * rl.minibatches_per_step
+        self.tx = update.make_optimizer(cfg.optim, self.total_updates)
+        self.opt_shardings = update.optimizer_shardings(self.tx, self.params, self.param_shardings, self.mesh)
+        self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(self.params)
+        self.ref_params = jax.tree.map(jnp.copy, self.params) if rl.kl_coef > 0 else None
+        opts = update.StepOptions.from_config(rl)
+        self._step_fn = update.jit_train_step(
+            self.graphdef, self.tx, opts, self.param_shardings, self.opt_shardings, self.mesh,
+            self.ref_params is not None, rl.micro_batch_size,
+        )
+        self._logp_fn = update.jit_logprobs(self.graphdef, rl.temperature, self.param_shardings, self.mesh,
+                                            rl.micro_batch_size)
+
+        self.drafter = self._make_drafter(model) if cfg.sd.mode != "off" else None
+        self.workers = RolloutWorkers(cfg, self.graphdef, self.params, self.mesh, self.drafter)
+        self.stop_ids = tuple(sorted(set(model.cfg.eos_token_ids) | ({tokenizer.eos_token_id} - {None})))
+        self.reward_fn = rewards.combined(cfg.reward.functions, cfg.reward.weights)
+
+        d = cfg.data
+        fields = dict(prompt_field=d.prompt_field, messages_field=d.messages_field, answer_field=d.answer_field)
+        train_src = data_lib.source(d.source, cfg.seed, d.math_levels, **fields)
+        self.data = data_lib.PromptIterator(data_lib.prompt_batches(train_src, rl.prompts_per_step, cfg.seed, d.shuffle))
+        self.eval_records = self._eval_records(fields) if rl.eval_every_steps else []
+
+        self.out_dir = Path(rl.out_dir).expanduser()
+        self.checkpointer = RunCheckpointer(self.out_dir / "checkpoints", rl.keep_checkpoints) if rl.checkpoint_every_steps else None
+        self.step = 0
+        if resume:
+            self._restore()
+        self.metrics = MetricsLog(self.out_dir, rl.tensorboard, self.step if resume else None,
+                                  enabled=jax.process_index() == 0, stream=stream)
+
+    # ---- set-up -------------------------------------------------------------------------------
+    def _make_drafter(self, model: Decoder) -> Drafter:
+        dtype = DTYPES[self.cfg.model.dtype]
+        if self.cfg.rl.drafter_path:
+            return load_drafter(self.cfg.rl.drafter_path, model.cfg, dtype)
+        log.warning("sd.mode=%s without rl.drafter_path: a randomly initialised drafter (lossless, but slow)",
+                    self.cfg.sd.mode)
+        return Drafter(model.cfg, nnx.Rngs(self.cfg.seed), dtype)
+
+    def _eval_records(self, fields: dict) -> list[dict]:
+        d, n = self.cfg.data, self.cfg.rl.eval_prompts
+        if d.eval_source == data_lib.MATH_SOURCE:
+            src = data_lib.MathSource(self.cfg.seed + EVAL_SEED_OFFSET, d.math_levels)
+            return [src[i] for i in range(n)]
+        return data_lib.read_records(d.eval_source, **fields)[:n]
+
+    def _prompt(self, record: dict) -> list[int]:
+        d = self.cfg.data
+        ids = data_lib.prompt_ids(record, self.tokenizer, d.instruction, d.chat_template)
+        limit = self.cfg.rollout.prompt_buckets[-1]
+        if len(ids) > limit:
+            raise ValueError(f"a prompt has {len(ids)} tokens, more than the largest rollout.prompt_buckets ({limit}): "
+                             f"raise rollout.prompt_buckets or shorten it: {str(record)[:120]}")
+        return ids
+
+    # ---- one step -----------------------------------------------------------------------------
+    def rollout(self, records: list[dict], step: int):
+        rl = self.cfg.rl
+        requests = [
+            Request(self._prompt(r), rl.max_new_tokens, rl.temperature, rl.top_k, rl.top_p,
+                    request_seed(self.cfg.seed, step, g * rl.samples_per_prompt + s), self.stop_ids)
+            for g, r in enumerate(records) for s in range(rl.samples_per_prompt)
+        ]
+        completions, stats = self.workers.generate(requests, rl.samples_per_prompt)
+        for c in completions:
+            if c.finish_reason == "error":
+                raise ValueError(f"rollout request failed: {c.error}")
+        return requests, completions, stats
+
+    def _text(self, c: Completion) -> str:
+        ids = c.tokens[:-1] if c.finish_reason == "stop" else c.tokens
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def build_batch(self, requests: list[Request], completions: list[Completion], advantages: np.ndarray):
+        """Host arrays of one rollout batch: prompts left-padded to P slots, completions right-padded to C
+        (both rounded up to multiples of TRAIN_LENGTH_QUANTUM, so few step programs are compiled).
+
+        Returns (tokens [N, P + C], pad [N], mask [N, C], advantages [N], rollout log-probs [N, C]).
+        """
+        n = len(requests)
+        P = _round_up(max(len(r.prompt_ids) for r in requests), TRAIN_LENGTH_QUANTUM)
+        C = _round_up(max(len(c.tokens) for c in completions), TRAIN_LENGTH_QUANTUM)
+        tokens = np.zeros((n, P + C), np.int32)
+        pad = np.zeros(n, np.int32)
+        mask = np.zeros((n, C), np.float32)
+        logp = np.zeros((n, C), np.float32)
+        for i, (r, c) in enumerate(zip(requests, completions)):
+            p, k = len(r.prompt_ids), len(c.tokens)
+            pad[i] = P - p
+            tokens[i, P - p : P], tokens[i, P : P + k] = r.prompt_ids, c.tokens
+            mask[i, :k] = 1.0
+            logp[i, :k] = c.logprobs
+        return tokens, pad, mask, advantages.astype(np.float32), logp
+
+    def train(self, tokens: np.ndarray, pad: np.ndarray, mask: np.ndarray, advantages: np.ndarray) -> dict[str, float]:
+        """Updates the policy on one rollout batch: rl.minibatches_per_step optimizer steps."""
+        rl = self.cfg.rl
+        n = len(tokens)
+        m, mb = rl.minibatches_per_step, rl.micro_batch_size
+        if m > 1:  # later mini-batches are off-policy: keep the sampling policy's log-probs
+            rows = lambda x: update.to_global(x, update.rows_sharding(self.mesh, x.shape, 0))  # noqa: E731
+            old = np.concatenate([
+                np.asarray(jax.device_get(self._logp_fn(
+                    self.params, rows(tokens[i : i + mb]), rows(pad[i : i + mb]), rows(mask[i : i + mb]))))
+                for i in range(0, n, mb)
+            ])
+        else:
+            old = np.zeros_like(mask)
+        per = n // m
+        k = per // mb
+        totals: dict[str, float] = {}
+        for j in range(m):
+            rows = slice(j * per, (j + 1) * per)
+            host = update.Batch(
+                tokens=tokens[rows].reshape(k, mb, -1), pad=pad[rows].reshape(k, mb),
+                mask=mask[rows].reshape(k, mb, -1), advantages=advantages[rows].reshape(k, mb),
+                old_logp=old[rows].reshape(k, mb, -1),
+            )
+            batch = jax.tree.map(lambda x: update.to_global(x, update.rows_sharding(self.mesh, x.shape, 1)), host)
+            params, opt_state, metrics = self._step_fn(self.params, self.opt_state, self.ref_params, batch)
+            metrics = {key: float(v) for key, v in jax.device_get(metrics).items()}
+            if not math.isfinite(metrics["loss"]) or not math.isfinite(metrics["grad_norm"]):
+                raise NonFiniteLoss(self._nan_message(metrics))
+            self.params, self.opt_state = params, opt_state
+            for key, v in metrics.items():
+                totals[key] = totals.get(key, 0.0) + v / m
+        return totals
+
+    def _nan_message(self, metrics: dict) -> str:
+        last = None
+        if self.checkpointer is not None:
+            self._wait_checkpoint()
+            last = self.checkpointer.latest_step()
+        kept = f"the last good checkpoint is step {last} in {self.checkpointer.directory}" if last else "no checkpoint was written yet"
+        return (f"loss {metrics['loss']} / grad norm {metrics['grad_norm']} at step {self.step + 1}: stopped without "
+                f"applying the update; {kept} (lower optim.learning_rate or set optim.max_grad_norm)")
+
+    def evaluate(self) -> float:
+        """Greedy accuracy on the held-out prompts."""
+        rl = self.cfg.rl
+        requests = [Request(self._prompt(r), rl.max_new_tokens, 0.0, 0, 1.0, 0, self.stop_ids) for r in self.eval_records]
+        completions, _ = self.workers.generate(requests, 1)
+        return float(np.mean([rewards.correctness_reward(self._text(c), r["answer"])
+                              for c, r in zip(completions, self.eval_records)]))
+
+    def run_step(self) -> dict[str, Any]:
+        rl, step = self.cfg.rl, self.step + 1
+        t0 = time.perf_counter()
+        records = next(self.data)
+        requests, completions, stats = self.rollout(records, step)
+        rollout_s = time.perf_counter() - t0
+        texts = [self._text(c) for c in completions]
+        answers = [records[i // rl.samples_per_prompt]["answer"] for i in range(len(requests))]
+        reward = np.array([self.reward_fn(t, a) for t, a in zip(texts, answers)], np.float32)
+        correct = [rewards.correctness_reward(t, a) for t, a in zip(texts, answers)]
+        adv = np.asarray(grpo.group_advantages(jnp.asarray(reward), rl.samples_per_prompt, rl.advantage_std_normalize))
+        tokens, pad, mask, adv, _ = self.build_batch(requests, completions, adv)
+
+        t1 = time.perf_counter()
+        train = self.train(tokens, pad, mask, adv)
+        self.workers.update_weights(self.params)
+        jax.block_until_ready(self.params)
+        train_s = time.perf_counter() - t1
+        self.step = step
+
+        metrics: dict[str, Any] = {"step": step}
+        metrics |= rollout_summary(reward, correct, [len(c.tokens) for c in completions],
+                                   [c.finish_reason for c in completions], stats)
+        metrics |= {"rollout_s": rollout_s, "train_s": train_s,
+                    "tokens_per_s": metrics["tokens"] / (rollout_s + train_s),
+                    "rollout_tokens_per_s": metrics["tokens"] / rollout_s,
+                    "lr": update.learning_rate(self.cfg.optim, self.total_updates, (step - 1) * rl.minibatches_per_step)}
+        metrics |= train
+        if rl.eval_every_steps and (step % rl.eval_every_steps == 0 or step == rl.steps):
+            t2 = time.perf_counter()
+            metrics["eval_accuracy"] = self.evaluate()
+            metrics["eval_s"] = time.perf_counter() - t2
+        if self.checkpointer is not None and (step % rl.checkpoint_every_steps == 0 or step == rl.steps):
+            self.save()
+        self.metrics.log(metrics)
+        return metrics
+
+    def run(self) -> list[dict[str, Any]]:
+        """Steps until rl.steps; returns this call's per-step metrics."""
+        history = []
+        try:
+            if self.cfg.rl.eval_every_steps and self.step == 0:
+                acc = self.evaluate()
+                self.metrics.log({"step": 0, "eval_accuracy": acc})
+                history.append({"step": 0, "eval_accuracy": acc})
+            while self.step < self.cfg.rl.steps:
+                history.append(self.run_step())
+        finally:
+            self.close()
+        return history
+
+    # ---- checkpoints --------------------------------------------------------------------------
+    def _arrays(self) -> dict[str, Any]:
+        arrays = {"policy": self.params, "optimizer": self.opt_state}
+        if self.ref_params is not None:
+            arrays["reference"] = self.ref_params
+        if self.drafter is not None:
+            arrays["drafter"] = nnx.to_pure_dict(nnx.state(self.drafter))  # weights and any draft vocabulary
+        return arrays
+
+    def save(self) -> None:
+        """Starts an async checkpoint of step self.step; a failed write (disk full) keeps the previous one."""
+        meta = {"data": self.data.state(),
+                "run": {"step": self.step, "seed": self.cfg.seed, "config": to_dict(self.cfg),
+                        "rng": "request seeds derive from (seed, step, request index)"}}
+        try:
+            self.checkpointer.save(self.step, self._arrays(), meta)
+        except OSError as e:
+            self._checkpoint_failed(e)
+
+    def _wait_checkpoint(self) -> None:
+        try:
+            self.checkpointer.wait()
+        except OSError as e:
+            self._checkpoint_failed(e)
+
+    def _checkpoint_failed(self, e: OSError) -> None:
+        why = "the disk is full" if e.errno == errno.ENOSPC else str(e)
+        print(f"[fastrl-jax] checkpoint at step {self.step} failed ({why}); the previous checkpoint "
+              f"(step {self.checkpointer.latest_step()}) stays valid; training continues", file=sys.stderr)
+
+    def _restore(self) -> None:
+        if self.checkpointer is None or self.checkpointer.latest_step() is None:
+            where = self.out_dir / "checkpoints"
+            raise FileNotFoundError(f"--resume: no checkpoint in {where} (rl.out_dir={self.cfg.rl.out_dir})")
+        step, arrays, meta = self.checkpointer.restore(None, self._arrays(), meta=("data", "run"))
+        self.params, self.opt_state = arrays["policy"], arrays["optimizer"]
+        self.ref_params = arrays.get("reference", self.ref_params)
+        if self.drafter is not None:
+            nnx.update(self.drafter, _state_from(self.drafter, arrays["drafter"]))
+            self.workers.update_drafter(self.drafter)
+        self.workers.update_weights(self.params)
+        self.data.restore(meta["data"])
+        self.step = int(meta["run"]["step"])
+        print(f"[fastrl-jax] resumed from step {step} in {self.checkpointer.directory}", file=sys.stderr)
+
+    def close(self) -> None:
+        if self.checkpointer is not None:
+            self._wait_checkpoint()
+            self.checkpointer.close()
+            self.checkpointer = None
+        self.metrics.close()
+
+
+def _state_from(module: nnx.Module, pure: dict) -> nnx.State:
+    state = nnx.state(module)
+    nnx.replace_by_pure_dict(state, pure)
+    return state
+
+
+def train(cfg: Config, *, resume: bool = False, stream=sys.stdout) -> list[dict[str, Any]]:
+    """Loads the policy and tokenizer named by cfg.model, then runs GRPO to cfg.rl.steps."""
+    from fastrl_jax.models.hub import resolve_model_path
+    from fastrl_jax.models.loading import load_model
+    from fastrl_jax.models.tokenizer import load_tokenizer
+
+    t0 = time.perf_counter()
+    path = resolve_model_path(cfg.model.path)
+    model, _ = load_model(path, make_mesh(cfg.mesh), cfg.model.dtype)
+    tokenizer = load_tokenizer(path)
+    print(f"[fastrl-jax] loaded {cfg.model.path} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    trainer = Trainer(cfg, model, tokenizer, resume=resume, stream=stream)
+    return trainer.run()

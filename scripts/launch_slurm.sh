@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Multi-node GRPO under SLURM: one process per node, each calling jax.distributed.initialize()
+# (which reads SLURM's variables for the coordinator, process count and process id).
+#
+#   sbatch --nodes=4 --gpus-per-node=8 scripts/launch_slurm.sh configs/qwen2.5_32b_multinode.yaml [key=value ...]
+#
+#SBATCH --job-name=fastrl-grpo
+#SBATCH --ntasks-per-node=1
+#SBATCH --exclusive
+#SBATCH --output=%x-%j.out
+set -euo pipefail
+
+CONFIG=${1:?usage: launch_slurm.sh CONFIG [key=value ...] [--resume]}
+shift
+cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
+if [ -f .venv/bin/activate ]; then . .venv/bin/activate; fi
+
+# One task per node: every GPU of the node belongs to that process.
+srun --ntasks-per-node=1 --kill-on-bad-exit=1 \
+  python -m fastrl_jax.cli train --config "$CONFIG" --distributed "$@"

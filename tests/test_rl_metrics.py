@@ -1,0 +1,36 @@
+"""Per-step metrics: summaries, the stdout table, JSONL (truncated on resume) and TensorBoard files."""
+
+import io
+import math
+
+import pytest
+
+from fastrl_jax.rl.metrics import MetricsLog, read_metrics, rollout_summary, table_header, table_row
+
+
+def test_rollout_summary():
+    stats = {"tokens": 40, "steps_plain": 6, "steps_sd": 2, "sd_tokens": 12, "sd_steps": 4, "seconds_compile": 1.5}
+    m = rollout_summary([1.0, 0.0, 1.0, 0.0], [1, 0, 1, 0], [5, 10, 15, 10], ["stop", "stop", "length", "stop"], stats)
+    assert m["reward_mean"] == 0.5 and m["reward_std"] == 0.5 and m["accuracy"] == 0.5
+    assert m["len_mean"] == 10 and m["len_p50"] == 10 and m["len_max"] == 15 and 14 < m["len_p99"] <= 15
+    assert m["truncated_frac"] == 0.25 and m["tokens"] == 40
+    assert m["sd_share"] == 0.25 and m["sd_token_share"] == 0.3 and m["acceptance_length"] == 3.0
+    plain = rollout_summary([0.0], [0], [3], ["stop"], {"tokens": 3, "steps_plain": 3})
+    assert plain["sd_share"] == 0.0 and math.isnan(plain["acceptance_length"])
+
+
+def test_table_and_sinks(tmp_path):
+    row = table_row({"step": 3, "reward_mean": 0.5, "acceptance_length": float("nan")})
+    assert len(row) == len(table_header()) and row.split()[0] == "3" and "-" in row
+    out = io.StringIO()
+    log = MetricsLog(tmp_path, tensorboard=True, stream=out)
+    for step in (1, 2, 3):
+        log.log({"step": step, "reward_mean": step / 10})
+    log.close()
+    assert [m["step"] for m in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    assert len(out.getvalue().splitlines()) == 4  # header + 3 rows
+    assert any((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    # a run resumed from step 2 drops what the killed run logged after it
+    MetricsLog(tmp_path, tensorboard=False, resume_after=2, stream=io.StringIO()).close()
+    assert [m["step"] for m in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+    assert pytest.approx(read_metrics(tmp_path / "metrics.jsonl")[1]["reward_mean"]) == 0.2

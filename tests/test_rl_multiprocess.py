@@ -1,0 +1,58 @@
+"""Two CPU processes (gloo collectives) run a GRPO step on one mesh spanning both, and agree with one
+process holding the same mesh."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from rl_helpers import tiny_overrides
+
+from fastrl_jax.rl.metrics import read_metrics
+
+TESTS = Path(__file__).parent
+ROOT = TESTS.parent
+
+
+def env(devices: int) -> dict:
+    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+                PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_one_mesh(tmp_path):
+    # mesh data=2 (one rollout replica per process) x fsdp=2 (two devices in each process)
+    overrides = [*tiny_overrides(tmp_path, steps=2), "mesh.data=2", "mesh.fsdp=2", "rl.checkpoint_every_steps=1"]
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "fastrl_jax.cli", "train", *overrides, f"rl.out_dir={tmp_path / 'multi'}",
+             "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
+            env=env(2), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    single = subprocess.run(
+        [sys.executable, "-m", "fastrl_jax.cli", "train", *overrides, f"rl.out_dir={tmp_path / 'single'}"],
+        env=env(4), cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert single.returncode == 0, single.stderr[-3000:]
+    multi = read_metrics(tmp_path / "multi" / "metrics.jsonl")
+    one = read_metrics(tmp_path / "single" / "metrics.jsonl")
+    assert [m["step"] for m in multi] == [1, 2]
+    for a, b in zip(multi, one):
+        for key in ("reward_mean", "reward_std", "len_mean", "tokens"):
+            assert a[key] == b[key], key
+        for key in ("loss", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-7), key
+    assert (tmp_path / "multi" / "checkpoints" / "2").is_dir()

@@ -1,0 +1,68 @@
+"""Rewards: answer extraction, numeric normalisation, the registry."""
+
+from fractions import Fraction
+
+import pytest
+
+from fastrl_jax.rl import rewards
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("so the sum is \\boxed{42}.", "42"),
+        ("\\boxed{1} then \\boxed{\\frac{3}{4}}", "\\frac{3}{4}"),
+        ("The answer is 17. Later I say 3.", "17"),
+        ("the answer is: $1,234.50", "1,234.50"),
+        ("First 3 apples, then 5 more, total 8", "8"),
+        ("It is -2.5", "-2.5"),
+        ("no number here", None),
+        ("The answer is 7 and the answer is 9", "9"),
+    ],
+)
+def test_extract_answer(text, expected):
+    assert rewards.extract_answer(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [("1,234", 1234), ("$12.50", Fraction(25, 2)), ("3/4", Fraction(3, 4)), ("\\frac{3}{4}", Fraction(3, 4)),
+     ("-0.5", Fraction(-1, 2)), ("7.", 7), ("50%", 50), ("\\dfrac{1}{2}", Fraction(1, 2)), ("abc", None), (None, None)],
+)
+def test_normalize_number(text, value):
+    assert rewards.normalize_number(text) == value
+
+
+def test_correctness_is_numeric():
+    assert rewards.correctness_reward("The answer is 12.0", "12") == 1.0
+    assert rewards.correctness_reward("\\boxed{0.5}", "1/2") == 1.0
+    assert rewards.correctness_reward("The answer is 13", "12") == 0.0
+    assert rewards.correctness_reward("nothing", "12") == 0.0
+    assert rewards.correctness_reward("\\boxed{x+1}", "x + 1") == 0.0  # non-numeric: exact string match only
+    assert rewards.correctness_reward("\\boxed{x+1}", "x+1") == 1.0
+
+
+def test_format_reward():
+    assert rewards.format_reward("The answer is 3", "3") == 1.0
+    assert rewards.format_reward("\\boxed{3}", "4") == 1.0
+    assert rewards.format_reward("3", "3") == 0.0
+
+
+def test_registry_and_combination():
+    fn = rewards.combined(("correct", "format"), (1.0, 0.1))
+    assert fn("The answer is 5", "5") == pytest.approx(1.1)
+    assert fn("5", "5") == pytest.approx(1.0)
+    assert fn("The answer is 4", "5") == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="unknown reward 'nope'.*correct, format"):
+        rewards.get("nope")
+    with pytest.raises(ValueError, match="cannot import"):
+        rewards.get("no_such_module_xyz:f")
+    assert rewards.get("rl_helpers:digit_reward")("a1", "") == 0.5
+
+    @rewards.register("test_len")
+    def length(completion, answer):
+        return float(len(completion))
+
+    assert "test_len" in rewards.registered() and rewards.get("test_len")("abc", "") == 3.0
+    with pytest.raises(ValueError, match="already registered"):
+        rewards.register("test_len")(lambda c, a: 0.0)

@@ -1,0 +1,262 @@
+"""The GRPO loop end to end on a tiny random checkpoint: lossless SD, resume after SIGKILL, NaN stop,
+checkpoint failure, start-up errors, and the dry-run memory plan against a hand calculation."""
+
+import errno
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from rl_helpers import tiny_overrides
+
+from fastrl_jax.config import ConfigError, load_config
+from fastrl_jax.models.loading import load_model
+from fastrl_jax.models.tokenizer import load_tokenizer
+from fastrl_jax.rl import dry_run
+from fastrl_jax.rl.metrics import read_metrics
+from fastrl_jax.rl.trainer import NonFiniteLoss, Trainer
+from fastrl_jax.sharding import make_mesh
+
+TESTS = Path(__file__).parent
+ROOT = TESTS.parent
+
+
+def make_trainer(tmp: Path, *extra: str, steps: int = 3) -> Trainer:
+    # 8 fake CPU devices in this process (conftest): the policy trains FSDP-sharded over all of them.
+    cfg = load_config(None, [*tiny_overrides(tmp, steps), "mesh.fsdp=-1", *extra])
+    model, _ = load_model(cfg.model.path, make_mesh(cfg.mesh), cfg.model.dtype)
+    return Trainer(cfg, model, load_tokenizer(Path(cfg.model.path)), stream=open(os.devnull, "w"))
+
+
+def run_recording(trainer: Trainer):
+    rollouts = []
+    original = trainer.rollout
+
+    def record(records, step):
+        out = original(records, step)
+        rollouts.append([(c.tokens, c.finish_reason) for c in out[1]])
+        return out
+
+    trainer.rollout = record
+    history = trainer.run()
+    return rollouts, history, trainer.params
+
+
+def test_lossless_sd_adaptive_matches_plain_decoding(tmp_path):
+    """3 GRPO steps with SD off and adaptive (random drafter): identical rollouts and parameters."""
+    common = ["rl.checkpoint_every_steps=0", "rollout.steps_per_call=2"]
+    off = run_recording(make_trainer(tmp_path / "off", *common, "sd.mode='off'"))
+    adaptive = run_recording(make_trainer(
+        tmp_path / "sd", *common, "sd.mode=adaptive", "sd.threshold_live_batch=16", "sd.patience_host_steps=1",
+        "sd.steps=2", "sd.topk=2", "sd.verify_tokens=4"))
+    assert off[0] == adaptive[0]
+    assert sum(m["sd_share"] for m in adaptive[1]) > 0, "speculative decoding never ran"
+    assert all(m["sd_share"] == 0 for m in off[1])
+    for a, b in zip(off[1], adaptive[1]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6), off[2], adaptive[2])
+    first = make_trainer(tmp_path / "init", *common).params
+    moved = jax.tree.leaves(jax.tree.map(lambda x, y: float(np.abs(np.asarray(x) - np.asarray(y)).max()), off[2], first))
+    assert max(moved) > 1e-4, "training did not change the parameters"
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
+    trainer = make_trainer(tmp_path, steps=4)
+    original = trainer.build_batch
+
+    def poison(requests, completions, advantages):
+        out = original(requests, completions, advantages)
+        if trainer.step == 2:  # step 3's batch
+            out[2][:] = np.nan
+        return out
+
+    monkeypatch.setattr(trainer, "build_batch", poison)
+    with pytest.raises(NonFiniteLoss, match="at step 3.*last good checkpoint is step 2"):
+        trainer.run()
+    assert [m["step"] for m in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
+
+
+def test_failed_checkpoint_write_keeps_previous(tmp_path, capsys):
+    trainer = make_trainer(tmp_path, steps=3)
+    original = trainer.checkpointer.save
+
+    def disk_full(step, *args, **kwargs):
+        if step == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(step, *args, **kwargs)
+
+    trainer.checkpointer.save = disk_full
+    directory = trainer.checkpointer.directory
+    trainer.run()
+    err = capsys.readouterr().err
+    assert "checkpoint at step 2 failed (the disk is full); the previous checkpoint (step 1) stays valid" in err
+    steps = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+    assert steps[-1] == 3 and 2 not in steps
+
+
+def test_startup_errors_are_clear(tmp_path):
+    with pytest.raises(ConfigError, match="micro_batch_size=6 must be divisible by mesh data x fsdp = 8"):
+        make_trainer(tmp_path, "rl.micro_batch_size=6", "rl.prompts_per_step=3")
+    with pytest.raises(ValueError, match="unknown reward 'accuracy'; registered rewards: correct, format"):
+        make_trainer(tmp_path, "reward.functions=[accuracy]")
+    with pytest.raises(FileNotFoundError, match="nothere.jsonl not found"):
+        make_trainer(tmp_path, f"data.source={tmp_path / 'nothere.jsonl'}")
+    with pytest.raises(FileNotFoundError, match="--resume: no checkpoint"):
+        cfg = load_config(None, [*tiny_overrides(tmp_path / "r"), "mesh.fsdp=-1"])
+        model, _ = load_model(cfg.model.path, make_mesh(cfg.mesh))
+        Trainer(cfg, model, load_tokenizer(Path(cfg.model.path)), resume=True)
+
+
+def cli_env(devices: int = 1) -> dict:
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    return env
+
+
+def train_cmd(overrides, *flags):
+    return [sys.executable, "-m", "fastrl_jax.cli", "train", *overrides, *flags]
+
+
+COMPARED = ("reward_mean", "reward_std", "accuracy", "len_mean", "len_max", "loss", "grad_norm", "clip_fraction", "entropy")
+
+
+def test_resume_after_sigkill_repeats_the_uninterrupted_run(tmp_path):
+    base = tiny_overrides(tmp_path, steps=5)
+    full = subprocess.run(train_cmd([*base, f"rl.out_dir={tmp_path / 'full'}"]), env=cli_env(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert full.returncode == 0, full.stderr[-3000:]
+    killed_dir = tmp_path / "killed"
+    overrides = [*base, f"rl.out_dir={killed_dir}"]
+    proc = subprocess.Popen(train_cmd(overrides), env=cli_env(), cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 600
+    while not (killed_dir / "checkpoints" / "2").is_dir():  # Orbax renames a step's directory when complete
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.time() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    resumed = subprocess.run(train_cmd(overrides, "--resume"), env=cli_env(), cwd=ROOT, capture_output=True,
+                             text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    start = int(resumed.stderr.split("resumed from step ")[1].split()[0])
+    assert 2 <= start < 5
+    want = {m["step"]: m for m in read_metrics(tmp_path / "full" / "metrics.jsonl")}
+    got = {m["step"]: m for m in read_metrics(killed_dir / "metrics.jsonl")}
+    assert sorted(got) == [1, 2, 3, 4, 5]
+    for step in range(start + 1, 6):
+        for key in COMPARED:
+            assert got[step][key] == pytest.approx(want[step][key], rel=1e-6, abs=1e-9), (step, key)
+
+
+def _qwen7b_hand_calculation(tensor: int, fsdp: int) -> int:
+    """Bytes per device of Qwen2.5-7B's bfloat16 parameters: every matrix has a hidden (fsdp) dim and a
+    heads / kv heads / mlp / vocab (tensor) dim; norms and biases' head dims as noted."""
+    V, H, F, L, nh, kv, D = 152064, 3584, 18944, 28, 28, 4, 128
+    matrices = V * H * 2 + L * (H * nh * D * 2 + H * kv * D * 2 + 3 * H * F)  # embed, head, q, o, k, v, mlp
+    biases = L * (nh * D + 2 * kv * D)  # sharded over heads (tensor) only
+    norms = L * 2 * H + H  # replicated
+    return 2 * (matrices // (fsdp * tensor) + biases // tensor + norms)
+
+
+def test_dry_run_matches_hand_calculation():
+    cfg = load_config(ROOT / "configs" / "qwen2.5_7b_1node.yaml")
+    plan = dry_run.memory_plan(cfg)
+    assert plan["devices"] == 8 and plan["param_count"] == 7_615_616_512  # Qwen2.5-7B's published size
+    assert plan["params"] == _qwen7b_hand_calculation(tensor=4, fsdp=1)
+    assert plan["optimizer"] == 2 * plan["params"] and plan["grads"] == plan["params"]
+    # KV cache of one replica (kept whole on each of its devices): 2 x layers x rows x kv heads x slots x head dim x 2 B
+    assert plan["kv_cache"] == 2 * 28 * 64 * 4 * 4096 * 128 * 2
+    assert plan["hidden_states"] == 64 * 4096 * 3584 * 4  # float32, sd on
+    other = load_config(ROOT / "configs" / "qwen2.5_7b_1node.yaml", ["mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1",
+                                                                      "sd.mode='off'", "rl.kl_coef=0.01"])
+    p = dry_run.memory_plan(other)
+    assert p["params"] == _qwen7b_hand_calculation(tensor=1, fsdp=8)
+    assert p["reference"] == p["params"] and p["hidden_states"] == 0
+    text = dry_run.plan(load_config(ROOT / "configs" / "qwen2.5_32b_multinode.yaml"))
+    assert "32 devices" in text and "32.76B parameters" in text and "programs:" in text
+
+
+def test_dry_run_cli_for_both_gpu_configs():
+    for name in ("qwen2.5_7b_1node", "qwen2.5_32b_multinode"):
+        out = subprocess.run(train_cmd([], "--config", f"configs/{name}.yaml", "--dry-run"), env=cli_env(),
+                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        total = float(out.stdout.split("total")[1].split()[0])
+        assert 10 < total < 80, out.stdout  # fits an 80 GB GPU
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rl.samples_per_prompt=1", "rl.samples_per_prompt must be >= 2"),
+    ("rl.loss_aggregation=mean", "rl.loss_aggregation must be one of token, sequence"),
+    ("rl.kl_estimator=k2", "rl.kl_estimator must be one of k1, k3"),
+    ("rl.micro_batch_size=5", "must split into rl.minibatches_per_step"),
+    ("optim.schedule=step", "optim.schedule must be one of constant, cosine, linear"),
+    ("reward.weights=[1.0, 2.0]", "same length"),
+    ("data.math_levels=[0]", "data.math_levels must be a non-empty subset"),
+    ("rl.temperature=0", "temperature > 0"),
+])
+def test_rl_config_validation(override, message):
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("[", r"\[")):
+        load_config(None, [override])
+
+
+@pytest.mark.slow
+def test_smollm2_grpo_step(tmp_path):
+    """One GRPO step on the real SmolLM2-135M: math prompts, finite loss, weights moved and handed off."""
+    from fastrl_jax.rl.trainer import train
+
+    cfg = load_config(ROOT / "configs" / "smollm2_cpu.yaml", [
+        "rl.steps=1", "rl.prompts_per_step=2", "rl.samples_per_prompt=4", "rl.max_new_tokens=32",
+        f"rl.out_dir={tmp_path}", "rl.tensorboard=false", "mesh.fsdp=-1", "rollout.compile_cache_dir=",
+    ])
+    (metrics,) = train(cfg, stream=open(os.devnull, "w"))
+    assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])
+    assert metrics["len_max"] <= 32 and 0 <= metrics["accuracy"] <= 1
+    assert (tmp_path / "checkpoints" / "1").is_dir()
+
+
+def test_weight_handoff_shares_buffers_and_reuses_programs(tmp_path):
+    """After an update, each replica's engine holds the trainer's new shards (no copy) and runs them
+    through the programs it compiled before."""
+    from flax import nnx
+
+    trainer = make_trainer(tmp_path, "mesh.data=2", "mesh.fsdp=4", "rl.checkpoint_every_steps=0", steps=2)
+    try:
+        records = [{"prompt": "1+2=", "answer": "3"}] * 4
+        trainer.rollout(records, 1)
+        before = jax.tree.leaves(trainer.params)[0]
+        trainer.run_step()
+        assert len(trainer.workers.replicas) == 2
+        for r in trainer.workers.replicas:
+            engine_leaves = jax.tree.leaves(nnx.to_pure_dict(r.engine.state))
+            for ours, theirs in zip(jax.tree.leaves(trainer.params), engine_leaves):
+                mine = {s.device: s.data.unsafe_buffer_pointer() for s in ours.addressable_shards}
+                for s in theirs.addressable_shards:
+                    assert s.data.unsafe_buffer_pointer() == mine[s.device]
+        assert not np.array_equal(np.asarray(before), np.asarray(jax.tree.leaves(trainer.params)[0]))
+        # The pool's programs were compiled ahead of time for the replica shardings; handed-off arrays
+        # with any other sharding would make them raise instead of recompiling.
+        programs = [dict(r.engine.pool._programs) for r in trainer.workers.replicas]
+        trainer.rollout(records, 1)
+        for r, before_programs in zip(trainer.workers.replicas, programs):
+            assert all(r.engine.pool._programs[k] is p for k, p in before_programs.items())
+    finally:
+        trainer.close()
+
+
+def test_tensor_parallel_training_matches_fsdp(tmp_path):
+    """The same 2 steps with the policy split over fsdp=8, and over fsdp=4 x tensor=2 (heads, MLP, vocab)."""
+    common = ["rl.checkpoint_every_steps=0"]
+    fsdp = make_trainer(tmp_path / "a", *common, steps=2).run()
+    tp = make_trainer(tmp_path / "b", *common, "mesh.fsdp=4", "mesh.tensor=2", steps=2).run()
+    for a, b in zip(fsdp, tp):
+        assert a["tokens"] == b["tokens"] and a["reward_mean"] == pytest.approx(b["reward_mean"], abs=1e-6)
+        for key in ("loss", "grad_norm", "entropy"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
