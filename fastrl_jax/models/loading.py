@@ -43,6 +43,16 @@ def load_model(path: str | Path, mesh: Mesh, dtype: str = "float32") -> tuple[De
     return decoder_from_hf_tensors(cfg, SafetensorsDir(path).get, mesh, dtype), cfg
 
 
+def read_model_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of an HF checkpoint directory or a .gguf file, without reading any weights."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        from fastrl_jax.models import gguf_loader
+
+        return ModelConfig.from_hf_dict(gguf_loader.read_gguf_config(path))
+    return ModelConfig.from_hf_dict(read_hf_config(path))
+
+
 def read_hf_config(path: Path) -> dict:
     config_file = path / "config.json"
     if not config_file.is_file():
