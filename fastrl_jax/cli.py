@@ -31,6 +31,7 @@ def _load(args: argparse.Namespace, defaults: list[str] = ()):
 
 
 def _read_prompts(args, tokenizer) -> list[list[int]]:
+    from fastrl_jax.data.prompt_files import read_prompt_file
     from fastrl_jax.models.tokenizer import chat_prompt_ids
 
     def encode(text: str) -> list[int]:
@@ -38,24 +39,7 @@ def _read_prompts(args, tokenizer) -> list[list[int]]:
 
     if args.prompt is not None:
         return [encode(args.prompt)]
-    path = Path(args.prompts)
-    if not path.is_file():
-        raise FileNotFoundError(f"--prompts file {path} not found")
-    prompts = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n} is not valid JSON ({e})") from e
-        if isinstance(row, dict) and isinstance(row.get("prompt"), str):
-            prompts.append(encode(row["prompt"]))
-        elif isinstance(row, dict) and isinstance(row.get("prompt_ids"), list):
-            prompts.append([int(t) for t in row["prompt_ids"]])
-        else:
-            raise ValueError(f'{path}:{n} needs {{"prompt": text}} or {{"prompt_ids": [ints]}}, got {line[:80]!r}')
-    return prompts
+    return read_prompt_file(args.prompts, encode)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:

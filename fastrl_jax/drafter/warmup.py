@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from fastrl_jax.checkpoint import RunCheckpointer, save_drafter
 from fastrl_jax.config import Config, SpecConfig
+from fastrl_jax.data.prompt_files import read_prompt_file
 from fastrl_jax.data import chat_prompts, math_problems
 from fastrl_jax.drafter.buffer import SampleBuffer
 from fastrl_jax.drafter.train import LossSettings, make_optimizer, make_train_step
@@ -80,26 +81,7 @@ def held_out_sets(cfg: Config, tokenizer, count: int) -> dict[str, list[list[int
 
 def read_jsonl_prompts(path: str | Path, tokenizer) -> list[list[int]]:
     """{"prompt": text} (chat template applied) or {"prompt_ids": [ints]} per line."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"prompts file {path} not found")
-    out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n} is not valid JSON ({e})") from e
-        if isinstance(row, dict) and isinstance(row.get("prompt"), str):
-            out.append(chat_prompt_ids(tokenizer, row["prompt"]))
-        elif isinstance(row, dict) and isinstance(row.get("prompt_ids"), list):
-            out.append([int(t) for t in row["prompt_ids"]])
-        else:
-            raise ValueError(f'{path}:{n} needs {{"prompt": text}} or {{"prompt_ids": [ints]}}')
-    if not out:
-        raise ValueError(f"{path} holds no prompts")
-    return out
+    return read_prompt_file(path, lambda text: chat_prompt_ids(tokenizer, text))
 
 
 def collect(engine: RolloutEngine, requests: list[Request], buffer: SampleBuffer, step: int = 0,
