@@ -190,7 +190,7 @@ def run_longtail(name, model, drafter, rollout_cfg, sd, requests):
     }
 
 
-def plot_timelines(runs, threshold: int, path: str) -> bool:
+def plot_timelines(runs, threshold: int, title: str, path: str) -> bool:
     try:
         import matplotlib
     except ImportError:
@@ -206,8 +206,8 @@ def plot_timelines(runs, threshold: int, path: str) -> bool:
         t = np.array([0.0] + [e[0] for e in run["timeline"]])
         live = [e[1] for e in run["timeline"]]
         rate = [e[2] / max(t1 - t0, 1e-9) for e, t0, t1 in zip(run["timeline"], t[:-1], t[1:])]
-        ax_b.step(t[:-1], live, where="post", label=f"{run['name']} ({run['seconds']:.0f}s)")
-        ax_t.step(t[:-1], rate, where="post", label=run["name"], alpha=0.8)
+        ax_b.stairs(live, t, baseline=None, label=f"{run['name']} ({run['seconds']:.0f}s)", lw=1.5)
+        ax_t.stairs(rate, t, baseline=None, label=run["name"], alpha=0.8)
     ax_b.axhline(threshold, color="gray", ls=":", lw=1)
     ax_b.set_ylabel("live batch")
     ax_b.set_yscale("log", base=2)
@@ -225,7 +225,7 @@ def plot_timelines(runs, threshold: int, path: str) -> bool:
     ax_s.set_yticks([])
     ax_s.set_ylabel(adaptive["name"])
     ax_s.set_xlabel("seconds")
-    fig.suptitle("Long-tail rollout: 16 math problems x 4 samples, T=0.7, SmolLM2-135M on CPU")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return True
@@ -302,7 +302,8 @@ def bench_longtail(args) -> int:
         s.get("steps_plain", 0), s.get("steps_sd", 0), {k2: round(v, 2) for k2, v in per_strategy.items()},
         {k2[len("seconds_"):]: round(v, 1) for k2, v in s.items() if k2.startswith("seconds_") and "[" not in k2}))
     plot = args.plot or str(Path(args.out).with_suffix(".png"))
-    if plot_timelines([plain, best_on, adaptive], k, plot):
+    title = f"SmolLM2-135M rollout on {summary['backend']}: {summary['workload']}; drafter {drafter_name}"
+    if plot_timelines([plain, best_on, adaptive], k, title, plot):
         print(f"timeline plot: {plot}")
     with open(args.out, "w") as f:
         json.dump({"summary": summary, "runs": [{k2: v for k2, v in r.items() if k2 != "outputs"}
