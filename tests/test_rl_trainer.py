@@ -18,7 +18,7 @@ from rl_helpers import tiny_overrides
 from fastrl_jax.config import ConfigError, load_config
 from fastrl_jax.models.loading import load_model
 from fastrl_jax.models.tokenizer import load_tokenizer
-from fastrl_jax.rl import dry_run
+from fastrl_jax.rl import dry_run, update
 from fastrl_jax.rl.metrics import read_metrics
 from fastrl_jax.rl.trainer import NonFiniteLoss, Trainer
 from fastrl_jax.sharding import make_mesh
@@ -260,3 +260,21 @@ def test_tensor_parallel_training_matches_fsdp(tmp_path):
         assert a["tokens"] == b["tokens"] and a["reward_mean"] == pytest.approx(b["reward_mean"], abs=1e-6)
         for key in ("loss", "grad_norm", "entropy"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+
+
+def test_off_policy_minibatches_recompute_old_logprobs(tmp_path):
+    """With 2 mini-batches per step the trainer recomputes the sampling policy's log-probs (the second
+    update is off-policy): they equal the engine's, and both updates run."""
+    trainer = make_trainer(tmp_path, "rl.minibatches_per_step=2", "rl.checkpoint_every_steps=0", steps=1)
+    try:
+        records = next(trainer.data)
+        requests, completions, _ = trainer.rollout(records, 1)
+        adv = np.linspace(-1, 1, len(requests)).astype(np.float32)
+        tokens, pad, mask, adv, rollout_logp = trainer.build_batch(requests, completions, adv)
+        rows = lambda x: update.to_global(x[:8], update.rows_sharding(trainer.mesh, x[:8].shape, 0))  # noqa: E731
+        old = np.asarray(trainer._logp_fn(trainer.params, rows(tokens), rows(pad), rows(mask)))
+        np.testing.assert_allclose(old * mask[:8], rollout_logp[:8], atol=2e-4)
+        metrics = trainer.train(tokens, pad, mask, adv)
+        assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+    finally:
+        trainer.close()
