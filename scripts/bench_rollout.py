@@ -264,13 +264,16 @@ def bench_longtail(args) -> int:
     best_on = min(on_runs, key=lambda r: r["seconds"])
     adaptive = run_longtail("adaptive", model, drafter, rollout_cfg, adaptive_sd, requests)
 
+    def ratio(a: float, b: float) -> float:
+        return a / b if b else float("nan")  # a rollout may never get down to the threshold
+
     k = adaptive_sd.threshold_live_batch
     plain_tail = time_at_or_below(plain["timeline"], k)
     for run in [plain, *on_runs, adaptive]:
         run["speedup"] = plain["seconds"] / run["seconds"]
         run["identical_to_plain"] = sum(a == b for a, b in zip(run["outputs"], plain["outputs"]))
         run[f"seconds_at_live_batch_le_{k}"] = time_at_or_below(run["timeline"], k)
-        run[f"speedup_at_live_batch_le_{k}"] = plain_tail / run[f"seconds_at_live_batch_le_{k}"]
+        run[f"speedup_at_live_batch_le_{k}"] = ratio(plain_tail, run[f"seconds_at_live_batch_le_{k}"])
     lengths = np.array([len(o) for o in plain["outputs"]])
     summary = {
         "workload": f"{args.problems} math word problems x {args.samples} samples, T={args.temperature}, "
@@ -278,7 +281,7 @@ def bench_longtail(args) -> int:
         "drafter": drafter_name, "backend": __import__("jax").default_backend(),
         "response_tokens": {"p50": float(np.percentile(lengths, 50)), "p90": float(np.percentile(lengths, 90)),
                             "max": int(lengths.max()), "at_limit": int((lengths >= args.max_new_tokens).sum())},
-        "threshold_live_batch": k, f"plain_share_at_live_batch_le_{k}": plain_tail / plain["seconds"],
+        "threshold_live_batch": k, f"plain_share_at_live_batch_le_{k}": ratio(plain_tail, plain["seconds"]),
         "best_on": best_on["name"], "adaptive_vs_plain": adaptive["speedup"],
         "adaptive_vs_best_on": best_on["seconds"] / adaptive["seconds"],
         f"adaptive_speedup_at_live_batch_le_{k}": adaptive[f"speedup_at_live_batch_le_{k}"],
