@@ -24,7 +24,6 @@ Shapes (all backends):
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -331,29 +330,7 @@ def _check_shapes(q, k, v, mask) -> None:
         fail("q, k and v dtypes differ")
 
 
-_auto_override: str | None = None
-
-
-@contextlib.contextmanager
-def auto_backend(name: str):
-    """Within the block (at trace time), backend 'auto' means `name`.
-
-    The RL trainer differentiates through attention, and the fused kernels define no VJP, so it
-    traces its training forward under auto_backend("reference").
-    """
-    global _auto_override
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; expected one of {', '.join(BACKENDS)}")
-    previous, _auto_override = _auto_override, name
-    try:
-        yield
-    finally:
-        _auto_override = previous
-
-
 def _auto_backend() -> str:
-    if _auto_override is not None:
-        return _auto_override
     platform = jax.default_backend()
     if platform == "gpu":
         return "triton" if _triton_importable() else "pallas"
@@ -403,9 +380,29 @@ def _log_fallback_once(name: str, error: Exception) -> None:
         logger.warning("masked_attention: backend %r unavailable (%s); falling back", name, reason)
 
 
+def _with_reference_vjp(fused):
+    """`fused`'s forward with the reference's backward: the Pallas and Triton kernels define no VJP,
+    and training (the GRPO update, the drafter loss) differentiates through attention."""
+
+    @jax.custom_vjp
+    def attention(q, k, v, mask):
+        return fused(q, k, v, mask)
+
+    def forward(q, k, v, mask):
+        return fused(q, k, v, mask), (q, k, v, mask)
+
+    def backward(residuals, grad):
+        q, k, v, mask = residuals
+        _, vjp = jax.vjp(lambda q, k, v: masked_attention_ref(q, k, v, mask), q, k, v)
+        return (*vjp(grad), None)
+
+    attention.defvjp(forward, backward)
+    return attention
+
+
 _IMPLS = {
     "reference": masked_attention_ref,
-    "pallas": masked_attention_pallas,
-    "pallas_interpret": functools.partial(masked_attention_pallas, interpret=True),
-    "triton": masked_attention_triton,
+    "pallas": _with_reference_vjp(masked_attention_pallas),
+    "pallas_interpret": _with_reference_vjp(functools.partial(masked_attention_pallas, interpret=True)),
+    "triton": _with_reference_vjp(masked_attention_triton),
 }

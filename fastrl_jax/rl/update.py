@@ -21,7 +21,6 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fastrl_jax.config import ConfigError, OptimConfig, RLConfig
-from fastrl_jax.kernels import attention
 from fastrl_jax.models.decoder import KVCache, run_layers
 from fastrl_jax.rl import grpo
 from fastrl_jax.sharding import named_sharding
@@ -84,8 +83,7 @@ def sequence_logprobs(graphdef, params: Params, tokens: jax.Array, pad: jax.Arra
     mask = mask | jnp.eye(S, dtype=bool)[None]
     start = jnp.zeros(B, jnp.int32)
     cache = KVCache.zeros(model.cfg, B, S, model.embed.get_value().dtype)  # the layers place new keys in it
-    with attention.auto_backend("reference"):  # differentiable everywhere; the fused kernels have no VJP
-        hidden, _ = run_layers(model.cfg, model.layers, model.embed[tokens], positions, cache, start, mask, remat=remat)
+    hidden, _ = run_layers(model.cfg, model.layers, model.embed[tokens], positions, cache, start, mask, remat=remat)
     logits = model.logits(hidden[:, P - 1 : S - 1])  # slot t predicts the token at slot t + 1
     return grpo.token_logprobs(logits, tokens[:, P:], temperature), grpo.entropy(logits, temperature)
 
