@@ -28,6 +28,13 @@ def _check_choice(key: str, value: Any, allowed: tuple) -> None:
         raise ConfigError(f"{key} must be one of {', '.join(map(str, allowed))}; got {value!r}")
 
 
+def _check_at_least(section: str, cfg: Any, names: Sequence[str], least: int) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if value < least:
+            raise ConfigError(f"{section}.{name} must be >= {least}, got {value}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """Which policy checkpoint to load and in which dtype."""
@@ -80,9 +87,7 @@ class RolloutConfig:
                 f"rollout.prompt_buckets max ({self.prompt_buckets[-1]}) must be below rollout.length_buckets max "
                 f"({self.length_buckets[-1]}): completions need cache slots after the prompt"
             )
-        for name in ("steps_per_call", "max_stop_ids"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+        _check_at_least("rollout", self, ("steps_per_call", "max_stop_ids"), 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,9 +128,7 @@ class SpecConfig:
             most = 1 + topk + (steps - 1) * topk**2
             if verify > most:
                 raise ConfigError(f"{key}: verify_tokens={verify} exceeds the {most} nodes steps x topk can draft")
-        for name in ("threshold_live_batch", "patience_host_steps", "window_host_steps"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"sd.{name} must be >= 1, got {getattr(self, name)}")
+        _check_at_least("sd", self, ("threshold_live_batch", "patience_host_steps", "window_host_steps"), 1)
         if not 0 <= self.epsilon <= 1:
             raise ConfigError(f"sd.epsilon must be in [0, 1], got {self.epsilon}")
         self.live_batch_ranges()  # validates the groups' ranges
@@ -256,10 +259,8 @@ class RLConfig:
     def __post_init__(self):
         _check_choice("rl.loss_aggregation", self.loss_aggregation, ("token", "sequence"))
         _check_choice("rl.kl_estimator", self.kl_estimator, ("k1", "k3"))
-        for name in ("steps", "prompts_per_step", "max_new_tokens", "minibatches_per_step", "micro_batch_size",
-                     "keep_checkpoints", "eval_prompts"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"rl.{name} must be >= 1, got {getattr(self, name)}")
+        _check_at_least("rl", self, ("steps", "prompts_per_step", "max_new_tokens", "minibatches_per_step",
+                                     "micro_batch_size", "keep_checkpoints", "eval_prompts"), 1)
         if self.samples_per_prompt < 2:
             raise ConfigError(f"rl.samples_per_prompt must be >= 2 (GRPO compares samples of a prompt), got {self.samples_per_prompt}")
         if self.temperature <= 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
@@ -317,17 +318,12 @@ class DrafterTrainConfig:
             raise ConfigError(f"{key}out_dir must be a directory path")
         if self.prompts != "builtin" and not self.prompts.endswith(".jsonl"):
             raise ConfigError(f"{key}prompts must be 'builtin' or a .jsonl file, got {self.prompts!r}")
-        for name in ("num_prompts", "samples_per_prompt", "max_new_tokens", "steps", "batch_rows",
-                     "log_every_steps", "checkpoint_every_steps", "keep_checkpoints", "eval_max_new_tokens",
-                     "unroll_steps"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{key}{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup_steps", "eval_every_steps", "eval_prompts", "draft_vocab_size"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{key}{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("weight_decay", "grad_clip_norm", "ce_weight", "input_noise", "temperature"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{key}{name} must be >= 0, got {getattr(self, name)}")
+        _check_at_least("drafter_train", self, (
+            "num_prompts", "samples_per_prompt", "max_new_tokens", "steps", "batch_rows", "log_every_steps",
+            "checkpoint_every_steps", "keep_checkpoints", "eval_max_new_tokens", "unroll_steps"), 1)
+        _check_at_least("drafter_train", self, (
+            "warmup_steps", "eval_every_steps", "eval_prompts", "draft_vocab_size",
+            "weight_decay", "grad_clip_norm", "ce_weight", "input_noise", "temperature"), 0)
         if self.learning_rate <= 0:
             raise ConfigError(f"{key}learning_rate must be > 0, got {self.learning_rate}")
         if not 0 <= self.chat_fraction <= 1 or not 0 < self.unroll_decay <= 1:
