@@ -9,7 +9,6 @@ saved with every checkpoint so a resumed run continues with the next batch.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import grain
 
 from fastrl_jax.data import math_problems
+from fastrl_jax.data.prompt_files import jsonl_rows
 
 MATH_SOURCE = "math"
 _MATH_LEN = 1 << 30  # the generator is unbounded; grain wants a length
@@ -48,13 +48,7 @@ def read_records(path: str | Path, prompt_field: str = "prompt", messages_field:
 
         rows = pq.read_table(path).to_pylist()
     elif path.suffix in (".jsonl", ".json"):
-        rows = []
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n} is not valid JSON ({e})") from e
+        rows = [row for _, _, row in jsonl_rows(path)]
     else:
         raise ValueError(f"dataset file {path} must be .jsonl or .parquet, got {path.suffix!r}")
     if not rows:
