@@ -8,6 +8,7 @@ configured sizes, and every figure comes from the shardings the trainer would us
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections import Counter
 from pathlib import Path
@@ -22,23 +23,19 @@ from fastrl_jax.models.config import ModelConfig
 from fastrl_jax.models.decoder import DTYPES, abstract_decoder
 from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.models.known_configs import KNOWN, known_config
+from fastrl_jax.models.loading import read_model_config
 from fastrl_jax.rollout.engine import RolloutEngine
 from fastrl_jax.sharding import AXES, shardings_for
 
 GiB = 2**30
 
 
+@functools.cache  # plan() asks three times; read the checkpoint's config once
 def model_config(path: str) -> ModelConfig:
     """The policy's ModelConfig from its config.json / GGUF metadata, else from the known-model table."""
     p = Path(path).expanduser()
-    if p.is_dir() and (p / "config.json").is_file():
-        from fastrl_jax.models.loading import read_hf_config
-
-        return ModelConfig.from_hf_dict(read_hf_config(p))
-    if p.is_file() and p.suffix == ".gguf":
-        from fastrl_jax.models.gguf_loader import read_gguf_config
-
-        return ModelConfig.from_hf_dict(read_gguf_config(p))
+    if (p.is_dir() and (p / "config.json").is_file()) or (p.is_file() and p.suffix == ".gguf"):
+        return read_model_config(p)
     known = known_config(path)
     if known is None:
         raise ConfigError(f"--dry-run: model.path {path} has no config.json here and is not a known model "
