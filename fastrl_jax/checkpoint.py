@@ -31,10 +31,15 @@ def abstract_drafter(cfg: ModelConfig, dtype="float32", draft_vocab_size: int = 
 
 
 def load_drafter(path: str | Path, cfg: ModelConfig, dtype="float32") -> Drafter:
-    """Reads a drafter saved by save_drafter for a policy of config `cfg`."""
+    """Reads a drafter saved by save_drafter, or the final drafter of a train-drafter out_dir
+    (its drafter/), for a policy of config `cfg`."""
     path = Path(path).expanduser().resolve()
+    if (path / "drafter").is_dir():
+        path = path / "drafter"
     if not path.is_dir():
-        raise FileNotFoundError(f"drafter checkpoint {path} not found (expected a directory written by save_drafter)")
+        raise FileNotFoundError(
+            f"drafter checkpoint {path} not found (expected a directory written by save_drafter, or a train-drafter out_dir)"
+        )
     with ocp.StandardCheckpointer() as ckptr:
         try:
             saved = ckptr.metadata(path).item_metadata

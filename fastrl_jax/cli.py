@@ -43,6 +43,7 @@ def _read_prompts(args, tokenizer) -> list[list[int]]:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    from fastrl_jax.models.tokenizer import stop_ids
     from fastrl_jax.rollout.engine import Request, RolloutEngine, acceptance_by_strategy
 
     # A one-off generation compiles only the programs it reaches.
@@ -51,9 +52,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
         ("verify_tokens", args.spec_verify_tokens), ("accept", args.spec_accept)) if value is not None]
     cfg, model, model_cfg, tokenizer = _load(args, ["rollout.warm_up=false", *spec])
     prompts = _read_prompts(args, tokenizer)
-    stop_ids = tuple(sorted(set(model_cfg.eos_token_ids) | ({tokenizer.eos_token_id} - {None})))
+    stop = stop_ids(model_cfg, tokenizer)
     requests = [
-        Request(p, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed + i, stop_ids)
+        Request(p, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed + i, stop)
         for i, p in enumerate(prompts)
     ]
     drafter = None
@@ -119,16 +120,6 @@ def cmd_train(args: argparse.Namespace) -> None:
           f"{Path(cfg.rl.out_dir) / 'metrics.jsonl'}", file=sys.stderr)
 
 
-def _drafter_dir(path: str) -> Path:
-    """A drafter checkpoint directory: `path` itself, or the drafter/ a train-drafter run wrote there."""
-    p = Path(path).expanduser()
-    if (p / "drafter").is_dir():
-        return p / "drafter"
-    if not p.is_dir():
-        raise FileNotFoundError(f"drafter {p} not found: give a train-drafter out_dir or a drafter checkpoint directory")
-    return p
-
-
 def cmd_train_drafter(args: argparse.Namespace) -> None:
     from fastrl_jax.drafter.warmup import train_drafter
 
@@ -149,7 +140,7 @@ def cmd_export_drafter(args: argparse.Namespace) -> None:
 
     cfg = load_config(args.config, [*([f"model.path={args.model}"] if args.model else []), *args.set])
     model_cfg = read_model_config(resolve_model_path(cfg.model.path))
-    drafter = load_drafter(_drafter_dir(args.drafter), model_cfg, cfg.model.dtype)
+    drafter = load_drafter(args.drafter, model_cfg, cfg.model.dtype)
     out = Path(args.out).expanduser()
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"--out {out} exists and is not empty; choose a new directory")
@@ -160,17 +151,20 @@ def cmd_export_drafter(args: argparse.Namespace) -> None:
 
 
 def cmd_bench_sd(args: argparse.Namespace) -> None:
+    import jax
+
     from fastrl_jax.checkpoint import load_drafter
     from fastrl_jax.drafter import bench
-    from fastrl_jax.drafter.warmup import held_out_sets, stop_ids
+    from fastrl_jax.drafter.warmup import held_out_sets
+    from fastrl_jax.models.tokenizer import stop_ids
 
     cfg, model, model_cfg, tokenizer = _load(args, ["rollout.warm_up=false"])
-    drafter = load_drafter(_drafter_dir(args.drafter), model_cfg, cfg.model.dtype)
+    drafter = load_drafter(args.drafter, model_cfg, cfg.model.dtype)
     strategies = [tuple(int(x) for x in s.split("/")) for s in args.strategies]
     sets = held_out_sets(cfg, tokenizer, args.prompts)
     prompts = [p for pair in zip(sets["math"], sets["chat"]) for p in pair]  # alternate the two kinds
     result = {"model": cfg.model.path, "dtype": cfg.model.dtype, "drafter": str(args.drafter),
-              "new_tokens": args.new_tokens, "repeats": args.repeats, "backend": __import__("jax").default_backend()}
+              "new_tokens": args.new_tokens, "repeats": args.repeats, "backend": jax.default_backend()}
     if args.profile:
         prof = bench.profile_step(model, drafter, strategies[0], temperature=args.temperatures[-1])
         result["profile_ms"] = prof

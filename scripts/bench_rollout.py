@@ -134,14 +134,14 @@ INSTRUCTION = "Explain step by step, then put the final answer after 'The answer
 
 def longtail_requests(tokenizer, model_cfg, args):
     from fastrl_jax.data.math_problems import problems
-    from fastrl_jax.models.tokenizer import chat_prompt_ids
+    from fastrl_jax.models.tokenizer import chat_prompt_ids, stop_ids
     from fastrl_jax.rollout.engine import Request
 
-    stop_ids = tuple(sorted(set(model_cfg.eos_token_ids) | ({tokenizer.eos_token_id} - {None})))
     word_problems = problems(LONGTAIL_SEED, args.problems, levels=(4, 5))
+    stop = stop_ids(model_cfg, tokenizer)
     return [
         Request(chat_prompt_ids(tokenizer, f"{p.question} {INSTRUCTION}"), args.max_new_tokens, args.temperature,
-                seed=args.seed + 100 * i + j, stop_ids=stop_ids)
+                seed=args.seed + 100 * i + j, stop_ids=stop)
         for i, p in enumerate(word_problems)
         for j in range(args.samples)
     ]
@@ -232,6 +232,7 @@ def plot_timelines(runs, threshold: int, title: str, path: str) -> bool:
 
 
 def bench_longtail(args) -> int:
+    import jax
     from flax import nnx
 
     from fastrl_jax.checkpoint import load_drafter
@@ -278,7 +279,7 @@ def bench_longtail(args) -> int:
     summary = {
         "workload": f"{args.problems} math word problems x {args.samples} samples, T={args.temperature}, "
                     f"max {args.max_new_tokens} new tokens",
-        "drafter": drafter_name, "backend": __import__("jax").default_backend(),
+        "drafter": drafter_name, "backend": jax.default_backend(),
         "response_tokens": {"p50": float(np.percentile(lengths, 50)), "p90": float(np.percentile(lengths, 90)),
                             "max": int(lengths.max()), "at_limit": int((lengths >= args.max_new_tokens).sum())},
         "threshold_live_batch": k, f"plain_share_at_live_batch_le_{k}": ratio(plain_tail, plain["seconds"]),

@@ -5,7 +5,8 @@ import math
 
 import pytest
 
-from fastrl_jax.rl.metrics import MetricsLog, read_metrics, rollout_summary, table_header, table_row
+from fastrl_jax.metrics import read_metrics
+from fastrl_jax.rl.metrics import MetricsLog, rollout_summary, table_header, table_row
 
 
 def test_rollout_summary():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from rl_helpers import tiny_overrides
 
-from fastrl_jax.rl.metrics import read_metrics
+from fastrl_jax.metrics import read_metrics
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent

@@ -19,7 +19,7 @@ from fastrl_jax.config import ConfigError, load_config
 from fastrl_jax.models.loading import load_model
 from fastrl_jax.models.tokenizer import load_tokenizer
 from fastrl_jax.rl import dry_run, update
-from fastrl_jax.rl.metrics import read_metrics
+from fastrl_jax.metrics import read_metrics
 from fastrl_jax.rl.trainer import NonFiniteLoss, Trainer
 from fastrl_jax.sharding import make_mesh
 

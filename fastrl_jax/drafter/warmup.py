@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import shutil
 import sys
 import time
@@ -29,20 +28,17 @@ from tqdm import tqdm
 from fastrl_jax.checkpoint import RunCheckpointer, save_drafter
 from fastrl_jax.config import Config, SpecConfig
 from fastrl_jax.data.prompt_files import read_prompt_file
+from fastrl_jax.metrics import MetricsSink
 from fastrl_jax.data import chat_prompts, math_problems
 from fastrl_jax.drafter.buffer import SampleBuffer
 from fastrl_jax.drafter.train import LossSettings, make_optimizer, make_train_step
 from fastrl_jax.drafter.vocab import coverage, select_draft_vocab
 from fastrl_jax.models.decoder import DTYPES, Decoder
 from fastrl_jax.models.drafter import Drafter
-from fastrl_jax.models.tokenizer import chat_prompt_ids
+from fastrl_jax.models.tokenizer import chat_prompt_ids, stop_ids
 from fastrl_jax.rollout.engine import Request, RolloutEngine
 
 HELD_OUT_SEED_OFFSET = 7_000_001  # held-out math problems come from another stream of the generator
-
-
-def stop_ids(model_cfg, tokenizer) -> tuple[int, ...]:
-    return tuple(sorted(set(model_cfg.eos_token_ids) | ({tokenizer.eos_token_id} - {None})))
 
 
 def math_prompt_ids(tokenizer, seed: int, count: int, levels, instruction: str) -> list[list[int]]:
@@ -118,36 +114,6 @@ def acceptance(engine: RolloutEngine, prompts: list[list[int]], max_new_tokens: 
     return float(engine.stats.get("acceptance_length", float("nan")))
 
 
-class MetricsWriter:
-    """JSON lines and TensorBoard scalars; on resume, lines after the resumed step are dropped."""
-
-    def __init__(self, out_dir: Path, tensorboard: bool, resume_step: int | None):
-        self.path = out_dir / "metrics.jsonl"
-        keep = []
-        if resume_step is not None and self.path.exists():
-            keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= resume_step]
-        self.path.write_text("".join(ln + "\n" for ln in keep))
-        self._tb = None
-        if tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=None if resume_step is None else resume_step + 1)
-
-    def write(self, step: int, metrics: dict) -> None:
-        row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        if self._tb is not None:
-            for k, v in row.items():
-                if k != "step" and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
-            self._tb.flush()
-
-    def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
-
-
 def train_drafter(cfg: Config, policy: Decoder, tokenizer, *, resume: bool = True, progress: bool = True) -> dict:
     """Runs the whole warm-up (collect, choose the draft vocabulary, train, evaluate, save); returns the summary."""
     dt = cfg.drafter_train
@@ -201,7 +167,7 @@ def train_drafter(cfg: Config, policy: Decoder, tokenizer, *, resume: bool = Tru
         print(f"[train-drafter] resuming at step {start} from {ckpt.directory}", file=sys.stderr)
     elif ckpt.latest_step() is not None:
         raise ValueError(f"{ckpt.directory} already holds checkpoints: resume, or choose another drafter_train.out_dir")
-    metrics_out = MetricsWriter(out_dir, dt.tensorboard, start if start else None)
+    metrics_out = MetricsSink(out_dir, dt.tensorboard, start if start else None)
 
     eval_engine = None
     eval_sets = held_out_sets(cfg, tokenizer, dt.eval_prompts) if dt.eval_prompts else {}
@@ -221,7 +187,7 @@ def train_drafter(cfg: Config, policy: Decoder, tokenizer, *, resume: bool = Tru
         res = {f"accept_{name}_t{t:g}": acceptance(eval_engine, prompts, dt.eval_max_new_tokens, t, stop, cfg.seed)
                for t in temperatures for name, prompts in eval_sets.items()}
         res["eval_seconds"] = time.perf_counter() - t0
-        metrics_out.write(step, res)
+        metrics_out.write({"step": step, **{k: float(v) for k, v in res.items()}})
         return res
 
     # ---- training ---------------------------------------------------------------------------
@@ -229,7 +195,7 @@ def train_drafter(cfg: Config, policy: Decoder, tokenizer, *, resume: bool = Tru
     pending: list[dict] = []
     last_eval: dict[str, float] = {}
     t_train = time.perf_counter()
-    t_log, entries = time.perf_counter(), 0.0
+    t_log = time.perf_counter()
     bar = tqdm(total=dt.steps, initial=start, desc="train-drafter", unit="step", file=sys.stderr, disable=not progress)
     for step in range(start, dt.steps):
         batch = buffer.sample(np.random.default_rng([cfg.seed, step]), dt.batch_rows, dt.seq_len_tokens)
@@ -240,12 +206,12 @@ def train_drafter(cfg: Config, policy: Decoder, tokenizer, *, resume: bool = Tru
         bar.update(1)
         done = step + 1
         if done % dt.log_every_steps == 0 or done == dt.steps:
-            logged = {k: float(np.mean([float(x[k]) for x in jax.device_get(pending)])) for k in pending[0]}
-            entries = sum(float(x["entries"]) for x in jax.device_get(pending))
+            host = jax.device_get(pending)
+            logged = {k: float(np.mean([float(x[k]) for x in host])) for k in host[0] if k != "entries"}
+            entries = sum(float(x["entries"]) for x in host)
             logged["train_entries_per_s"] = entries / (time.perf_counter() - t_log)
-            logged.pop("entries")
             pending, t_log = [], time.perf_counter()
-            metrics_out.write(done, logged)
+            metrics_out.write({"step": done, **logged})
             bar.set_postfix(loss=f"{logged['loss']:.3f}", acc0=f"{logged['acc_0']:.2f}",
                             **{k.replace("accept_", "al_"): f"{v:.2f}" for k, v in last_eval.items() if k.startswith("accept")})
         if done % dt.checkpoint_every_steps == 0 or done == dt.steps:

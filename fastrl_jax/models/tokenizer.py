@@ -17,6 +17,11 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(path)
 
 
+def stop_ids(model_cfg, tokenizer) -> tuple[int, ...]:
+    """The token ids that end a completion: the model config's EOS ids and the tokenizer's."""
+    return tuple(sorted(set(model_cfg.eos_token_ids) | ({tokenizer.eos_token_id} - {None})))
+
+
 def chat_prompt_ids(tokenizer, text: str) -> list[int]:
     """Token ids of `text` as a user turn followed by the assistant header the model continues from.
 

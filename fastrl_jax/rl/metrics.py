@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from collections.abc import Sequence
@@ -10,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from fastrl_jax.metrics import MetricsSink
 
 
 def rollout_summary(rewards: Sequence[float], correct: Sequence[float], lengths: Sequence[int],
@@ -78,47 +79,17 @@ class MetricsLog:
 
     def __init__(self, out_dir: str | Path, tensorboard: bool = True, resume_after: int | None = None,
                  enabled: bool = True, stream=sys.stdout):
-        self.enabled = enabled
         self.stream = stream
-        self.path = Path(out_dir) / "metrics.jsonl"
-        self._writer = None
-        if not enabled:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_after is None:
-            self.path.write_text("")
-        elif self.path.exists():  # drop steps the killed run logged after its last checkpoint
-            keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and _step(ln) <= resume_after]
-            self.path.write_text("".join(ln + "\n" for ln in keep))
-        if tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self._writer = SummaryWriter(str(Path(out_dir) / "tensorboard"), purge_step=None if resume_after is None else resume_after + 1)
-        print(table_header(), file=self.stream, flush=True)
+        self._sink = MetricsSink(out_dir, tensorboard, resume_after) if enabled else None
+        if enabled:
+            print(table_header(), file=self.stream, flush=True)
 
     def log(self, metrics: dict[str, Any]) -> None:
-        if not self.enabled:
+        if self._sink is None:
             return
         print(table_row(metrics), file=self.stream, flush=True)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
-        if self._writer is not None:
-            for key, value in metrics.items():
-                if key != "step" and isinstance(value, (int, float)) and not math.isnan(value):
-                    self._writer.add_scalar(key, value, metrics["step"])
-            self._writer.flush()
+        self._sink.write(metrics)
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-
-
-def _step(line: str) -> int:
-    try:
-        return int(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
-        return 1 << 62
-
-
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    return [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
+        if self._sink is not None:
+            self._sink.close()

@@ -25,6 +25,7 @@ from fastrl_jax.checkpoint import RunCheckpointer, load_drafter
 from fastrl_jax.config import Config, to_dict
 from fastrl_jax.models.decoder import DTYPES, Decoder
 from fastrl_jax.models.drafter import Drafter
+from fastrl_jax.models.tokenizer import stop_ids
 from fastrl_jax.rl import data as data_lib
 from fastrl_jax.rl import grpo, rewards, update
 from fastrl_jax.rl.metrics import MetricsLog, rollout_summary
@@ -77,7 +78,7 @@ class Trainer:
 
         self.drafter = self._make_drafter(model) if cfg.sd.mode != "off" else None
         self.workers = RolloutWorkers(cfg, self.graphdef, self.params, self.mesh, self.drafter)
-        self.stop_ids = tuple(sorted(set(model.cfg.eos_token_ids) | ({tokenizer.eos_token_id} - {None})))
+        self.stop_ids = stop_ids(model.cfg, tokenizer)
         self.reward_fn = rewards.combined(cfg.reward.functions, cfg.reward.weights)
 
         d = cfg.data
@@ -164,10 +165,10 @@ class Trainer:
         n = len(tokens)
         m, mb = rl.minibatches_per_step, rl.micro_batch_size
         if m > 1:  # later mini-batches are off-policy: keep the sampling policy's log-probs
-            rows = lambda x: update.to_global(x, update.rows_sharding(self.mesh, x.shape, 0))  # noqa: E731
+            place = lambda x: update.to_global(x, update.rows_sharding(self.mesh, x.shape, 0))  # noqa: E731
             old = np.concatenate([
                 np.asarray(jax.device_get(self._logp_fn(
-                    self.params, rows(tokens[i : i + mb]), rows(pad[i : i + mb]), rows(mask[i : i + mb]))))
+                    self.params, place(tokens[i : i + mb]), place(pad[i : i + mb]), place(mask[i : i + mb]))))
                 for i in range(0, n, mb)
             ])
         else:
