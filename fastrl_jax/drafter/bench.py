@@ -178,10 +178,8 @@ def profile_step(policy: Decoder, drafter: Drafter, strategy: tuple[int, int, in
     dg, dstate = nnx.split(drafter)
     L = jnp.full((B,), prefix_len, jnp.int32)
     cache = KVCache.zeros(cfg, B, kv_len)
-    ds = speculative.DraftState(
-        cache=drafter.empty_cache(B, kv_len + st.scratch_slots), pending_tok=jnp.zeros((B, st.pending), jnp.int32),
-        pending_h=jnp.zeros((B, st.pending, H)), n_pending=jnp.full((B,), 2, jnp.int32),
-        sd_steps=jnp.zeros(B, jnp.int32), sd_tokens=jnp.zeros(B, jnp.int32))
+    ds = speculative.DraftState.empty(drafter.empty_cache(B, kv_len + st.scratch_slots), st.pending, H).replace(
+        n_pending=jnp.full((B,), 2, jnp.int32))
     params = SamplingParams(jnp.full((B,), temperature, jnp.float32), jnp.zeros(B, jnp.int32),
                             jnp.ones(B, jnp.float32), jnp.arange(B, dtype=jnp.uint32))
     tree_shape = jax.eval_shape(lambda: speculative.draft_tree(

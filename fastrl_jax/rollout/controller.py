@@ -32,16 +32,14 @@ class OnOff:
             raise ValueError(f"need threshold >= 1 and patience >= 1, got {threshold}, {patience}")
         self.threshold, self.patience = threshold, patience
         self.below = 0  # consecutive host steps at or below the threshold
-        self.on = False
 
     def update(self, live_batch: int) -> bool:
         """Records one host step's live batch; returns whether SD runs this step."""
         self.below = self.below + 1 if live_batch <= self.threshold else 0
-        self.on = self.below >= self.patience
-        return self.on
+        return self.below >= self.patience
 
     def reset(self) -> None:
-        self.below, self.on = 0, False
+        self.below = 0
 
 
 class StrategyChooser:

@@ -65,7 +65,8 @@ def strategy_label(s: speculative.Strategy) -> str:
 
 def acceptance_by_strategy(stats: dict[str, float]) -> dict[str, float]:
     """Acceptance length (tokens per speculative row-step) of each strategy in an engine's stats."""
-    return {k[9:-1]: stats[f"sd_tokens[{k[9:-1]}]"] / v for k, v in stats.items() if k.startswith("sd_steps[") and v}
+    labels = [k.removeprefix("sd_steps[").removesuffix("]") for k, v in stats.items() if k.startswith("sd_steps[") and v]
+    return {label: stats[f"sd_tokens[{label}]"] / stats[f"sd_steps[{label}]"] for label in labels}
 
 
 def bucket_for(n: int, buckets: Sequence[int]) -> int:
@@ -171,17 +172,9 @@ class RolloutEngine:
         # One draft state serves every strategy: sized for the deepest tree and the most scratch.
         pending = max(s.pending for s in self.strategies)
         scratch = max(s.scratch_slots for s in self.strategies)
-        H = self.model_cfg.hidden_size
-        zeros = lambda *shape, dtype=jnp.int32: jnp.zeros(shape, dtype)  # noqa: E731
-        draft = speculative.DraftState(
-            cache=nnx.merge(self.drafter_graphdef, self.drafter_state).empty_cache(
-                batch, self.max_len + scratch, self.dtype
-            ),
-            pending_tok=zeros(batch, pending),
-            pending_h=zeros(batch, pending, H, dtype=jnp.float32),
-            n_pending=zeros(batch),
-            sd_steps=zeros(batch),
-            sd_tokens=zeros(batch),
+        drafter = nnx.merge(self.drafter_graphdef, self.drafter_state)
+        draft = speculative.DraftState.empty(
+            drafter.empty_cache(batch, self.max_len + scratch, self.dtype), pending, self.model_cfg.hidden_size
         )
         return slots.replace(draft=draft)
 

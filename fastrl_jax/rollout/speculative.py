@@ -61,6 +61,19 @@ class DraftState:
     sd_steps: jax.Array  # [B] speculative steps taken (acceptance length = tokens / steps)
     sd_tokens: jax.Array  # [B] tokens those steps emitted
 
+    @classmethod
+    def empty(cls, cache: KVCache, pending: int, hidden_size: int) -> DraftState:
+        """No pending entries and no steps taken, over the drafter cache [1, B, KV, S, D]."""
+        B = cache.k.shape[1]
+        return cls(  # separate arrays: the engine donates every leaf of the row table
+            cache=cache,
+            pending_tok=jnp.zeros((B, pending), jnp.int32),
+            pending_h=jnp.zeros((B, pending, hidden_size), jnp.float32),
+            n_pending=jnp.zeros((B,), jnp.int32),
+            sd_steps=jnp.zeros((B,), jnp.int32),
+            sd_tokens=jnp.zeros((B,), jnp.int32),
+        )
+
 
 @struct.dataclass
 class Tree:
