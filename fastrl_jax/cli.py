@@ -207,8 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="0 is off")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=0, help="request i uses seed + i")
-    gen.add_argument("--sd", choices=["off", "on", "adaptive"],
-                     help="speculative decoding: off, on (always), adaptive (at small live batch; overrides sd.mode)")
+    gen.add_argument("--sd", choices=["off", "on", "adaptive"], default="off",
+                     help="speculative decoding: off (default, whatever the config's sd.mode), on (always), "
+                          "adaptive (at small live batch)")
     gen.add_argument("--drafter", help="drafter checkpoint directory; a random drafter when omitted")
     gen.add_argument("--spec-steps", type=int, help="draft tree depth (sd.steps)")
     gen.add_argument("--spec-topk", type=int, help="branching per step (sd.topk)")

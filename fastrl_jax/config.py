@@ -343,6 +343,44 @@ class DrafterTrainConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DrafterOnlineConfig:
+    """Online ("spot") drafter training during RL rollouts, on devices the rollout leaves idle.
+
+    Active when sd.mode is not off. The loss and optimizer settings not named here (ce_weight,
+    input_noise, unroll, weight decay, clipping) come from drafter_train.
+    """
+
+    enabled: bool = True
+    buffer_max_tokens: int = 200_000  # tokens of (prompt + completion) with hidden states held (float16)
+    keep_steps: int = 2  # train on the latest this many RL steps' rollouts
+    min_buffer_tokens: int = 256  # no drafter step before the buffer holds this many tokens
+    batch_rows: int = 4  # packed rows per drafter step (split over the data-parallel lent replicas)
+    seq_len_tokens: int = 256  # tokens per packed row; with batch_rows, this sets a step's duration
+    learning_rate: float = 3.0e-4
+    warmup_steps: int = 10  # then constant
+    min_idle_replicas: int = 1  # several replicas: lend devices once this many replicas are idle
+    max_steps_per_rollout: int = 0  # drafter steps per RL step at most; 0 = as many as the idle time allows
+    tail_time_share: float = 0.25  # one replica: share of the tail's wall time given to drafter steps
+    tail_live_batch: int = 8  # one replica: drafter steps interleave while the live batch is at most this
+    preempt_bound_s: float = 10.0  # handing the devices back may take this long (one drafter step); warn above
+    eval_depth: int = 4  # chain depth of the per-step acceptance estimate on the step's own rollouts
+    eval_rows: int = 8  # packed rows of the estimate (seq_len_tokens each)
+    frozen_eval_every_steps: int = 5  # the starting drafter's acceptance too, every N RL steps; 0 = never
+
+    def __post_init__(self):
+        _check_at_least("drafter_online", self, ("keep_steps", "batch_rows", "min_idle_replicas",
+                                                 "eval_depth", "eval_rows"), 1)
+        _check_at_least("drafter_online", self, ("min_buffer_tokens", "warmup_steps", "max_steps_per_rollout",
+                                                 "tail_live_batch", "frozen_eval_every_steps"), 0)
+        if self.seq_len_tokens < 8 or self.buffer_max_tokens < self.seq_len_tokens:
+            raise ConfigError(f"drafter_online needs seq_len_tokens >= 8 and buffer_max_tokens >= seq_len_tokens; "
+                              f"got {self.seq_len_tokens}, {self.buffer_max_tokens}")
+        if self.learning_rate <= 0 or self.preempt_bound_s <= 0 or not 0 <= self.tail_time_share < 1:
+            raise ConfigError(f"drafter_online needs learning_rate > 0, preempt_bound_s > 0, 0 <= tail_time_share < 1; "
+                              f"got {self.learning_rate}, {self.preempt_bound_s}, {self.tail_time_share}")
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """The whole run: one field per section (YAML top-level key)."""
 
@@ -355,6 +393,7 @@ class Config:
     optim: OptimConfig = OptimConfig()
     rl: RLConfig = RLConfig()
     drafter_train: DrafterTrainConfig = DrafterTrainConfig()
+    drafter_online: DrafterOnlineConfig = DrafterOnlineConfig()
     seed: int = 0
 
 

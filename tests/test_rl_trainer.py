@@ -13,6 +13,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 from rl_helpers import tiny_overrides
 
 from fastrl_jax.config import ConfigError, load_config
@@ -27,11 +28,11 @@ TESTS = Path(__file__).parent
 ROOT = TESTS.parent
 
 
-def make_trainer(tmp: Path, *extra: str, steps: int = 3) -> Trainer:
+def make_trainer(tmp: Path, *extra: str, steps: int = 3, resume: bool = False) -> Trainer:
     # 8 fake CPU devices in this process (conftest): the policy trains FSDP-sharded over all of them.
     cfg = load_config(None, [*tiny_overrides(tmp, steps), "mesh.fsdp=-1", *extra])
     model, _ = load_model(cfg.model.path, make_mesh(cfg.mesh), cfg.model.dtype)
-    return Trainer(cfg, model, load_tokenizer(Path(cfg.model.path)), stream=open(os.devnull, "w"))
+    return Trainer(cfg, model, load_tokenizer(Path(cfg.model.path)), resume=resume, stream=open(os.devnull, "w"))
 
 
 def run_recording(trainer: Trainer):
@@ -49,15 +50,26 @@ def run_recording(trainer: Trainer):
 
 
 def test_lossless_sd_adaptive_matches_plain_decoding(tmp_path):
-    """3 GRPO steps with SD off and adaptive (random drafter): identical rollouts and parameters."""
+    """3 GRPO steps with SD off, and adaptive (random drafter) with online drafter training in the tail:
+    identical rollouts and parameters; the drafter's training state survives a resume."""
     common = ["rl.checkpoint_every_steps=0", "rollout.steps_per_call=2"]
     off = run_recording(make_trainer(tmp_path / "off", *common, "sd.mode='off'"))
-    adaptive = run_recording(make_trainer(
-        tmp_path / "sd", *common, "sd.mode=adaptive", "sd.threshold_live_batch=16", "sd.patience_host_steps=1",
-        "sd.steps=2", "sd.topk=2", "sd.verify_tokens=4"))
+    sd = [*common, "sd.mode=adaptive", "sd.threshold_live_batch=16", "sd.patience_host_steps=1", "sd.steps=2",
+          "sd.topk=2", "sd.verify_tokens=4", "drafter_online.min_buffer_tokens=16", "drafter_online.batch_rows=2",
+          "drafter_online.seq_len_tokens=32", "drafter_online.eval_rows=2", "drafter_online.tail_live_batch=16",
+          "drafter_online.frozen_eval_every_steps=1", "drafter_train.unroll_steps=1", "rl.checkpoint_every_steps=3"]
+    trainer = make_trainer(tmp_path / "sd", *sd)
+    adaptive = run_recording(trainer)
     assert off[0] == adaptive[0]
     assert sum(m["sd_share"] for m in adaptive[1]) > 0, "speculative decoding never ran"
     assert all(m["sd_share"] == 0 for m in off[1])
+    assert adaptive[1][0]["drafter_steps"] == 0  # the buffer fills from step 1's rollouts
+    assert sum(m["drafter_steps"] for m in adaptive[1]) > 0, "the drafter never trained in the tail"
+    assert all(1.0 <= m["drafter_accept"] <= 5.0 and 1.0 <= m["drafter_accept_frozen"] <= 5.0 for m in adaptive[1])
+    resumed = make_trainer(tmp_path / "sd", *sd, resume=True)
+    assert resumed.spot.steps_done == trainer.spot.steps_done
+    jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(resumed.spot.params),
+                 nnx.to_pure_dict(trainer.spot.params))
     for a, b in zip(off[1], adaptive[1]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6), off[2], adaptive[2])

@@ -49,6 +49,39 @@ def smooth_l1(x: jax.Array) -> jax.Array:
     return jnp.where(a < 1.0, 0.5 * x * x, a - 0.5)
 
 
+def _unrolled(drafter: Drafter, policy: Decoder, batch: dict, inputs: jax.Array, head: jax.Array, steps: int):
+    """Yields (j, logits [B, S, K], predicted features [B, S, H]) of unroll steps j = 0 .. steps - 1.
+
+    Step 0 runs entry a on (inputs_a, x_{a+1}); step j runs it on (step j-1's prediction, x_{a+j+1})
+    at position pos_a + j, attending to the true entries <= a and its own earlier unroll entries, and
+    predicts f_{a+j+1} / x_{a+j+2}.
+    """
+    tokens, seg = batch["tokens"], batch["segments"]
+    B, S = tokens.shape
+    slot = jnp.arange(S)
+    # Step 0 entries see the true entries of their own sequence up to themselves.
+    causal = (slot[None, :, None] >= slot[None, None, :]) & (seg[:, :, None] == seg[:, None, :])
+    causal = causal | jnp.eye(S, dtype=bool)[None]  # padding entries see themselves (no empty softmax row)
+    cache = KVCache.zeros(drafter.cfg, B, S * steps, inputs.dtype)
+    own = jnp.broadcast_to(jnp.eye(S, dtype=bool), (B, S, S))
+    for j in range(steps):
+        mask_j = jnp.concatenate(
+            [causal] + [own] * j + [jnp.zeros((B, S, S), bool)] * (steps - 1 - j), axis=2
+        )
+        logits, pred, cache = drafter(
+            policy, _shift(tokens, j + 1), inputs, batch["positions"] + j, cache, jnp.full((B,), j * S, jnp.int32),
+            mask=mask_j, kv_len=S * steps, head=head,
+        )
+        yield j, logits, pred
+        inputs = pred  # the next unroll step feeds the drafter its own predictions
+
+
+def _target_valid(batch: dict, j: int) -> jax.Array:
+    """[B, S] whether anchor a's unroll step j has a target: x_{a+j+2} is a token to learn of a's sequence."""
+    seg = batch["segments"]
+    return (seg > 0) & (_shift(seg, j + 2) == seg) & _shift(batch["loss_mask"], j + 2, False)
+
+
 def drafter_loss(drafter: Drafter, policy: Decoder, batch: dict, key: jax.Array, settings: LossSettings):
     """Mean loss over the batch's valid entries, and metrics.
 
@@ -56,33 +89,13 @@ def drafter_loss(drafter: Drafter, policy: Decoder, batch: dict, key: jax.Array,
     the final norm), loss_mask [B, S] bool, positions [B, S] int32, segments [B, S] int32 (0 = pad).
     Returns (loss, {"loss", "hidden_l1", "ce", "acc_<j>" per unroll step, "entries"}).
     """
-    tokens, seg, mask = batch["tokens"], batch["segments"], batch["loss_mask"]
-    B, S = tokens.shape
-    J = settings.unroll_steps
     feats = jax.lax.stop_gradient(policy_features(policy, batch["hidden"].astype(jnp.float32)))
     head = drafter.head_weight(policy)  # [H, K]
     noise = jax.random.uniform(key, feats.shape, feats.dtype, -settings.input_noise, settings.input_noise)
-    slot = jnp.arange(S)
-    # Step 0 entries see the true entries of their own sequence up to themselves.
-    causal = (slot[None, :, None] >= slot[None, None, :]) & (seg[:, :, None] == seg[:, None, :])
-    causal = causal | jnp.eye(S, dtype=bool)[None]  # padding entries see themselves (no empty softmax row)
-    cache = KVCache.zeros(drafter.cfg, B, S * J, feats.dtype)
-    own = jnp.broadcast_to(jnp.eye(S, dtype=bool), (B, S, S))
-    inputs = feats + noise
     total, metrics = 0.0, {}
     weight_sum = 0.0
-    for j in range(J):
-        # Entry at anchor a: token x_{a+j+1}, position pos_a + j, predicts f_{a+j+1} / x_{a+j+2}.
-        tok_in = _shift(tokens, j + 1)
-        mask_j = jnp.concatenate(
-            [causal] + [own] * j + [jnp.zeros((B, S, S), bool)] * (J - 1 - j), axis=2
-        )
-        logits, pred, cache = drafter(
-            policy, tok_in, inputs, batch["positions"] + j, cache, jnp.full((B,), j * S, jnp.int32),
-            mask=mask_j, kv_len=S * J, head=head,
-        )
-        valid = (seg > 0) & (_shift(seg, j + 2) == seg) & _shift(mask, j + 2, False)
-        w = valid.astype(jnp.float32)
+    for j, logits, pred in _unrolled(drafter, policy, batch, feats + noise, head, settings.unroll_steps):
+        w = _target_valid(batch, j).astype(jnp.float32)
         n = jnp.maximum(w.sum(), 1.0)
         target = _shift(feats, j + 1)
         l1 = (smooth_l1(pred - target).mean(-1) * w).sum() / n
@@ -96,28 +109,55 @@ def drafter_loss(drafter: Drafter, policy: Decoder, batch: dict, key: jax.Array,
         metrics |= {f"hidden_l1_{j}": l1, f"ce_{j}": ce, f"acc_{j}": acc}
         if j == 0:
             metrics["entries"] = w.sum()
-        inputs = pred  # the next unroll step feeds the drafter its own predictions
     loss = total / weight_sum
     metrics["loss"] = loss
     return loss, metrics
 
 
-def make_optimizer(learning_rate: float, warmup_steps: int, total_steps: int, weight_decay: float,
+def chain_acceptance(drafter: Drafter, policy: Decoder, batch: dict, depth: int) -> tuple[jax.Array, jax.Array]:
+    """Teacher-forced acceptance of a greedy draft chain on recorded sequences: (accepted drafts summed
+    over anchors, number of anchors).
+
+    At each anchor a (x_{a+2} a token to learn) the drafter drafts `depth` tokens greedily from its
+    own predictions; the drafts accepted are the leading ones equal to the recorded tokens
+    x_{a+2}, x_{a+3}, ... That is what a chain of this depth accepts when the policy emits those
+    tokens (greedy decoding, or coupled sampling with the recorded seeds), so 1 + accepted / anchors
+    estimates tokens per speculative step without running the policy.
+    """
+    feats = policy_features(policy, batch["hidden"].astype(jnp.float32))
+    head = drafter.head_weight(policy)
+    tokens = batch["tokens"]
+    alive = _target_valid(batch, 0)
+    anchors = alive.sum()
+    accepted = jnp.zeros((), jnp.int32)
+    for j, logits, _ in _unrolled(drafter, policy, batch, feats, head, depth):
+        draft = drafter.token_ids(jnp.argmax(logits, -1))
+        alive = alive & _target_valid(batch, j) & (draft == _shift(tokens, j + 2))
+        accepted = accepted + alive.sum()
+    return accepted, anchors
+
+
+def make_optimizer(learning_rate: float, warmup_steps: int, total_steps: int | None, weight_decay: float,
                    grad_clip_norm: float) -> optax.GradientTransformation:
-    """AdamW with linear warm-up then cosine decay to a tenth, after global-norm clipping."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, learning_rate, max(warmup_steps, 1), max(total_steps, warmup_steps + 1), learning_rate / 10
-    )
+    """AdamW with linear warm-up then cosine decay to a tenth at total_steps (None: constant after the
+    warm-up, for online training that has no end), after global-norm clipping."""
+    if total_steps is None:
+        schedule = optax.linear_schedule(0.0, learning_rate, max(warmup_steps, 1))
+    else:
+        schedule = optax.warmup_cosine_decay_schedule(
+            0.0, learning_rate, max(warmup_steps, 1), max(total_steps, warmup_steps + 1), learning_rate / 10
+        )
     parts = [optax.clip_by_global_norm(grad_clip_norm)] if grad_clip_norm > 0 else []
     return optax.chain(*parts, optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay))
 
 
-def make_train_step(optimizer: optax.GradientTransformation, settings: LossSettings):
+def make_train_step(optimizer: optax.GradientTransformation, settings: LossSettings, donate: bool = True):
     """A jitted step (dgraphdef, params, rest, opt_state, pgraphdef, pstate, batch, key) ->
     (params, opt_state, metrics). Only the drafter's nnx.Param leaves train; the policy (embedding,
-    final norm, head) is an input, never differentiated."""
+    final norm, head) is an input, never differentiated. donate=False when other holders (engines
+    drafting with the same buffers) may still read the parameters."""
 
-    @functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=(1, 3))
+    @functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=(1, 3) if donate else ())
     def step(dgraphdef, params, rest, opt_state, pgraphdef, pstate, batch, key):
         policy = nnx.merge(pgraphdef, pstate)
 

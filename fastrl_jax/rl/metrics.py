@@ -53,6 +53,8 @@ COLUMNS = (
     ("rollout_s", "roll_s", 6, ".1f"),
     ("sd_share", "sd", 4, ".2f"),
     ("acceptance_length", "acc_len", 7, ".2f"),
+    ("drafter_steps", "d_steps", 7, "d"),
+    ("drafter_accept", "d_acc", 5, ".2f"),
     ("train_s", "train_s", 7, ".1f"),
     ("tokens_per_s", "tok/s", 6, ".1f"),
     ("loss", "loss", 8, ".4f"),

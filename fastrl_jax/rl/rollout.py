@@ -11,7 +11,7 @@ completions are all-gathered, so every process ends the rollout with all of them
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -96,16 +96,22 @@ class RolloutWorkers:
         for r in self.replicas:
             r.engine.update_drafter(nnx.merge(d_graph, jax.device_put(d_state, shardings_for(d_state, r.mesh))))
 
-    def generate(self, requests: Sequence[Request], group_size: int) -> tuple[list[Completion], dict[str, float]]:
+    def generate(self, requests: Sequence[Request], group_size: int, *,
+                 replica_done: Callable[[int], None] | None = None,
+                 between_steps: Callable[[int], None] | None = None) -> tuple[list[Completion], dict[str, float]]:
         """All completions (in request order) and the local engines' summed stats.
 
-        Group g (requests g*group_size ...) goes to replica g % num_replicas.
+        Group g (requests g*group_size ...) goes to replica g % num_replicas. replica_done(index) runs
+        as soon as a local replica has finished its share (its devices are idle from then on);
+        between_steps goes to every engine (RolloutEngine.generate).
         """
         owner = [(i // group_size) % self.num_replicas for i in range(len(requests))]
 
         def run(r: Replica):
             mine = [i for i in range(len(requests)) if owner[i] == r.index]
-            out = r.engine.generate([requests[i] for i in mine]) if mine else []
+            out = r.engine.generate([requests[i] for i in mine], between_steps) if mine else []
+            if replica_done is not None:
+                replica_done(r.index)
             return mine, out, dict(r.engine.stats) if mine else {}
 
         if len(self.replicas) == 1:

@@ -23,6 +23,7 @@ from flax import nnx
 
 from fastrl_jax.checkpoint import RunCheckpointer, load_drafter
 from fastrl_jax.config import Config, to_dict
+from fastrl_jax.drafter.online import SpotTrainer
 from fastrl_jax.models.decoder import DTYPES, Decoder
 from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.models.tokenizer import stop_ids
@@ -78,6 +79,13 @@ class Trainer:
 
         self.drafter = self._make_drafter(model) if cfg.sd.mode != "off" else None
         self.workers = RolloutWorkers(cfg, self.graphdef, self.params, self.mesh, self.drafter)
+        self.spot = None
+        if self.drafter is not None and cfg.drafter_online.enabled:
+            if jax.process_count() > 1:
+                log.warning("drafter_online: online drafter training runs in single-process runs only; "
+                            "this %d-process run keeps the drafter frozen", jax.process_count())
+            else:
+                self.spot = SpotTrainer(cfg, self.drafter, self.graphdef, self.params, self.mesh, cfg.seed)
         self.stop_ids = stop_ids(model.cfg, tokenizer)
         self.reward_fn = rewards.combined(cfg.reward.functions, cfg.reward.weights)
 
@@ -128,11 +136,35 @@ class Trainer:
                     request_seed(self.cfg.seed, step, g * rl.samples_per_prompt + s), self.stop_ids)
             for g, r in enumerate(records) for s in range(rl.samples_per_prompt)
         ]
-        completions, stats = self.workers.generate(requests, rl.samples_per_prompt)
+        spot = self.spot
+        if spot is None:
+            completions, stats = self.workers.generate(requests, rl.samples_per_prompt)
+        else:
+            spot.begin(self.params)
+            try:
+                completions, stats = self.workers.generate(requests, rl.samples_per_prompt,
+                                                           replica_done=spot.lend, between_steps=spot.tail_step)
+            finally:
+                report = spot.end()  # the devices come back before anything else runs on them
+            stats = {**stats, **report}
         for c in completions:
             if c.finish_reason == "error":
                 raise ValueError(f"rollout request failed: {c.error}")
         return requests, completions, stats
+
+    def track_drafter(self, requests: list[Request], completions: list[Completion], step: int) -> dict[str, float]:
+        """Acceptance estimates on this step's rollouts (before they join the buffer), then the buffer
+        update and the hand-off of the drafter trained during the rollout to the engines."""
+        t0 = time.perf_counter()
+        on = self.cfg.drafter_online
+        out = {"drafter_accept": self.spot.acceptance(requests, completions, step)}
+        if on.frozen_eval_every_steps and (step == 1 or step % on.frozen_eval_every_steps == 0):
+            out["drafter_accept_frozen"] = self.spot.acceptance(requests, completions, step, frozen=True)
+        self.spot.add(requests, completions, step)
+        self.drafter = self.spot.drafter()
+        self.workers.update_drafter(self.drafter)
+        out["drafter_eval_s"] = time.perf_counter() - t0
+        return out
 
     def _text(self, c: Completion) -> str:
         ids = c.tokens[:-1] if c.finish_reason == "stop" else c.tokens
@@ -233,11 +265,14 @@ class Trainer:
         metrics: dict[str, Any] = {"step": step}
         metrics |= rollout_summary(reward, correct, [len(c.tokens) for c in completions],
                                    [c.finish_reason for c in completions], stats)
+        metrics |= {k: v for k, v in stats.items() if k.startswith("drafter_")}  # the spot trainer's report
         metrics |= {"rollout_s": rollout_s, "train_s": train_s,
                     "tokens_per_s": metrics["tokens"] / (rollout_s + train_s),
                     "rollout_tokens_per_s": metrics["tokens"] / rollout_s,
                     "lr": update.learning_rate(self.cfg.optim, self.total_updates, (step - 1) * rl.minibatches_per_step)}
         metrics |= train
+        if self.spot is not None:
+            metrics |= self.track_drafter(requests, completions, step)
         if rl.eval_every_steps and (step % rl.eval_every_steps == 0 or step == rl.steps):
             t2 = time.perf_counter()
             metrics["eval_accuracy"] = self.evaluate()
@@ -268,6 +303,8 @@ class Trainer:
             arrays["reference"] = self.ref_params
         if self.drafter is not None:
             arrays["drafter"] = nnx.to_pure_dict(nnx.state(self.drafter))  # weights and any draft vocabulary
+        if self.spot is not None:
+            arrays["drafter_optimizer"] = self.spot.optimizer_state()
         return arrays
 
     def save(self) -> None:
@@ -301,6 +338,8 @@ class Trainer:
         if self.drafter is not None:
             nnx.update(self.drafter, _state_from(self.drafter, arrays["drafter"]))
             self.workers.update_drafter(self.drafter)
+        if self.spot is not None:
+            self.spot.restore(self.drafter, arrays["drafter_optimizer"])
         self.workers.update_weights(self.params)
         self.data.restore(meta["data"])
         self.step = int(meta["run"]["step"])

@@ -16,7 +16,7 @@ import logging
 import sys
 import time
 from collections import defaultdict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -301,8 +301,11 @@ class RolloutEngine:
             return self.chooser.choose(live_batch)
         return None
 
-    def generate(self, requests: Sequence[Request]) -> list[Completion]:
-        """Completes every request; a request that cannot run gets finish_reason 'error', the rest still run."""
+    def generate(self, requests: Sequence[Request], between_steps: Callable[[int], None] | None = None) -> list[Completion]:
+        """Completes every request; a request that cannot run gets finish_reason 'error', the rest still run.
+
+        between_steps(live_batch), when given, runs on the host after every decode call (the online
+        drafter trainer interleaves its steps into the tail there)."""
         results: list[Completion | None] = [None] * len(requests)
         pending: deque[int] = deque()
         for i, r in enumerate(requests):
@@ -390,6 +393,8 @@ class RolloutEngine:
             stats.timeline.append(
                 (stats.elapsed(), len(live_rows), tokens, strategy is not None, strategy_label(strategy) if strategy else "")
             )
+            if between_steps is not None:
+                between_steps(len(live_rows))
         bar.close()
         self.stats, self.timeline = stats.finish(), stats.timeline
         return results

@@ -1,0 +1,318 @@
+"""Online ("spot") drafter training: the devices a rollout leaves idle train the drafter.
+
+During an RL rollout the replicas (sub-meshes along `data`) finish their shares at different
+times; the long tail keeps a few busy while the rest wait. The SpotTrainer takes those idle
+replicas: `lend(i)` (replica i is done) wakes a background thread that runs drafter steps on the
+sample buffer (the latest RL steps' tokens and hidden states), data-parallel over the largest
+aligned block of lent replicas (block sizes are powers of two dividing batch_rows, so a run
+compiles at most 2R - 1 step programs). `end()` (the rollout is over, the policy update needs the
+devices) stops the thread between two steps and returns within one step's time: nothing is lost,
+since a step replaces the drafter and optimizer state only when it has finished, and sampling
+leaves the buffer as it was. With a single replica nothing is ever lent; instead `tail_step`
+interleaves drafter steps into the tail of the rollout (live batch <= tail_live_batch) under a
+wall-time share.
+
+The engines keep the drafter they were given for the whole rollout; the trainer hands them the new
+weights before the next one (`drafter()`), so a rollout never mixes drafters (it would stay lossless
+if it did: the policy verifies every token).
+
+Per RL step the trainer reports the drafter steps done, their seconds, the loss, the hand-back
+delay, and a teacher-forced acceptance estimate (train.chain_acceptance) of the current drafter and,
+every few steps, of the starting one, on the step's own rollouts before they join the buffer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from fastrl_jax.config import Config
+from fastrl_jax.drafter.buffer import SampleBuffer
+from fastrl_jax.drafter.train import LossSettings, chain_acceptance, make_optimizer, make_train_step
+from fastrl_jax.models.drafter import Drafter
+from fastrl_jax.rl.rollout import reshard
+from fastrl_jax.rollout.engine import Completion, Request
+from fastrl_jax.sharding import AXES, shardings_for
+
+log = logging.getLogger(__name__)
+
+
+def add_completions(buffer: SampleBuffer, requests: Sequence[Request], completions: Sequence[Completion],
+                    step: int = 0) -> int:
+    """Adds each completed (prompt + completion, hidden states, completion mask) to buffer; returns the
+    completion tokens added. Requests that failed or kept no hidden states are skipped."""
+    added = 0
+    for req, out in zip(requests, completions):
+        if out.finish_reason == "error" or out.hidden_states is None or not out.tokens:
+            continue
+        seq = list(req.prompt_ids) + list(out.tokens)
+        buffer.add(seq, out.hidden_states, np.arange(len(seq)) >= len(req.prompt_ids), step)
+        added += len(out.tokens)
+    return added
+
+
+def aligned_blocks(num_replicas: int, rows: int) -> list[tuple[int, ...]]:
+    """Replica blocks a drafter step may span, largest first: [k*s, (k+1)*s) for s a power of two
+    dividing rows."""
+    sizes = [s for s in (2**i for i in range(num_replicas.bit_length())) if s <= num_replicas and rows % s == 0]
+    return [tuple(range(k * s, (k + 1) * s)) for s in sorted(sizes, reverse=True) for k in range(num_replicas // s)]
+
+
+@dataclasses.dataclass
+class _Placement:
+    """A block of replicas as one mesh, with the shardings a drafter step uses there."""
+
+    mesh: Mesh
+    policy: dict  # pure dict of NamedSharding for the policy parameters
+    drafter: nnx.State
+    replicated: NamedSharding
+    rows: NamedSharding  # batch rows over the block's data axis
+
+
+class SpotTrainer:
+    """Owns the online drafter (parameters, optimizer state, sample buffer) of one RL run."""
+
+    def __init__(self, cfg: Config, drafter: Drafter, policy_graphdef, policy_params: dict, mesh: Mesh, seed: int = 0):
+        """With one replica the drafter step compiles here; with several, each block's program compiles
+        on a host thread the first time the block is lent (its devices wait meanwhile), so handing the
+        devices back never waits for a compilation (the persistent compilation cache keeps them)."""
+        self.cfg, dt = cfg.drafter_online, cfg.drafter_train
+        self.mesh = mesh
+        self.num_replicas = mesh.shape["data"]
+        self.seed = seed
+        self.buffer = SampleBuffer(self.cfg.buffer_max_tokens, drafter.cfg.hidden_size, keep_steps=self.cfg.keep_steps)
+        self.dgraphdef, self.params, self.rest = nnx.split(drafter, nnx.Param, ...)
+        self.frozen = jax.tree.map(jnp.copy, self.params)  # the starting drafter, for the drift comparison
+        self.tx = make_optimizer(self.cfg.learning_rate, self.cfg.warmup_steps, None, dt.weight_decay, dt.grad_clip_norm)
+        self.opt_state = self.tx.init(self.params)
+        # No donation: the engines may draft with these very buffers (a hand-off is zero-copy).
+        self._step = make_train_step(self.tx, LossSettings(dt.ce_weight, dt.input_noise, dt.unroll_steps, dt.unroll_decay),
+                                     donate=False)
+        self._accept = jax.jit(self._chain_acceptance, static_argnums=(0, 3))
+        self.pgraphdef = policy_graphdef
+        self._policy_params = policy_params
+        self._abstract_policy = nnx.eval_shape(lambda: nnx.merge(policy_graphdef, policy_params))
+        self._placements: dict[tuple[int, ...], _Placement] = {}
+        self.blocks = aligned_blocks(self.num_replicas, self.cfg.batch_rows)
+        self.steps_done = 0  # drafter optimizer steps over the run (checkpointed)
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None  # from the spot or compile thread, raised by end()
+        self._reset_phase()
+        self._programs: dict[tuple[int, ...], Any] = {}
+        self._compiling: set[tuple[int, ...]] = set()
+        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="spot-compile")
+        self.compile_seconds = 0.0
+        if self.num_replicas == 1:
+            self._compile_into((0,))
+
+    # ---- placement -----------------------------------------------------------------------------
+    def _placement(self, block: tuple[int, ...]) -> _Placement:
+        if block not in self._placements:
+            mesh = Mesh(self.mesh.devices[list(block)], AXES, axis_types=self.mesh.axis_types)
+            self._placements[block] = _Placement(
+                mesh, nnx.to_pure_dict(shardings_for(nnx.state(self._abstract_policy), mesh)),
+                shardings_for(self.params, mesh), NamedSharding(mesh, P()), NamedSharding(mesh, P("data")),
+            )
+        return self._placements[block]
+
+    def _inputs(self, block: tuple[int, ...], batch) -> tuple:
+        """The step's arguments on the block's devices, in the shardings its program was compiled for."""
+        place = self._placement(block)
+        key = jax.random.fold_in(jax.random.key(self.seed), self.steps_done)
+        return (jax.device_put(self.params, place.drafter), jax.device_put(self.rest, place.replicated),
+                jax.device_put(self.opt_state, place.replicated), self._policy_on(place),
+                {k: jax.device_put(v, place.rows) for k, v in batch.items()}, jax.device_put(key, place.replicated))
+
+    def _compile_into(self, block: tuple[int, ...]) -> None:
+        try:
+            t0 = time.perf_counter()
+            program = self._compile(block)
+            seconds = time.perf_counter() - t0
+            print(f"[fastrl-jax] online drafter training: step program for replicas {list(block)} compiled in "
+                  f"{seconds:.1f}s", file=sys.stderr)
+        except BaseException as e:
+            self._error = e
+            program, seconds = None, 0.0
+        with self._cv:
+            if program is not None:
+                self._programs[block] = program
+            self.compile_seconds += seconds
+            self._compiling.discard(block)
+            self._cv.notify_all()
+
+    def wait_compiled(self) -> None:
+        """Blocks until no step program is being compiled."""
+        with self._cv:
+            self._cv.wait_for(lambda: not self._compiling)
+
+    def _compile(self, block: tuple[int, ...]):
+        c, H = self.cfg, self.buffer.hidden_size
+        shape = (c.batch_rows, c.seq_len_tokens)
+        batch = {"tokens": np.zeros(shape, np.int32), "hidden": np.zeros((*shape, H), np.float32),
+                 "loss_mask": np.zeros(shape, bool), "positions": np.zeros(shape, np.int32),
+                 "segments": np.zeros(shape, np.int32)}
+        params, rest, opt_state, pstate, batch, key = self._inputs(block, batch)
+        return self._step.lower(self.dgraphdef, params, rest, opt_state, self.pgraphdef, pstate, batch, key).compile()
+
+    def _policy_on(self, place: _Placement) -> dict:
+        return reshard(self._policy_params, place.policy)  # zero-copy: the policy is replicated along data
+
+    def drafter(self) -> Drafter:
+        """The current drafter (for the engines' next rollout and for checkpoints)."""
+        return nnx.merge(self.dgraphdef, self.params, self.rest)
+
+    # ---- one RL step's rollout phase ---------------------------------------------------------------
+    def _reset_phase(self) -> None:
+        self._lent: list[tuple[int, float]] = []  # (replica, time lent)
+        self._stop = False
+        self._phase = {"steps": 0, "seconds": 0.0, "loss": [], "trace": []}  # trace: (start, end, block)
+        self._t_begin = time.perf_counter()
+
+    def ready(self) -> bool:
+        cap = self.cfg.max_steps_per_rollout
+        return self.buffer.num_tokens >= self.cfg.min_buffer_tokens and (not cap or self._phase["steps"] < cap)
+
+    @property
+    def phase_trace(self) -> tuple[list, list]:
+        """The last rollout phase's drafter steps (start, end, replica block) and lent replicas (replica,
+        time), perf_counter seconds."""
+        return list(self._phase["trace"]), list(self._lent)
+
+    def begin(self, policy_params: dict) -> None:
+        """A rollout starts: drafter steps use these policy parameters (embedding, final norm, head)."""
+        self._policy_params = policy_params
+        self._reset_phase()
+        if self.num_replicas > 1:
+            self._thread = threading.Thread(target=self._loop, name="spot-trainer", daemon=True)
+            self._thread.start()
+
+    def lend(self, replica: int) -> None:
+        """Replica `replica` has finished its share of the rollout: its devices may train the drafter."""
+        with self._cv:
+            self._lent.append((replica, time.perf_counter()))
+            self._cv.notify()
+
+    def tail_step(self, live_batch: int) -> None:
+        """Engine hook (single replica): one drafter step while the tail is thin and the share allows."""
+        c = self.cfg
+        if (self.num_replicas > 1 or not c.tail_time_share or live_batch > c.tail_live_batch or not self.ready()
+                or self._phase["seconds"] > c.tail_time_share * (time.perf_counter() - self._t_begin)):
+            return
+        self._train_step((0,))
+
+    def end(self) -> dict[str, float]:
+        """The rollout is over: stops drafter training (between two steps) and reports the phase."""
+        t0 = time.perf_counter()
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        delay = time.perf_counter() - t0
+        if self._error is not None:
+            raise RuntimeError("online drafter training failed during the rollout") from self._error
+        if delay > self.cfg.preempt_bound_s:
+            log.warning("handing the devices back took %.1fs, over drafter_online.preempt_bound_s=%.1fs: "
+                        "lower drafter_online.batch_rows or seq_len_tokens", delay, self.cfg.preempt_bound_s)
+        ph = self._phase
+        return {
+            "drafter_steps": ph["steps"],
+            "drafter_spot_s": ph["seconds"],
+            "drafter_loss": float(np.mean(ph["loss"])) if ph["loss"] else float("nan"),
+            "drafter_preempt_s": delay,
+            "drafter_replicas_lent": len(self._lent),
+            "drafter_buffer_tokens": self.buffer.num_tokens,
+        }
+
+    def _choose_block(self) -> tuple[int, ...] | None:
+        """The largest compiled block of lent replicas (holding the lock); asks for the best block's
+        program when it is missing."""
+        lent = {r for r, _ in self._lent}
+        if len(lent) < self.cfg.min_idle_replicas or len(lent) == self.num_replicas:
+            return None  # too few idle, or all are: the rollout is over and the trainer takes the devices
+        fits = [b for b in self.blocks if lent.issuperset(b)]
+        if fits and fits[0] not in self._programs and fits[0] not in self._compiling:
+            self._compiling.add(fits[0])
+            self._compiler.submit(self._compile_into, fits[0])
+        return next((b for b in fits if b in self._programs), None)
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not self._stop and self._error is None and (not self.ready() or self._choose_block() is None):
+                        self._cv.wait()
+                    if self._stop or self._error is not None:
+                        return
+                    block = self._choose_block()
+                self._train_step(block)
+        except BaseException as e:  # reported by end(), on the trainer's thread
+            self._error = e
+
+    def _train_step(self, block: tuple[int, ...]) -> None:
+        t0 = time.perf_counter()
+        host = self.buffer.sample(np.random.default_rng([self.seed, self.steps_done]), self.cfg.batch_rows,
+                                  self.cfg.seq_len_tokens)
+        params, rest, opt_state, pstate, batch, key = self._inputs(block, dataclasses.asdict(host))
+        params, opt_state, metrics = self._programs[block](params, rest, opt_state, pstate, batch, key)
+        loss = float(metrics["loss"])  # waits for the step: it is whole before it counts
+        self.params, self.opt_state = params, opt_state
+        self.steps_done += 1
+        ph = self._phase
+        ph["steps"] += 1
+        ph["loss"].append(loss)
+        t1 = time.perf_counter()
+        ph["seconds"] += t1 - t0
+        ph["trace"].append((t0, t1, block))
+
+    # ---- drift tracking ---------------------------------------------------------------------------
+    @staticmethod
+    def _chain_acceptance(dgraphdef, params, rest, depth, pgraphdef, pstate, batch):
+        return chain_acceptance(nnx.merge(dgraphdef, params, rest), nnx.merge(pgraphdef, pstate), batch, depth)
+
+    def acceptance(self, requests: Sequence[Request], completions: Sequence[Completion], step: int,
+                   frozen: bool = False) -> float:
+        """Estimated tokens per speculative step (chain of eval_depth) of the current drafter (or the
+        starting one) on these rollouts; NaN when they hold nothing to predict."""
+        probe = SampleBuffer(self.cfg.buffer_max_tokens, self.buffer.hidden_size)
+        if not add_completions(probe, requests, completions, step):
+            return float("nan")
+        host = probe.sample(np.random.default_rng([self.seed, step, 1]), self.cfg.eval_rows, self.cfg.seq_len_tokens)
+        place = self._placement(self.blocks[-1])  # one replica's devices
+        batch = {k: jax.device_put(v, place.replicated) for k, v in dataclasses.asdict(host).items()}
+        params = self.frozen if frozen else self.params
+        accepted, anchors = self._accept(self.dgraphdef, jax.device_put(params, place.drafter),
+                                         jax.device_put(self.rest, place.replicated),
+                                         self.cfg.eval_depth, self.pgraphdef, self._policy_on(place), batch)
+        anchors = int(anchors)
+        return 1.0 + int(accepted) / anchors if anchors else float("nan")
+
+    def add(self, requests: Sequence[Request], completions: Sequence[Completion], step: int) -> int:
+        """Puts an RL step's rollouts into the buffer (after their acceptance was measured)."""
+        return add_completions(self.buffer, requests, completions, step)
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+    def optimizer_state(self) -> dict:
+        """What a checkpoint needs besides the drafter itself: optimizer state and step count."""
+        return {"optimizer": jax.device_put(self.opt_state, NamedSharding(self.mesh, P())),
+                "steps": jnp.asarray(self.steps_done, jnp.int32)}
+
+    def restore(self, drafter: Drafter, state: dict) -> None:
+        """Continues from a checkpoint: its drafter and optimizer_state()."""
+        _, self.params, self.rest = nnx.split(drafter, nnx.Param, ...)
+        self.opt_state = state["optimizer"]
+        self.steps_done = int(state["steps"])

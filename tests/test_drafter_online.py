@@ -1,0 +1,183 @@
+"""Online drafter training on idle rollout replicas: it runs while other replicas decode, changes no
+rollout token, hands the devices back within the bound, and loses no sample or optimizer step; the
+teacher-forced acceptance estimate matches a step-by-step drafting oracle."""
+
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from rl_helpers import tiny_overrides
+from test_rollout import TINY, tiny_model
+
+from fastrl_jax.config import load_config
+from fastrl_jax.drafter.buffer import SampleBuffer
+from fastrl_jax.drafter.online import SpotTrainer, aligned_blocks
+from fastrl_jax.drafter.train import chain_acceptance
+from fastrl_jax.models.drafter import Drafter, policy_features
+from fastrl_jax.models.loading import load_model
+from fastrl_jax.rl.rollout import RolloutWorkers
+from fastrl_jax.rollout.engine import Request
+from fastrl_jax.sharding import make_mesh
+
+
+
+def test_aligned_blocks():
+    assert aligned_blocks(4, 4) == [(0, 1, 2, 3), (0, 1), (2, 3), (0,), (1,), (2,), (3,)]
+    assert aligned_blocks(4, 2) == [(0, 1), (2, 3), (0,), (1,), (2,), (3,)]
+    assert aligned_blocks(3, 4) == [(0, 1), (0,), (1,), (2,)]
+    assert aligned_blocks(1, 3) == [(0,)]
+
+
+@nnx.jit
+def _draft(drafter, policy, tokens, feats, positions, cache, start, mask):
+    return drafter(policy, tokens, feats, positions, cache, start, mask=mask)
+
+
+def _prefix(drafter, policy, tokens, feats, kv):
+    """The drafter over the true entries 0 .. S-2 in slots 0 .. S-2 of a kv-slot cache."""
+    S = len(tokens)
+    mask = (jnp.arange(kv)[None, :] <= jnp.arange(S - 1)[:, None])[None]
+    return _draft(drafter, policy, jnp.asarray(tokens)[None, 1:], feats[None, : S - 1], jnp.arange(S - 1)[None],
+                  drafter.empty_cache(1, kv), jnp.zeros(1, jnp.int32), mask)
+
+
+def _oracle_accepted(drafter, policy, tokens, feats, a, depth):
+    """Drafts accepted at anchor a, drafting one entry at a time through the drafter's KV cache.
+
+    Every call has the same shapes (fast eagerly): the true entries fill slots 0 .. S-2, chain entry j
+    goes to slot S-1+j and sees the true entries <= a and the chain entries before it."""
+    S = len(tokens)
+    kv = S - 1 + depth
+    logits, pred, cache = _prefix(drafter, policy, tokens, feats, kv)
+    logits, pred = logits[:, a : a + 1], pred[:, a : a + 1]
+    accepted = 0
+    for j in range(depth):
+        draft = int(drafter.token_ids(jnp.argmax(logits[0, 0])))
+        if a + j + 2 >= S or draft != int(tokens[a + j + 2]):
+            break
+        accepted += 1
+        slot = S - 1 + j
+        mask = ((jnp.arange(kv) <= a) | ((jnp.arange(kv) >= S - 1) & (jnp.arange(kv) <= slot)))[None, None]
+        logits, pred, cache = _draft(drafter, policy, jnp.asarray([[draft]]), pred, jnp.asarray([[a + j + 1]]), cache,
+                                     jnp.asarray([slot], jnp.int32), mask)
+    return accepted
+
+
+def test_chain_acceptance_matches_step_by_step_drafting():
+    policy = tiny_model()
+    drafter = Drafter(TINY, nnx.Rngs(1), draft_vocab=np.arange(0, 128, 2))
+    S, depth = 14, 3
+    rng = np.random.default_rng(0)
+    hidden = jnp.asarray(rng.normal(size=(S, TINY.hidden_size)), jnp.float32)
+    feats = policy_features(policy, hidden)
+    # Tokens the drafter partly predicts: each x_{a+2} is its depth-0 draft at anchor a (causal: the
+    # entries after a do not change it), except every fourth.
+    tokens = np.asarray(rng.integers(0, 128, S), np.int32)
+    for a in range(S - 2):
+        logits, _, _ = _prefix(drafter, policy, tokens, feats, S - 1 + depth)
+        if a % 4 != 3:
+            tokens[a + 2] = int(drafter.token_ids(jnp.argmax(logits[0, a])))
+    tokens = jnp.asarray(tokens)
+    mask = np.arange(S) >= 3
+    batch = {"tokens": tokens[None], "hidden": hidden[None], "loss_mask": jnp.asarray(mask)[None],
+             "positions": jnp.arange(S)[None], "segments": jnp.ones((1, S), jnp.int32)}
+    accepted, anchors = nnx.jit(chain_acceptance, static_argnums=3)(drafter, policy, batch, depth)
+    anchor_list = [a for a in range(S - 2) if mask[a + 2]]
+    expected = sum(_oracle_accepted(drafter, policy, tokens, feats, a, depth) for a in anchor_list)
+    assert int(anchors) == len(anchor_list)
+    assert int(accepted) == expected
+    assert expected >= len(anchor_list) // 2  # the construction makes most depth-0 drafts right
+
+
+def _counts(opt_state) -> set[int]:
+    leaves = jax.tree_util.tree_flatten_with_path(opt_state)[0]
+    return {int(v) for path, v in leaves if "count" in jax.tree_util.keystr(path)}
+
+
+def test_idle_replicas_train_the_drafter_without_changing_the_rollout(tmp_path: Path):
+    """8 devices as 4 replicas x fsdp 2; replica 0 gets a long request, the others short ones."""
+    cfg = load_config(None, [
+        *tiny_overrides(tmp_path), "mesh.data=4", "mesh.fsdp=2", "sd.mode=adaptive", "sd.threshold_live_batch=1",
+        "rollout.steps_per_call=1", "drafter_online.min_buffer_tokens=8", "drafter_online.batch_rows=4",
+        "drafter_online.seq_len_tokens=32", "drafter_online.preempt_bound_s=5.0", "drafter_train.unroll_steps=1",
+    ])
+    mesh = make_mesh(cfg.mesh)
+    model, _ = load_model(cfg.model.path, mesh, cfg.model.dtype)
+    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(state)
+    drafter = Drafter(model.cfg, nnx.Rngs(0))
+    workers = RolloutWorkers(cfg, graphdef, params, mesh, drafter)
+    spot = SpotTrainer(cfg, drafter, graphdef, params, mesh, seed=0)
+
+    # Group g of 4 requests runs on replica g: replica 0 decodes 48 tokens, the others 2.
+    requests = [Request([1 + g, 2, 3, 4 + i], 48 if g == 0 else 2, 1.0, seed=10 * g + i) for g in range(4) for i in range(4)]
+    slow = lambda live: time.sleep(0.01)  # noqa: E731 (a decode step takes >= 10 ms, so the tail is long)
+    plain, _ = workers.generate(requests, 4, between_steps=slow)
+    assert spot.add(requests, plain, step=1) == sum(len(c.tokens) for c in plain)
+    # A first rollout phase asks for the step programs of the blocks its idle replicas form; they
+    # compile on a host thread while those devices wait, so that phase may train little or not at all.
+    spot.begin(params)
+    workers.generate(requests, 4, replica_done=spot.lend, between_steps=slow)
+    spot.end()
+    spot.wait_compiled()
+    assert spot._programs and all(set(b) <= {1, 2, 3} for b in spot._programs)
+    buffered = [s.tokens.copy() for s in spot.buffer._seqs]
+    before = jax.tree.map(np.asarray, nnx.to_pure_dict(spot.params))
+    steps_before = spot.steps_done
+
+    spot.begin(params)
+    out, _ = workers.generate(requests, 4, replica_done=spot.lend, between_steps=slow)
+    report = spot.end()
+    trace, lent = spot.phase_trace
+
+    assert [c.tokens for c in out] == [c.tokens for c in plain], "spot training changed the rollout"
+    assert report["drafter_steps"] == len(trace) > 0
+    lent_at = dict(lent)
+    last_done = max(lent_at.values())
+    assert lent_at[0] == last_done, "replica 0 holds the long request"
+    for start, _, block in trace:  # every step ran on replicas that had finished their share
+        assert all(r in lent_at and lent_at[r] <= start for r in block)
+    assert any(e < last_done for _, e, _ in trace), "no drafter step overlapped decoding"
+    assert max(e - s for s, e, _ in trace) <= cfg.drafter_online.preempt_bound_s
+    assert report["drafter_preempt_s"] <= cfg.drafter_online.preempt_bound_s
+    # Nothing lost: the buffer is as it was, and every finished step is in the optimizer state.
+    assert [s.tokens.tolist() for s in spot.buffer._seqs] == [b.tolist() for b in buffered]
+    assert spot.steps_done == steps_before + report["drafter_steps"] and _counts(spot.opt_state) == {spot.steps_done}
+    after = nnx.to_pure_dict(spot.params)
+    assert any(not np.allclose(a, np.asarray(b)) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+    assert np.isfinite(report["drafter_loss"])
+
+    # The next rollout uses the trained drafter and still produces the same tokens.
+    workers.update_drafter(spot.drafter())
+    again, stats = workers.generate(requests, 4)
+    assert [c.tokens for c in again] == [c.tokens for c in plain]
+    assert 1.0 <= spot.acceptance(requests, plain, step=1) <= 1 + cfg.drafter_online.eval_depth
+
+
+def test_buffer_sampling_leaves_the_buffer_intact():
+    buf = SampleBuffer(1000, 4, keep_steps=1)
+    rng = np.random.default_rng(0)
+    for step in (1, 2):
+        for _ in range(3):
+            n = int(rng.integers(4, 12))
+            buf.add(rng.integers(0, 50, n), rng.normal(size=(n - 1, 4)), np.arange(n) >= 2, step)
+    before = [(s.tokens.tolist(), s.step) for s in buf._seqs]
+    batch = buf.sample(np.random.default_rng(1), 2, 16)
+    assert [(s.tokens.tolist(), s.step) for s in buf._seqs] == before
+    assert batch.tokens.shape == (2, 16)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("drafter_online.tail_time_share=1.0", "tail_time_share"),
+    ("drafter_online.seq_len_tokens=4", "seq_len_tokens >= 8"),
+    ("drafter_online.batch_rows=0", "batch_rows must be >= 1"),
+])
+def test_online_config_validation(override, message):
+    from fastrl_jax.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
