@@ -114,12 +114,15 @@ def test_coupled_sampling_equals_plain_sampling(model, drafter, temperature):
         Request(p, max_new_tokens=14, temperature=temperature, top_p=0.9, seed=i, stop_ids=(7,))
         for i, p in enumerate(prompts(6, seed=2))
     ]
-    plain = RolloutEngine(model, SD_CFG, progress=False).generate(reqs)
+    plain = RolloutEngine(model, SD_CFG, keep_hidden=True, progress=False).generate(reqs)
     sd = SpecConfig(mode="on", steps=3, topk=2, verify_tokens=6)
     spec = RolloutEngine(model, SD_CFG, sd=sd, drafter=drafter, progress=False).generate(reqs)
     for a, b in zip(plain, spec):
         assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
         np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-4, atol=1e-4)
+        # The hidden states online drafter training learns from are the plain decoder's.
+        scale = np.abs(a.hidden_states).max()
+        np.testing.assert_allclose(b.hidden_states, a.hidden_states, atol=1e-5 * scale)
 
 
 def oracle_draft_tree(policy, drafter, ds, root_token, root_pos, strategy, kv_len):
