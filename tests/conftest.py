@@ -9,3 +9,18 @@ import os
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import gc  # noqa: E402
+
+import jax  # noqa: E402  (after XLA_FLAGS is set)
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drops each test module's compiled programs when it ends. The suite compiles thousands of
+    programs in one process; kept, they grew it past 16 GB, which the 24 GiB CI machine cannot
+    spare."""
+    yield
+    jax.clear_caches()
+    gc.collect()
