@@ -227,10 +227,15 @@ def test_smollm2_grpo_step(tmp_path):
     cfg = load_config(ROOT / "configs" / "smollm2_cpu.yaml", [
         "rl.steps=1", "rl.prompts_per_step=2", "rl.samples_per_prompt=4", "rl.max_new_tokens=32",
         f"rl.out_dir={tmp_path}", "rl.tensorboard=false", "mesh.fsdp=-1", "rollout.compile_cache_dir=",
+        # The config's adaptive SD with online drafter training; drafter batches split over the 8 devices.
+        "drafter_online.batch_rows=8", "drafter_online.seq_len_tokens=64", "drafter_online.eval_rows=8",
+        # Every fake device holds the engine's whole KV cache: size it for these short rollouts.
+        "rollout.length_buckets=[256]", "rollout.batch_buckets=[1, 4, 8]",
     ])
     (metrics,) = train(cfg, stream=open(os.devnull, "w"))
     assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])
     assert metrics["len_max"] <= 32 and 0 <= metrics["accuracy"] <= 1
+    assert metrics["sd_share"] > 0 and metrics["drafter_accept"] >= 1.0
     assert (tmp_path / "checkpoints" / "1").is_dir()
 
 

@@ -44,7 +44,7 @@ from fastrl_jax.drafter.train import LossSettings, chain_acceptance, make_optimi
 from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.rl.rollout import reshard
 from fastrl_jax.rollout.engine import Completion, Request
-from fastrl_jax.sharding import AXES, shardings_for
+from fastrl_jax.sharding import AXES, named_sharding, shardings_for
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,11 @@ class _Placement:
     policy: dict  # pure dict of NamedSharding for the policy parameters
     drafter: nnx.State
     replicated: NamedSharding
-    rows: NamedSharding  # batch rows over the block's data axis
+
+    def rows(self, batch: dict) -> dict:
+        """A host batch on the block, rows over (data, fsdp) where they divide (else replicated there)."""
+        return {k: jax.device_put(v, named_sharding(self.mesh, ("batch",) + (None,) * (v.ndim - 1), v.shape))
+                for k, v in batch.items()}
 
 
 class SpotTrainer:
@@ -124,7 +128,7 @@ class SpotTrainer:
             mesh = Mesh(self.mesh.devices[list(block)], AXES, axis_types=self.mesh.axis_types)
             self._placements[block] = _Placement(
                 mesh, nnx.to_pure_dict(shardings_for(nnx.state(self._abstract_policy), mesh)),
-                shardings_for(self.params, mesh), NamedSharding(mesh, P()), NamedSharding(mesh, P("data")),
+                shardings_for(self.params, mesh), NamedSharding(mesh, P()),
             )
         return self._placements[block]
 
@@ -134,7 +138,7 @@ class SpotTrainer:
         key = jax.random.fold_in(jax.random.key(self.seed), self.steps_done)
         return (jax.device_put(self.params, place.drafter), jax.device_put(self.rest, place.replicated),
                 jax.device_put(self.opt_state, place.replicated), self._policy_on(place),
-                {k: jax.device_put(v, place.rows) for k, v in batch.items()}, jax.device_put(key, place.replicated))
+                place.rows(batch), jax.device_put(key, place.replicated))
 
     def _compile_into(self, block: tuple[int, ...]) -> None:
         try:
@@ -293,7 +297,7 @@ class SpotTrainer:
             return float("nan")
         host = probe.sample(np.random.default_rng([self.seed, step, 1]), self.cfg.eval_rows, self.cfg.seq_len_tokens)
         place = self._placement(self.blocks[-1])  # one replica's devices
-        batch = {k: jax.device_put(v, place.replicated) for k, v in dataclasses.asdict(host).items()}
+        batch = place.rows(dataclasses.asdict(host))
         params = self.frozen if frozen else self.params
         accepted, anchors = self._accept(self.dgraphdef, jax.device_put(params, place.drafter),
                                          jax.device_put(self.rest, place.replicated),
