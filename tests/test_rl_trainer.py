@@ -229,8 +229,8 @@ def test_smollm2_grpo_step(tmp_path):
         f"rl.out_dir={tmp_path}", "rl.tensorboard=false", "mesh.fsdp=-1", "rollout.compile_cache_dir=",
         # The config's adaptive SD with online drafter training; drafter batches split over the 8 devices.
         "drafter_online.batch_rows=8", "drafter_online.seq_len_tokens=64", "drafter_online.eval_rows=8",
-        # Every fake device holds the engine's whole KV cache: size it for these short rollouts.
-        "rollout.length_buckets=[256]", "rollout.batch_buckets=[1, 4, 8]",
+        # Every device holds the engine's whole KV cache: size it for these short rollouts.
+        "rollout.prompt_buckets=[128]", "rollout.length_buckets=[256]", "rollout.batch_buckets=[1, 4, 8]",
     ])
     (metrics,) = train(cfg, stream=open(os.devnull, "w"))
     assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])
