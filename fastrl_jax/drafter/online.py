@@ -50,17 +50,17 @@ log = logging.getLogger(__name__)
 
 
 def add_completions(buffer: SampleBuffer, requests: Sequence[Request], completions: Sequence[Completion],
-                    step: int = 0) -> int:
-    """Adds each completed (prompt + completion, hidden states, completion mask) to buffer; returns the
-    completion tokens added. Requests that failed or kept no hidden states are skipped."""
-    added = 0
+                    step: int = 0) -> tuple[int, int]:
+    """Adds each completed (prompt + completion, hidden states, completion mask) to buffer; returns
+    (sequences, completion tokens) added. Requests that failed or kept no hidden states are skipped."""
+    sequences = tokens = 0
     for req, out in zip(requests, completions):
-        if out.finish_reason == "error" or out.hidden_states is None or not out.tokens:
+        if out.finish_reason == "error" or out.hidden_states is None:
             continue
         seq = list(req.prompt_ids) + list(out.tokens)
         buffer.add(seq, out.hidden_states, np.arange(len(seq)) >= len(req.prompt_ids), step)
-        added += len(out.tokens)
-    return added
+        sequences, tokens = sequences + 1, tokens + len(out.tokens)
+    return sequences, tokens
 
 
 def aligned_blocks(num_replicas: int, rows: int) -> list[tuple[int, ...]]:
@@ -293,7 +293,7 @@ class SpotTrainer:
         """Estimated tokens per speculative step (chain of eval_depth) of the current drafter (or the
         starting one) on these rollouts; NaN when they hold nothing to predict."""
         probe = SampleBuffer(self.cfg.buffer_max_tokens, self.buffer.hidden_size)
-        if not add_completions(probe, requests, completions, step):
+        if not add_completions(probe, requests, completions, step)[1]:
             return float("nan")
         host = probe.sample(np.random.default_rng([self.seed, step, 1]), self.cfg.eval_rows, self.cfg.seq_len_tokens)
         place = self._placement(self.blocks[-1])  # one replica's devices
@@ -307,7 +307,7 @@ class SpotTrainer:
 
     def add(self, requests: Sequence[Request], completions: Sequence[Completion], step: int) -> int:
         """Puts an RL step's rollouts into the buffer (after their acceptance was measured)."""
-        return add_completions(self.buffer, requests, completions, step)
+        return add_completions(self.buffer, requests, completions, step)[1]
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def optimizer_state(self) -> dict:

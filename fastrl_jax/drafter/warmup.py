@@ -31,6 +31,7 @@ from fastrl_jax.data.prompt_files import read_prompt_file
 from fastrl_jax.metrics import MetricsSink
 from fastrl_jax.data import chat_prompts, math_problems
 from fastrl_jax.drafter.buffer import SampleBuffer
+from fastrl_jax.drafter.online import add_completions
 from fastrl_jax.drafter.train import LossSettings, make_optimizer, make_train_step
 from fastrl_jax.drafter.vocab import coverage, select_draft_vocab
 from fastrl_jax.models.decoder import DTYPES, Decoder
@@ -90,14 +91,9 @@ def collect(engine: RolloutEngine, requests: list[Request], buffer: SampleBuffer
     bar = tqdm(total=len(requests), desc="collect", unit="seq", file=sys.stderr, disable=not progress)
     for lo in range(0, len(requests), chunk):
         part = requests[lo : lo + chunk]
-        for req, out in zip(part, engine.generate(part)):
-            if out.finish_reason == "error" or out.hidden_states is None:
-                skipped += 1
-                continue
-            seq = list(req.prompt_ids) + out.tokens
-            mask = np.arange(len(seq)) >= len(req.prompt_ids)
-            buffer.add(seq, out.hidden_states, mask, step)
-            tokens += len(out.tokens)
+        added, new_tokens = add_completions(buffer, part, engine.generate(part), step)
+        skipped += len(part) - added
+        tokens += new_tokens
         bar.update(len(part))
         bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
     bar.close()
