@@ -13,6 +13,7 @@ tokens): rollout seconds per step with and without spot training. Prints a table
 import argparse
 import json
 import math
+import statistics
 
 import matplotlib
 
@@ -54,6 +55,12 @@ def main() -> None:
                "rollout_s_total": sum(r["rollout_s"] for r in rows),
                "rollout_s_total_without": sum(r["rollout_s_without"] for r in rows) if base else nan,
                "drafter_steps_total": sum(r["drafter_steps"] for r in rows)}
+    # The per-step value moves with the step's prompts; online minus frozen on the same rollouts does not.
+    diff = [r["accept_online"] - r["accept_frozen"] for r in rows[1:] if not math.isnan(r["accept_frozen"])]
+    if diff:
+        summary |= {"paired_steps": len(diff), "online_minus_frozen_mean": statistics.fmean(diff),
+                    "online_minus_frozen_stderr": statistics.stdev(diff) / math.sqrt(len(diff)) if len(diff) > 1 else nan,
+                    "steps_online_at_or_above_frozen": sum(d >= 0 for d in diff)}
     print(json.dumps(summary, indent=1))
     with open(args.out, "w") as f:
         json.dump({"rows": rows, "summary": summary}, f, indent=1)
