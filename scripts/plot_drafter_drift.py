@@ -51,6 +51,7 @@ def main() -> None:
     first = rows[0]["accept_online"]
     summary = {"start": first, "online_last": rows[-1]["accept_online"],
                "online_min_after_start": min(r["accept_online"] for r in rows[1:]) if len(rows) > 1 else first,
+               "steps_online_at_or_above_start": sum(r["accept_online"] >= first for r in rows[1:]),
                "frozen_last": next((r["accept_frozen"] for r in reversed(rows) if not math.isnan(r["accept_frozen"])), nan),
                "rollout_s_total": sum(r["rollout_s"] for r in rows),
                "rollout_s_total_without": sum(r["rollout_s_without"] for r in rows) if base else nan,
@@ -76,6 +77,7 @@ def main() -> None:
          [("with spot training", steps, [r["rollout_s"] for r in rows])]
          + ([("without", steps, [r["rollout_s_without"] for r in rows])] if base else [])),
     ]
+    axes[0].axhline(first, color="gray", ls=":", lw=1, label="starting value (step 1)")
     for ax, (ylabel, title, lines) in zip(axes, panels):
         for label, x, y in lines:
             ax.plot(x, y, marker="o", label=label)
