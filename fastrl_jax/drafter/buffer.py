@@ -16,8 +16,12 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from fastrl_jax.rollout.engine import Completion, Request
 
 
 @dataclasses.dataclass
@@ -85,6 +89,19 @@ class SampleBuffer:
         self._tokens += n
         while self._tokens > self.max_tokens:
             self._tokens -= len(self._seqs.popleft().tokens)
+
+    def add_rollouts(self, requests: Sequence[Request], completions: Sequence[Completion], step: int = 0) -> tuple[int, int]:
+        """Adds each completed rollout (prompt + completion, the engine's hidden states, the completion
+        as loss mask); returns (sequences, completion tokens) added. Requests that failed or kept no
+        hidden states are skipped."""
+        sequences = tokens = 0
+        for req, out in zip(requests, completions):
+            if out.finish_reason == "error" or out.hidden_states is None:
+                continue
+            seq = list(req.prompt_ids) + list(out.tokens)
+            self.add(seq, out.hidden_states, np.arange(len(seq)) >= len(req.prompt_ids), step)
+            sequences, tokens = sequences + 1, tokens + len(out.tokens)
+        return sequences, tokens
 
     def _eligible(self) -> list[_Sequence]:
         if not self.keep_steps:

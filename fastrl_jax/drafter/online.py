@@ -49,20 +49,6 @@ from fastrl_jax.sharding import AXES, named_sharding, shardings_for
 log = logging.getLogger(__name__)
 
 
-def add_completions(buffer: SampleBuffer, requests: Sequence[Request], completions: Sequence[Completion],
-                    step: int = 0) -> tuple[int, int]:
-    """Adds each completed (prompt + completion, hidden states, completion mask) to buffer; returns
-    (sequences, completion tokens) added. Requests that failed or kept no hidden states are skipped."""
-    sequences = tokens = 0
-    for req, out in zip(requests, completions):
-        if out.finish_reason == "error" or out.hidden_states is None:
-            continue
-        seq = list(req.prompt_ids) + list(out.tokens)
-        buffer.add(seq, out.hidden_states, np.arange(len(seq)) >= len(req.prompt_ids), step)
-        sequences, tokens = sequences + 1, tokens + len(out.tokens)
-    return sequences, tokens
-
-
 def aligned_blocks(num_replicas: int, rows: int) -> list[tuple[int, ...]]:
     """Replica blocks a drafter step may span, largest first: [k*s, (k+1)*s) for s a power of two
     dividing rows."""
@@ -293,7 +279,7 @@ class SpotTrainer:
         """Estimated tokens per speculative step (chain of eval_depth) of the current drafter (or the
         starting one) on these rollouts; NaN when they hold nothing to predict."""
         probe = SampleBuffer(self.cfg.buffer_max_tokens, self.buffer.hidden_size)
-        if not add_completions(probe, requests, completions, step)[1]:
+        if not probe.add_rollouts(requests, completions, step)[1]:
             return float("nan")
         host = probe.sample(np.random.default_rng([self.seed, step, 1]), self.cfg.eval_rows, self.cfg.seq_len_tokens)
         place = self._placement(self.blocks[-1])  # one replica's devices
@@ -307,7 +293,7 @@ class SpotTrainer:
 
     def add(self, requests: Sequence[Request], completions: Sequence[Completion], step: int) -> int:
         """Puts an RL step's rollouts into the buffer (after their acceptance was measured)."""
-        return add_completions(self.buffer, requests, completions, step)[1]
+        return self.buffer.add_rollouts(requests, completions, step)[1]
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def optimizer_state(self) -> dict:

@@ -31,7 +31,6 @@ from fastrl_jax.data.prompt_files import read_prompt_file
 from fastrl_jax.metrics import MetricsSink
 from fastrl_jax.data import chat_prompts, math_problems
 from fastrl_jax.drafter.buffer import SampleBuffer
-from fastrl_jax.drafter.online import add_completions
 from fastrl_jax.drafter.train import LossSettings, make_optimizer, make_train_step
 from fastrl_jax.drafter.vocab import coverage, select_draft_vocab
 from fastrl_jax.models.decoder import DTYPES, Decoder
@@ -91,7 +90,7 @@ def collect(engine: RolloutEngine, requests: list[Request], buffer: SampleBuffer
     bar = tqdm(total=len(requests), desc="collect", unit="seq", file=sys.stderr, disable=not progress)
     for lo in range(0, len(requests), chunk):
         part = requests[lo : lo + chunk]
-        added, new_tokens = add_completions(buffer, part, engine.generate(part), step)
+        added, new_tokens = buffer.add_rollouts(part, engine.generate(part), step)
         skipped += len(part) - added
         tokens += new_tokens
         bar.update(len(part))
