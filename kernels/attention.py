@@ -82,6 +82,62 @@ def masked_attention(q, k, v, mask, *, backend: str = "auto"):
     raise AssertionError("unreachable: the reference backend does not fall back")
 
 
+def cached_attention(q, k_cached, v_cached, k_new, v_new, start, mask, *, backend: str = "auto"):
+    """Attention of T new tokens over a cache window in which slots [start, start + T) are theirs.
+
+    q [B, T, KV, G, D] (scaled), k_cached, v_cached [B, KV, S, D] (what slots [start, start + T)
+    hold is ignored), k_new, v_new [B, KV, T, D] the new tokens' keys and values, start [B] int32,
+    mask [B, T, S] bool as in `masked_attention` (slot start + j stands for new token j).
+
+    The reference backend scores the cached slots and the new tokens apart, under one softmax, and
+    so never builds the window with the new keys placed in it, a copy of the whole window at every
+    layer (SmolLM2 decode steps on CPU, batch 1-64, 160-640 slots: 4-14% faster without it). The
+    kernels get the placed window.
+    """
+    backend = _auto_backend() if backend == "auto" else backend
+    if backend != "reference":
+        k_win, v_win = (place_new_tokens(c, n, start) for c, n in ((k_cached, k_new), (v_cached, v_new)))
+        return masked_attention(q, k_win, v_win, mask, backend=backend)
+    _check_shapes(q, k_cached, v_cached, mask)
+    global _last_backend
+    _last_backend = "reference"
+    B, T, KV, G, D = q.shape
+    S = k_cached.shape[2]
+    rel = jnp.arange(S)[None, :] - start[:, None]  # [B, S] slot relative to the first new token
+    cached_mask = mask & ~((rel >= 0) & (rel < T))[:, None, :]
+    slots = start[:, None] + jnp.arange(T)[None, :]  # [B, T] slot of each new token
+    idx = jnp.broadcast_to(jnp.minimum(slots, S - 1)[:, None, :], (B, T, T))
+    new_mask = jnp.take_along_axis(mask, idx, axis=2) & (slots < S)[:, None, :]
+
+    qg = q.transpose(0, 2, 3, 1, 4).reshape(B * KV, G * T, D)
+
+    def scores(k, m):  # [B, KV, G, T, n] float32, masked entries -inf
+        s = jax.lax.dot_general(qg, k.reshape(B * KV, -1, D), (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32)
+        return jnp.where(m[:, None, None], s.reshape(B, KV, G, T, -1), -jnp.inf)
+
+    def weighted(p, v):  # sum over the slots of p x v: [B * KV, G * T, D] float32
+        p = p.astype(q.dtype).reshape(B * KV, G * T, -1)
+        return jax.lax.dot_general(p, v.reshape(B * KV, -1, D), (((2,), (1,)), ((0,), (0,))), preferred_element_type=jnp.float32)
+
+    s_cached, s_new = scores(k_cached, cached_mask), scores(k_new, new_mask)
+    m = jax.lax.stop_gradient(jnp.maximum(s_cached.max(-1, keepdims=True), s_new.max(-1, keepdims=True)))
+    p_cached, p_new = jnp.exp(s_cached - m), jnp.exp(s_new - m)
+    total = (p_cached.sum(-1, keepdims=True) + p_new.sum(-1, keepdims=True)).reshape(B * KV, G * T, 1)
+    out = (weighted(p_cached, v_cached) + weighted(p_new, v_new)) / total
+    return out.astype(q.dtype).reshape(B, KV, G, T, D).transpose(0, 3, 1, 2, 4)
+
+
+def place_new_tokens(cached: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """cached [B, KV, S, D] with new [B, KV, T, D] in slots [start, start + T) of each row (a select
+    that fuses into the window's copy; slots past S are dropped)."""
+    B, KV, S, _ = cached.shape
+    T = new.shape[2]
+    rel = jnp.arange(S)[None, :] - start[:, None]
+    in_block = ((rel >= 0) & (rel < T))[:, None, :, None]
+    idx = jnp.broadcast_to(jnp.clip(rel, 0, T - 1)[:, None, :, None], (B, KV, S, 1))
+    return jnp.where(in_block, jnp.take_along_axis(new, idx, axis=2), cached)
+
+
 def available_backends() -> list[str]:
     """Backends that can run on this process's default JAX backend (cheap checks, nothing compiled)."""
     platform = jax.default_backend()

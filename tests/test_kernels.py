@@ -94,6 +94,53 @@ def test_matches_numpy(backend, case):
     np.testing.assert_allclose(np.asarray(out), naive_attention(q, k, v, mask), atol=1e-5, rtol=1e-5)
 
 
+def split_case(seed, case):
+    """make_case's window split into a stale cache (noise in each row's new slots) and the new tokens' keys/values."""
+    q, k, v, mask = make_case(seed, *case)
+    T = case[1]
+    # The last new token sees itself, at slot start + T - 1, and nothing after it.
+    starts = np.asarray([np.flatnonzero(np.asarray(mask[b, -1]))[-1] - T + 1 for b in range(mask.shape[0])])
+    rng = np.random.default_rng(seed + 1)
+
+    def split(x):
+        new = jnp.stack([x[b, :, s : s + T] for b, s in enumerate(starts)])
+        stale = np.asarray(x).copy()
+        for b, s in enumerate(starts):
+            stale[b, :, s : s + T] = 100 * rng.standard_normal(stale[b, :, s : s + T].shape)
+        return jnp.asarray(stale, x.dtype), new
+
+    (k_cached, k_new), (v_cached, v_new) = split(k), split(v)
+    return q, k, v, mask, (k_cached, v_cached, k_new, v_new, jnp.asarray(starts, jnp.int32))
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}T{}KV{}G{}D{}S{}-{}".format(*c))
+def test_cached_attention_sees_the_new_tokens_not_the_stale_slots(backend, case):
+    """The decoder's entry point: the new tokens' keys stand in their slots whatever the cache held
+    there, whether the backend splits the softmax (reference) or is handed the placed window."""
+    q, k, v, mask, (k_cached, v_cached, k_new, v_new, starts) = split_case(sum(case[:6]), case)
+    out = attention.cached_attention(q, k_cached, v_cached, k_new, v_new, starts, mask, backend=backend)
+    assert attention.last_backend() == backend
+    assert out.shape == q.shape and out.dtype == q.dtype
+    np.testing.assert_allclose(np.asarray(out), naive_attention(q, k, v, mask), atol=1e-5, rtol=1e-5)
+
+
+def test_cached_attention_gradients_equal_the_placed_windows():
+    q, k, v, mask, (k_cached, v_cached, k_new, v_new, starts) = split_case(11, (2, 8, 2, 3, 16, 45, "tree"))
+    w = jax.random.normal(jax.random.key(0), q.shape)
+
+    def split_loss(q, k_new, v_new):
+        return jnp.sum(w * attention.cached_attention(q, k_cached, v_cached, k_new, v_new, starts, mask, backend="reference"))
+
+    def window_loss(q, k_new, v_new):
+        k_win, v_win = (attention.place_new_tokens(c, n, starts) for c, n in ((k_cached, k_new), (v_cached, v_new)))
+        return jnp.sum(w * attention.masked_attention_ref(q, k_win, v_win, mask))
+
+    for a, b in zip(*(jax.jit(jax.grad(f, argnums=(0, 1, 2)))(q, k_new, v_new) for f in (split_loss, window_loss))):
+        assert float(jnp.abs(b).max()) > 0
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_bfloat16(backend):
     q, k, v, mask = make_case(7, 2, 8, 2, 3, 16, 100, "tree", dtype=jnp.bfloat16)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from fastrl_jax.kernels.attention import masked_attention
+from fastrl_jax.kernels.attention import cached_attention
 from fastrl_jax.models.config import ModelConfig, rope_inv_freq
 
 
@@ -211,16 +211,8 @@ def _layer(cfg: ModelConfig, p, x, k_cached, v_cached, cos, sin, start, mask, in
     q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, KV, T, D], the cache layout
 
-    # The new keys/values are placed into this layer's window of the cache (a select that fuses
-    # into the window's copy), so attention is one masked softmax over kv_len slots.
-    S = k_cached.shape[2]
-    rel = jnp.arange(S)[None, :] - start[:, None]  # [B, S] slot relative to the first new token
-    in_block = ((rel >= 0) & (rel < T))[:, None, :, None]
-    idx = jnp.broadcast_to(jnp.clip(rel, 0, T - 1)[:, None, :, None], (B, cfg.num_kv_heads, S, 1))
-    k_win = jnp.where(in_block, jnp.take_along_axis(k, idx, axis=2), k_cached)
-    v_win = jnp.where(in_block, jnp.take_along_axis(v, idx, axis=2), v_cached)
     qg = q.reshape(B, T, cfg.num_kv_heads, G, cfg.head_dim) / np.sqrt(cfg.head_dim).astype(q.dtype)
-    attn = masked_attention(qg, k_win, v_win, mask)  # [B, T, KV, G, D]; the backend suits the device
+    attn = cached_attention(qg, k_cached, v_cached, k, v, start, mask)  # [B, T, KV, G, D]; the backend suits the device
     x = x + jnp.einsum("btnd,ndh->bth", attn.reshape(B, T, cfg.num_heads, cfg.head_dim), p["wo"])
 
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
