@@ -49,17 +49,6 @@ def _count_cache_hits(event: str, **kwargs) -> None:
 jax.monitoring.register_event_listener(_count_cache_hits)
 
 
-def compiler_options() -> dict[str, str] | None:
-    """XLA options of every pool program on this process's backend.
-
-    On CPU, XLA's YNNPACK dot fusion is off: it ran attention's batched dots ([B*KV, G*T, D] x
-    [B*KV, S, D]) 3-4x slower once the window passed 512 slots (SmolLM2 batch 64: 27 vs 7.5 ms a
-    layer, a whole decode step 903 vs 435 ms at 640 slots), and the LM head and MLP dots ran as
-    fast without it.
-    """
-    return {"xla_cpu_experimental_ynn_fusion_type": ""} if jax.default_backend() == "cpu" else None
-
-
 @dataclasses.dataclass
 class ProgramStats:
     key: Hashable
@@ -101,7 +90,7 @@ class ProgramPool:
         fn, args = self._build(key)
         hits = _cache_hits
         t0 = time.perf_counter()
-        compiled = fn.lower(*args).compile(compiler_options=compiler_options())
+        compiled = fn.lower(*args).compile()
         seconds = time.perf_counter() - t0
         memory = compiled.memory_analysis()
         self._programs[key] = compiled
