@@ -120,9 +120,10 @@ def test_coupled_sampling_equals_plain_sampling(model, drafter, temperature):
     for a, b in zip(plain, spec):
         assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
         np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-4, atol=1e-4)
-        # The hidden states online drafter training learns from are the plain decoder's.
+        # The hidden states online drafter training learns from are the plain decoder's (up to float32
+        # summation order: verifying 6 tokens and decoding 1 contract differently).
         scale = np.abs(a.hidden_states).max()
-        np.testing.assert_allclose(b.hidden_states, a.hidden_states, atol=1e-5 * scale)
+        np.testing.assert_allclose(b.hidden_states, a.hidden_states, atol=1e-4 * scale)
 
 
 def oracle_draft_tree(policy, drafter, ds, root_token, root_pos, strategy, kv_len):
