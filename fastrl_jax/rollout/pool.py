@@ -62,11 +62,13 @@ class ProgramPool:
     """Compiles programs on demand or up front, keyed by a hashable description of their shapes.
 
     `build(key)` returns (jitted function, example arguments); only their shapes, dtypes and
-    shardings matter.
+    shardings matter. `compiler_options(key)` gives the program's XLA options (None: defaults).
     """
 
-    def __init__(self, build: Callable[[Hashable], tuple[Callable, tuple]]):
+    def __init__(self, build: Callable[[Hashable], tuple[Callable, tuple]],
+                 compiler_options: Callable[[Hashable], dict | None] = lambda key: None):
         self._build = build
+        self._compiler_options = compiler_options
         self._programs: dict[Hashable, Callable] = {}
         self.stats: dict[Hashable, ProgramStats] = {}
 
@@ -90,7 +92,7 @@ class ProgramPool:
         fn, args = self._build(key)
         hits = _cache_hits
         t0 = time.perf_counter()
-        compiled = fn.lower(*args).compile()
+        compiled = fn.lower(*args).compile(compiler_options=self._compiler_options(key))
         seconds = time.perf_counter() - t0
         memory = compiled.memory_analysis()
         self._programs[key] = compiled
