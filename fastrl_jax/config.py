@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from collections.abc import Sequence
@@ -442,8 +443,6 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
         raise TypeError(f"config field {key}: unsupported type {hint}")
     wrong = ConfigError(f"{key} must be {_TYPE_NAMES[hint]}, got {value!r}")
     # bool is a subclass of int: `true` must not pass as 1.
-    if isinstance(value, bool) and hint is str:
-        raise ConfigError(f"{key} must be a string, got {value!r} (YAML reads on/off/yes/no as booleans: quote it, e.g. 'on')")
     if isinstance(value, bool) and hint is not bool:
         raise wrong
     if hint is float and isinstance(value, (int, str)):
@@ -455,6 +454,22 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
     if not isinstance(value, hint):
         raise wrong
     return value
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2 booleans (true/false only). Under YAML 1.1's rules, on/off/
+    yes/no are booleans too, and `sd.mode=off` or `mode: on` would reach a string field as False/True."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)
 
 
 def _apply_override(data: dict, override: str) -> None:
@@ -472,7 +487,7 @@ def _apply_override(data: dict, override: str) -> None:
             raise ConfigError(f"override {override!r}: {'.'.join(parts[: depth + 1])} is a value, not a section")
     try:
         # An empty value means the empty string, so `key=` can clear a path setting.
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+        node[parts[-1]] = _load_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"override {override!r}: the value is not valid YAML ({e})") from e
 
@@ -485,7 +500,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
         if not path.is_file():
             raise ConfigError(f"config file '{path}' not found")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = _load_yaml(path.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file '{path}' is not valid YAML: {e}") from e
         if not isinstance(data, dict):

@@ -154,7 +154,13 @@ def test_missing_and_broken_files(tmp_path):
         load_config(listed)
 
 
-def test_yaml_booleans_for_strings_get_a_quoting_hint():
-    with pytest.raises(ConfigError, match="quote it"):
-        load_config(None, ["sd.mode=on"])
-    assert load_config(None, ["sd.mode='on'"]).sd.mode == "on"
+def test_on_off_yes_no_are_strings_only_true_false_are_booleans(tmp_path):
+    # YAML 1.2 booleans: PyYAML's default (YAML 1.1) would hand `sd.mode=off` to a string field as False.
+    assert load_config(None, ["sd.mode=off"]).sd.mode == "off"
+    assert load_config(None, ["sd.mode=on"]).sd.mode == "on"
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("sd:\n  mode: on\ndrafter_online:\n  enabled: False\n")
+    loaded = load_config(cfg)
+    assert loaded.sd.mode == "on" and loaded.drafter_online.enabled is False
+    with pytest.raises(ConfigError, match=r"drafter_online.enabled must be a bool \(true or false\), got 'yes'"):
+        load_config(None, ["drafter_online.enabled=yes"])
