@@ -7,13 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from scipy.stats import chisquare
 
 from fastrl_jax.config import RolloutConfig
 from fastrl_jax.models.config import ModelConfig
 from fastrl_jax.models.decoder import Decoder
 from fastrl_jax.models.greedy import greedy_generate
 from fastrl_jax.rollout.engine import Request, RolloutEngine
-from fastrl_jax.rollout.sampling import SamplingParams, filtered_logits, sample
+from fastrl_jax.rollout.sampling import SamplingParams, filtered_logits, first_argmax, position_gumbel, sample
 
 TINY = ModelConfig(
     family="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -202,6 +203,26 @@ def test_sampling_is_position_keyed_and_follows_the_distribution():
     # Same (seed, position) in another row and batch gives the same token.
     again, _ = sample(logits[:3], _params(3, seed=3), jnp.arange(5, 8))
     assert np.asarray(again).tolist() == np.asarray(tokens)[5:8].tolist()
+
+
+def test_position_noise_samples_the_softmax_independently_across_positions_and_seeds():
+    """Gumbel-max over the hashed noise of 200 seeds x 100 positions: token frequencies follow the
+    softmax, and tokens at neighbouring positions of a seed, or at one position of neighbouring
+    seeds, are independent (chi-square on the marginal and on the pair tables)."""
+    probs = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+    seeds, positions = np.meshgrid(np.arange(200, dtype=np.uint32), np.arange(100), indexing="ij")
+    noise = position_gumbel(jnp.asarray(seeds), jnp.asarray(positions), len(probs))
+    tokens = np.asarray(first_argmax(jnp.log(probs) + noise))  # [seed, position]
+    assert chisquare(np.bincount(tokens.ravel(), minlength=6), probs * tokens.size).pvalue > 1e-3
+    pair_probs = np.outer(probs, probs).ravel()
+    for a, b in [(tokens[:, :-1], tokens[:, 1:]), (tokens[:-1], tokens[1:])]:
+        pairs = np.bincount((a * 6 + b).ravel(), minlength=36)
+        assert chisquare(pairs, pair_probs * a.size).pvalue > 1e-3
+
+
+def test_first_argmax_is_argmax_with_ties():
+    x = jax.random.randint(jax.random.key(0), (256, 40), 0, 4).astype(jnp.float32)  # many tied maxima
+    np.testing.assert_array_equal(first_argmax(x), jnp.argmax(x, axis=-1))
 
 
 @pytest.mark.slow

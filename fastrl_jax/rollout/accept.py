@@ -24,11 +24,10 @@ import jax.numpy as jnp
 from flax import struct
 
 from fastrl_jax.kernels.tree_accept import tree_walk_ref, walk_ref
-from fastrl_jax.rollout.sampling import SamplingParams, filtered_logits, sample
+from fastrl_jax.rollout.sampling import SamplingParams, filtered_logits, first_argmax, sample
 
-# Rejection sampling draws from key(seed) folded with this stream id, then with the position.
-# The coupled Gumbel keys are key(seed) folded with the position alone, and no sequence reaches
-# position 2**32 - 1, so the two streams never share a key.
+# Rejection sampling draws from jax.random: key(seed) folded with this stream id, then with the
+# position (the coupled mode's noise is sampling.position_gumbel's hash, another source).
 REJECTION_STREAM = 0xFFFFFFFF
 
 
@@ -65,7 +64,7 @@ def accept_greedy(tokens: jax.Array, parents: jax.Array, valid: jax.Array, logit
       valid: [B, N] bool, False for padding nodes.
       logits: [B, N, V] policy logits after each node.
     """
-    y = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    y = first_argmax(logits)
     logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return _accept_targets(y, jnp.take_along_axis(logprobs, y[..., None], axis=-1)[..., 0], tokens, parents, valid)
 
@@ -112,7 +111,7 @@ def accept_rejection(
     node = jnp.arange(N)
     depth = tree_depth(parents)
     greedy = (params.temperature <= 0)[:, None, None]
-    one_hot = jnp.arange(V) == jnp.argmax(logits, axis=-1)[..., None]
+    one_hot = jnp.arange(V) == first_argmax(logits)[..., None]
     # Unnormalised log p after every node: filtered, temperature-scaled logits.
     target = jnp.where(
         greedy,
@@ -152,7 +151,7 @@ def accept_rejection(
     residual = jnp.where(jnp.any(residual > -jnp.inf, axis=-1, keepdims=True), residual, target[rows[:, 0], last])
     final_key = jax.vmap(lambda s, t: jax.random.split(_rejection_key(s, t))[1])(params.seed, root_pos + n_accepted + 1)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(final_key)
-    final = jnp.argmax(residual + gumbel, axis=-1).astype(jnp.int32)
+    final = first_argmax(residual + gumbel)
 
     on_path = path >= 0
     next_node = jnp.concatenate([path[:, 1:], jnp.full((B, 1), -1, jnp.int32)], axis=1)
