@@ -220,9 +220,12 @@ def test_position_noise_samples_the_softmax_independently_across_positions_and_s
         assert chisquare(pairs, pair_probs * a.size).pvalue > 1e-3
 
 
-def test_first_argmax_is_argmax_with_ties():
-    x = jax.random.randint(jax.random.key(0), (256, 40), 0, 4).astype(jnp.float32)  # many tied maxima
-    np.testing.assert_array_equal(first_argmax(x), jnp.argmax(x, axis=-1))
+@pytest.mark.parametrize("shape", [(256, 40), (8, 3, 1000), (64, 512)])
+def test_first_argmax_is_argmax(shape):
+    x = jax.random.randint(jax.random.key(0), shape, 0, 4).astype(jnp.float32)  # many tied maxima
+    x = x.at[0, ..., 7].set(jnp.nan)  # NaN counts as the maximum, as in jnp.argmax
+    for chunk in (16, 128):
+        np.testing.assert_array_equal(first_argmax(x, chunk), jnp.argmax(x, axis=-1))
 
 
 @pytest.mark.slow
