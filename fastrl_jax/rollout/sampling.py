@@ -108,5 +108,5 @@ def sample(logits: jax.Array, params: SamplingParams, positions: jax.Array) -> t
     )
     tokens = jnp.where(params.temperature > 0, sampled, first_argmax(logits)).astype(jnp.int32)
     temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
-    scaled = logits.astype(jnp.float32) / temperature[:, None]
-    return tokens, jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(scaled, axis=-1)
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature[:, None], axis=-1)
+    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
