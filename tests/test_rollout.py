@@ -193,6 +193,31 @@ def test_top_k_top_p_keep_the_right_tokens():
     assert kept(top_p=0.1) == [True, False, False, False, False]
 
 
+def _sorted_filter(logits, top_k, top_p):
+    """HF's top-k / top-p rule over one row, by sorting in numpy (float64 mass)."""
+    order = np.argsort(-logits, kind="stable")
+    desc = logits[order]
+    keep = np.ones(len(logits), bool) if top_k == 0 else desc >= desc[top_k - 1]
+    p = np.where(keep, np.exp(desc - desc.max()), 0.0)
+    p /= p.sum()
+    n_keep = max(int(np.sum(np.cumsum(p) - p < top_p)), 1)
+    threshold = max(desc[n_keep - 1], desc[top_k - 1] if top_k else -np.inf)
+    return logits >= threshold
+
+
+def test_top_k_top_p_match_a_sort_on_random_rows():
+    rng = np.random.default_rng(0)
+    B, V = 64, 300
+    logits = rng.normal(0, 2, (B, V)).astype(np.float32)
+    logits[::4] = np.round(logits[::4])  # rows with many tied values
+    top_k = rng.choice([0, 1, 5, 40, V], B).astype(np.int32)
+    top_p = rng.choice([1.0, 0.95, 0.5, 0.1], B).astype(np.float32)
+    params = SamplingParams(jnp.ones(B), jnp.asarray(top_k), jnp.asarray(top_p), jnp.zeros(B, jnp.uint32))
+    kept = np.isfinite(np.asarray(filtered_logits(jnp.asarray(logits), params)))
+    for b in range(B):
+        np.testing.assert_array_equal(kept[b], _sorted_filter(logits[b], top_k[b], top_p[b]), err_msg=f"row {b}")
+
+
 def test_sampling_is_position_keyed_and_follows_the_distribution():
     probs = np.array([0.6, 0.3, 0.1])
     logits = jnp.log(jnp.asarray(probs))[None].repeat(4000, 0)

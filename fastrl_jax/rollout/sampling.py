@@ -72,19 +72,43 @@ def filtered_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
 
 
 def _top_k_top_p(scaled: jax.Array, params: SamplingParams) -> jax.Array:
-    V = scaled.shape[-1]
-    desc = -jnp.sort(-scaled, axis=-1)
-    kth = jnp.take_along_axis(desc, jnp.clip(params.top_k - 1, 0, V - 1)[:, None], axis=-1)
-    k_threshold = jnp.where(params.top_k[:, None] > 0, kth, -jnp.inf)
-    desc = jnp.where(desc >= k_threshold, desc, -jnp.inf)
-    # Keep the smallest prefix of the sorted tokens whose probability reaches top_p (HF's rule:
-    # a token stays when the mass strictly before it is below top_p; the first always stays).
-    probs = jax.nn.softmax(desc, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    n_keep = jnp.maximum(jnp.sum(mass_before < params.top_p[:, None], axis=-1), 1)
-    p_threshold = jnp.take_along_axis(desc, (n_keep - 1)[:, None], axis=-1)
-    threshold = jnp.maximum(k_threshold, p_threshold)
-    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    """HF's top-k then top-p filter, with each threshold found by bisection over the float order (32
+    passes over the vocabulary) instead of a sort: XLA CPU's sort took ~25 ms per SmolLM2 row, more
+    than a decode step."""
+    keys = _order_keys(scaled)
+    top_k = params.top_k[:, None]
+    k_key = _largest_key_where(keys, lambda key: jnp.sum(keys >= key, -1, keepdims=True) >= top_k)
+    k_key = jnp.where(top_k > 0, k_key, 0)
+    # Keep the smallest prefix of the sorted tokens whose probability reaches top_p (HF's rule: a token
+    # stays when the mass strictly before it is below top_p; the first always stays). Its last token is
+    # the largest value v whose {tokens >= v} hold at least top_p of the mass after top-k.
+    probs = jax.nn.softmax(jnp.where(keys >= k_key, scaled, -jnp.inf), axis=-1)
+    top_p = params.top_p[:, None]
+    p_key = _largest_key_where(keys, lambda key: jnp.sum(jnp.where(keys >= key, probs, 0.0), -1, keepdims=True) >= top_p)
+    return jnp.where(keys >= jnp.maximum(k_key, p_key), scaled, -jnp.inf)
+
+
+def _order_keys(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 keys in the same order (negative floats flip every bit, others the sign bit)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _largest_key_where(keys: jax.Array, holds) -> jax.Array:
+    """[B, V] keys -> [B, 1] the largest key of each row's entries for which `holds(key)` [B, 1] is
+    true, given that it holds for all keys up to some point and for none above; the row's smallest
+    key when it holds for none. Bisection: `holds` only changes at entry keys, so the largest key
+    where it holds is one of them."""
+    lo = jnp.min(keys, -1, keepdims=True)
+    hi = jnp.max(keys, -1, keepdims=True)
+
+    def step(_, bounds):  # invariant: holds(lo) or lo is the row minimum; not holds(hi + 1)
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2 + (hi - lo) % 2  # the upper middle, without overflowing uint32
+        ok = holds(mid) & (mid > lo)
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, jnp.maximum(mid, lo + 1) - 1)
+
+    return jax.lax.fori_loop(0, 32, step, (lo, hi))[0]
 
 
 def sample(logits: jax.Array, params: SamplingParams, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
