@@ -253,15 +253,17 @@ class RLConfig:
     out_dir: str = "runs/grpo"  # checkpoints, metrics.jsonl, tensorboard/
     checkpoint_every_steps: int = 1  # 0 disables checkpoints
     keep_checkpoints: int = 2
-    eval_every_steps: int = 0  # held-out accuracy (greedy) every N steps and at the end; 0 = never
+    eval_every_steps: int = 0  # held-out accuracy every N steps and at the end; 0 = never
     eval_prompts: int = 64
+    eval_temperature: float = 0.0  # 0: greedy; > 0: sampled (with top_p / top_k), the same seeds at every evaluation
+    eval_samples: int = 1  # samples per held-out prompt (eval_temperature > 0); accuracy is their mean
     tensorboard: bool = True
 
     def __post_init__(self):
         _check_choice("rl.loss_aggregation", self.loss_aggregation, ("token", "sequence"))
         _check_choice("rl.kl_estimator", self.kl_estimator, ("k1", "k3"))
         _check_at_least("rl", self, ("steps", "prompts_per_step", "max_new_tokens", "minibatches_per_step",
-                                     "micro_batch_size", "keep_checkpoints", "eval_prompts"), 1)
+                                     "micro_batch_size", "keep_checkpoints", "eval_prompts", "eval_samples"), 1)
         if self.samples_per_prompt < 2:
             raise ConfigError(f"rl.samples_per_prompt must be >= 2 (GRPO compares samples of a prompt), got {self.samples_per_prompt}")
         if self.temperature <= 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
@@ -270,6 +272,9 @@ class RLConfig:
             raise ConfigError(f"rl needs 0 <= clip_low < 1, clip_high >= 0, kl_coef >= 0; got {self.clip_low}, {self.clip_high}, {self.kl_coef}")
         if self.checkpoint_every_steps < 0 or self.eval_every_steps < 0:
             raise ConfigError("rl.checkpoint_every_steps and rl.eval_every_steps must be >= 0")
+        if self.eval_temperature < 0 or (self.eval_samples > 1 and self.eval_temperature == 0):
+            raise ConfigError(f"rl.eval_temperature must be >= 0, and > 0 for rl.eval_samples > 1 (greedy samples are "
+                              f"all the same); got {self.eval_temperature} with {self.eval_samples} samples")
         sequences = self.prompts_per_step * self.samples_per_prompt
         if sequences % (self.minibatches_per_step * self.micro_batch_size):
             raise ConfigError(

@@ -213,6 +213,7 @@ def test_dry_run_cli_for_both_gpu_configs():
     ("reward.weights=[1.0, 2.0]", "same length"),
     ("data.math_levels=[0]", "data.math_levels must be a non-empty subset"),
     ("rl.temperature=0", "temperature > 0"),
+    ("rl.eval_samples=2", "rl.eval_temperature must be >= 0, and > 0 for rl.eval_samples > 1"),
 ])
 def test_rl_config_validation(override, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("[", r"\[")):
@@ -237,6 +238,29 @@ def test_smollm2_grpo_step(tmp_path):
     assert metrics["len_max"] <= 32 and 0 <= metrics["accuracy"] <= 1
     assert metrics["sd_share"] > 0 and metrics["drafter_accept"] >= 1.0
     assert (tmp_path / "checkpoints" / "1").is_dir()
+
+
+def test_sampled_evaluation_scores_every_sample_with_the_same_seeds_each_time(tmp_path):
+    trainer = make_trainer(tmp_path, "rl.eval_every_steps=1", "rl.eval_prompts=4", "rl.eval_temperature=1.0",
+                           "rl.eval_samples=3", "rl.checkpoint_every_steps=0", steps=1)
+    try:
+        seen = []
+        generate = trainer.workers.generate
+
+        def record(requests, group_size, **kw):
+            completions, stats = generate(requests, group_size, **kw)
+            seen.append(([(r.prompt_ids, r.seed, r.temperature) for r in requests], [c.tokens for c in completions]))
+            return completions, stats
+
+        trainer.workers.generate = record
+        assert trainer.evaluate() == trainer.evaluate()
+        (requests, tokens), (requests_again, tokens_again) = seen
+        assert requests == requests_again and tokens == tokens_again
+        assert len(requests) == 12 and len({seed for _, seed, _ in requests}) == 12
+        assert all(t == 1.0 for _, _, t in requests) and requests[0][0] == requests[2][0] != requests[3][0]
+        assert len({tuple(t) for t in tokens[:3]}) > 1  # one prompt's samples differ
+    finally:
+        trainer.close()
 
 
 def test_weight_handoff_shares_buffers_and_reuses_programs(tmp_path):

@@ -235,12 +235,15 @@ class Trainer:
                 f"applying the update; {kept} (lower optim.learning_rate or set optim.max_grad_norm)")
 
     def evaluate(self) -> float:
-        """Greedy accuracy on the held-out prompts."""
-        rl = self.cfg.rl
-        requests = [Request(self._prompt(r), rl.max_new_tokens, 0.0, 0, 1.0, 0, self.stop_ids) for r in self.eval_records]
-        completions, _ = self.workers.generate(requests, 1)
-        return float(np.mean([rewards.correctness_reward(self._text(c), r["answer"])
-                              for c, r in zip(completions, self.eval_records)]))
+        """Accuracy on the held-out prompts: greedy, or the mean over rl.eval_samples samples of each at
+        rl.eval_temperature. Sampling seeds are the same at every evaluation (step 0 of the seed stream,
+        which no training step uses), so evaluations differ only by the policy."""
+        rl, n = self.cfg.rl, self.cfg.rl.eval_samples
+        records = [r for r in self.eval_records for _ in range(n)]
+        requests = [Request(self._prompt(r), rl.max_new_tokens, rl.eval_temperature, rl.top_k, rl.top_p,
+                            request_seed(self.cfg.seed, 0, i), self.stop_ids) for i, r in enumerate(records)]
+        completions, _ = self.workers.generate(requests, n)
+        return float(np.mean([rewards.correctness_reward(self._text(c), r["answer"]) for c, r in zip(completions, records)]))
 
     def run_step(self) -> dict[str, Any]:
         rl, step = self.cfg.rl, self.step + 1
