@@ -29,12 +29,15 @@ def main() -> None:
         reward = [r["reward_mean"] for r in train]
         k = max(1, args.smooth)
         smooth = [sum(reward[max(0, i - k + 1) : i + 1]) / len(reward[max(0, i - k + 1) : i + 1]) for i in range(len(reward))]
-        ax_r.plot(steps, reward, alpha=0.3)
-        ax_r.plot(steps, smooth, label=f"{label} (mean of {k})")
+        (line,) = ax_r.plot(steps, smooth, label=f"{label} (mean of {k})")
+        ax_r.plot(steps, reward, alpha=0.3, color=line.get_color())
         evals = [r for r in rows if "eval_accuracy" in r]
-        ax_e.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], marker="o", label=label)
+        temperature = evals[0].get("eval_temperature") if evals else None  # not logged by older runs
+        mode = "" if temperature is None else " (greedy)" if temperature == 0 else f" (sampled at T={temperature:g})"
+        ax_e.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], marker="o", color=line.get_color(),
+                  label=label + mode)
     ax_r.set(xlabel="RL step", ylabel="training reward (accuracy of samples)", title="reward vs step")
-    ax_e.set(xlabel="RL step", ylabel="held-out accuracy (greedy)", title="held-out accuracy")
+    ax_e.set(xlabel="RL step", ylabel="held-out accuracy", title="held-out accuracy")
     for ax in (ax_r, ax_e):
         ax.grid(alpha=0.3)
         ax.legend()

@@ -253,12 +253,16 @@ def test_sampled_evaluation_scores_every_sample_with_the_same_seeds_each_time(tm
             return completions, stats
 
         trainer.workers.generate = record
-        assert trainer.evaluate() == trainer.evaluate()
+        accuracy = trainer.evaluate()
+        assert trainer.evaluate() == accuracy
         (requests, tokens), (requests_again, tokens_again) = seen
         assert requests == requests_again and tokens == tokens_again
         assert len(requests) == 12 and len({seed for _, seed, _ in requests}) == 12
         assert all(t == 1.0 for _, _, t in requests) and requests[0][0] == requests[2][0] != requests[3][0]
         assert len({tuple(t) for t in tokens[:3]}) > 1  # one prompt's samples differ
+        history = trainer.run()  # evaluates before step 1 and after it; the rows say how
+        assert [(h["step"], h["eval_temperature"]) for h in history] == [(0, 1.0), (1, 1.0)]
+        assert history[0]["eval_accuracy"] == accuracy  # the policy before step 1, scored with the same seeds
     finally:
         trainer.close()
 

@@ -245,6 +245,12 @@ class Trainer:
         completions, _ = self.workers.generate(requests, n)
         return float(np.mean([rewards.correctness_reward(self._text(c), r["answer"]) for c, r in zip(completions, records)]))
 
+    def _evaluation(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        accuracy = self.evaluate()
+        return {"eval_accuracy": accuracy, "eval_temperature": self.cfg.rl.eval_temperature,
+                "eval_s": time.perf_counter() - t0}
+
     def run_step(self) -> dict[str, Any]:
         rl, step = self.cfg.rl, self.step + 1
         t0 = time.perf_counter()
@@ -277,9 +283,7 @@ class Trainer:
         if self.spot is not None:
             metrics |= self.track_drafter(requests, completions, step)
         if rl.eval_every_steps and (step % rl.eval_every_steps == 0 or step == rl.steps):
-            t2 = time.perf_counter()
-            metrics["eval_accuracy"] = self.evaluate()
-            metrics["eval_s"] = time.perf_counter() - t2
+            metrics |= self._evaluation()
         if self.checkpointer is not None and (step % rl.checkpoint_every_steps == 0 or step == rl.steps):
             self.save()
         self.metrics.log(metrics)
@@ -290,9 +294,8 @@ class Trainer:
         history = []
         try:
             if self.cfg.rl.eval_every_steps and self.step == 0:
-                acc = self.evaluate()
-                self.metrics.log({"step": 0, "eval_accuracy": acc})
-                history.append({"step": 0, "eval_accuracy": acc})
+                history.append({"step": 0, **self._evaluation()})
+                self.metrics.log(history[-1])
             while self.step < self.cfg.rl.steps:
                 history.append(self.run_step())
         finally:
