@@ -231,7 +231,7 @@ def test_sampling_is_position_keyed_and_follows_the_distribution():
 
 
 def test_position_noise_samples_the_softmax_independently_across_positions_and_seeds():
-    """Gumbel-max over the hashed noise of 200 seeds x 100 positions: token frequencies follow the
+    """Gumbel-max over the position-keyed noise of 200 seeds x 100 positions: token frequencies follow the
     softmax, and tokens at neighbouring positions of a seed, or at one position of neighbouring
     seeds, are independent (chi-square on the marginal and on the pair tables)."""
     probs = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
