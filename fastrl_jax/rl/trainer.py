@@ -240,8 +240,9 @@ class Trainer:
         which no training step uses), so evaluations differ only by the policy."""
         rl, n = self.cfg.rl, self.cfg.rl.eval_samples
         records = [r for r in self.eval_records for _ in range(n)]
-        requests = [Request(self._prompt(r), rl.max_new_tokens, rl.eval_temperature, rl.top_k, rl.top_p,
-                            request_seed(self.cfg.seed, 0, i), self.stop_ids) for i, r in enumerate(records)]
+        prompts = [self._prompt(r) for r in self.eval_records]
+        requests = [Request(prompts[i // n], rl.max_new_tokens, rl.eval_temperature, rl.top_k, rl.top_p,
+                            request_seed(self.cfg.seed, 0, i), self.stop_ids) for i in range(len(records))]
         completions, _ = self.workers.generate(requests, n)
         return float(np.mean([rewards.correctness_reward(self._text(c), r["answer"]) for c, r in zip(completions, records)]))
 
