@@ -26,9 +26,8 @@ from flax import struct
 from fastrl_jax.kernels.tree_accept import tree_walk_ref, walk_ref
 from fastrl_jax.rollout.sampling import SamplingParams, filtered_logits, first_argmax, sample
 
-# Rejection sampling draws from key(seed) folded with this stream id, then with the position.
-# The coupled Gumbel keys are key(seed) folded with the position alone, and no sequence reaches
-# position 2**32 - 1, so the two streams never share a key.
+# Rejection sampling draws from jax.random: key(seed) folded with this stream id, then with the
+# position (the coupled mode's noise is sampling.position_gumbel's hash, another source).
 REJECTION_STREAM = 0xFFFFFFFF
 
 
