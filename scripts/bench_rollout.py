@@ -306,7 +306,8 @@ def bench_longtail(args) -> int:
         s.get("steps_plain", 0), s.get("steps_sd", 0), {k2: round(v, 2) for k2, v in per_strategy.items()},
         {k2[len("seconds_"):]: round(v, 1) for k2, v in s.items() if k2.startswith("seconds_") and "[" not in k2}))
     plot = args.plot or str(Path(args.out).with_suffix(".png"))
-    title = f"SmolLM2-135M rollout on {summary['backend']}: {summary['workload']}; drafter {drafter_name}"
+    # Two lines: a drafter path after the workload ran past the figure's edge.
+    title = f"SmolLM2-135M rollout on {summary['backend']}: {summary['workload']}\ndrafter {drafter_name}"
     if plot_timelines([plain, best_on, adaptive], k, title, plot):
         print(f"timeline plot: {plot}")
     with open(args.out, "w") as f:
