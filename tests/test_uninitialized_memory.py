@@ -50,4 +50,4 @@ def test_prefill_and_decode_ignore_uninitialized_memory():
     clean, poisoned = _generate(poison=False), _generate(poison=True)
     assert all(np.isfinite(logprobs).all() for _, logprobs in poisoned)
     assert [tokens for tokens, _ in poisoned] == [tokens for tokens, _ in clean]
-    np.testing.assert_allclose([lp for _, lp in poisoned], [lp for _, lp in clean], rtol=0, atol=0)
+    np.testing.assert_array_equal([lp for _, lp in poisoned], [lp for _, lp in clean])
