@@ -44,7 +44,7 @@ def expected_terms(drafter, policy, batch, t):
                               drafter.empty_cache(1, t + 1), jnp.zeros(1, jnp.int32))
     target = f[:, t + 1]
     l1 = smooth_l1(pred[:, t] - target).mean()
-    p = jax.nn.softmax(target @ drafter.head_weight(policy), -1)
+    p = jax.nn.softmax(target @ drafter.head_weight(policy).T, -1)
     ce = -(p * jax.nn.log_softmax(logits[:, t], -1)).sum()
     return float(l1), float(ce), pred
 
@@ -95,7 +95,7 @@ def test_unrolled_step_sees_what_a_depth_two_draft_node_sees(policy):
                                jnp.full((1, 1), a + 1, jnp.int32), cache, jnp.full((1,), a + 1, jnp.int32))
     target = f[:, P - 1]
     np.testing.assert_allclose(float(m["hidden_l1_1"]), float(smooth_l1(pred2[:, 0] - target).mean()), rtol=1e-5)
-    p = jax.nn.softmax(target @ drafter.head_weight(policy), -1)
+    p = jax.nn.softmax(target @ drafter.head_weight(policy).T, -1)
     np.testing.assert_allclose(float(m["ce_1"]), float(-(p * jax.nn.log_softmax(logits[:, 0], -1)).sum()), rtol=1e-5)
 
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from fastrl_jax.models.decoder import Decoder, KVCache
+from fastrl_jax.models.decoder import Decoder, KVCache, head_logits
 from fastrl_jax.models.drafter import Drafter, policy_features
 
 
@@ -90,7 +90,7 @@ def drafter_loss(drafter: Drafter, policy: Decoder, batch: dict, key: jax.Array,
     Returns (loss, {"loss", "hidden_l1", "ce", "acc_<j>" per unroll step, "entries"}).
     """
     feats = jax.lax.stop_gradient(policy_features(policy, batch["hidden"].astype(jnp.float32)))
-    head = drafter.head_weight(policy)  # [H, K]
+    head = drafter.head_weight(policy)  # [K, H]
     noise = jax.random.uniform(key, feats.shape, feats.dtype, -settings.input_noise, settings.input_noise)
     total, metrics = 0.0, {}
     weight_sum = 0.0
@@ -99,7 +99,7 @@ def drafter_loss(drafter: Drafter, policy: Decoder, batch: dict, key: jax.Array,
         n = jnp.maximum(w.sum(), 1.0)
         target = _shift(feats, j + 1)
         l1 = (smooth_l1(pred - target).mean(-1) * w).sum() / n
-        target_logits = jnp.einsum("bsh,hk->bsk", target, head, preferred_element_type=jnp.float32)
+        target_logits = head_logits(target, head)
         p = jax.nn.softmax(target_logits, -1)
         ce = (-(p * jax.nn.log_softmax(logits, -1)).sum(-1) * w).sum() / n
         acc = ((jnp.argmax(logits, -1) == jnp.argmax(target_logits, -1)) * w).sum() / n

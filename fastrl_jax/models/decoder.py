@@ -83,8 +83,9 @@ class Decoder(nnx.Module):
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype)
 
     def head_weight(self) -> jax.Array:
-        """LM head as [hidden, vocab]."""
-        return self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+        """LM head as [vocab, hidden] rows: the tied embedding as it is stored (XLA CPU copied the
+        whole [hidden, vocab] transpose at every step, 8% of a SmolLM2 batch-1 decode step)."""
+        return self.embed[...] if self.cfg.tie_word_embeddings else self.lm_head[...].T
 
     def __call__(
         self,
@@ -122,7 +123,7 @@ class Decoder(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final norm and LM head: [..., hidden] -> [..., vocab] float32."""
         x = rms_norm(hidden, self.final_norm[...], self.cfg.rms_norm_eps)
-        return jnp.einsum("...h,hv->...v", x, self.head_weight(), preferred_element_type=jnp.float32)
+        return head_logits(x, self.head_weight())
 
 
 def run_layers(cfg: ModelConfig, layers: Layers, x, positions, cache: KVCache, start, mask, input_norm=True, remat=False):
@@ -150,6 +151,11 @@ def run_layers(cfg: ModelConfig, layers: Layers, x, positions, cache: KVCache, s
     # the cache through the scan instead made XLA copy it at every layer.
     x, (k_new, v_new) = jax.lax.scan(layer, x, (layer_params, cache.k, cache.v))
     return x, KVCache(k=_write_rows(cache.k, k_new, start), v=_write_rows(cache.v, v_new, start))
+
+
+def head_logits(x: jax.Array, head: jax.Array) -> jax.Array:
+    """x [..., hidden] against LM head rows [vocab, hidden] -> float32 logits [..., vocab]."""
+    return jnp.einsum("...h,vh->...v", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -213,7 +219,8 @@ def _layer(cfg: ModelConfig, p, x, k_cached, v_cached, cos, sin, start, mask, in
 
     qg = q.reshape(B, T, cfg.num_kv_heads, G, cfg.head_dim) / np.sqrt(cfg.head_dim).astype(q.dtype)
     attn = cached_attention(qg, k_cached, v_cached, k, v, start, mask)  # [B, T, KV, G, D]; the backend suits the device
-    x = x + jnp.einsum("btnd,ndh->bth", attn.reshape(B, T, cfg.num_heads, cfg.head_dim), p["wo"])
+    H = cfg.num_heads * cfg.head_dim
+    x = x + jnp.einsum("bte,eh->bth", attn.reshape(B, T, H), p["wo"].reshape(H, -1))
 
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     mlp = jax.nn.silu(jnp.einsum("bth,hf->btf", h, p["w_gate"])) * jnp.einsum("bth,hf->btf", h, p["w_up"])

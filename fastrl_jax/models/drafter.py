@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from fastrl_jax.models.config import ModelConfig
-from fastrl_jax.models.decoder import Decoder, KVCache, Layers, attention_mask, rms_norm, run_layers
+from fastrl_jax.models.decoder import Decoder, KVCache, Layers, attention_mask, head_logits, rms_norm, run_layers
 
 
 class DraftVocab(nnx.Variable):
@@ -60,10 +60,10 @@ class Drafter(nnx.Module):
         return KVCache.zeros(self.cfg, batch, max_len, dtype)
 
     def head_weight(self, policy: Decoder) -> jax.Array:
-        """The policy's LM head rows the drafter scores, [H, K] (K = vocab without a draft vocabulary).
+        """The policy's LM head rows the drafter scores, [K, H] (K = vocab without a draft vocabulary).
         Gather it once per draft tree and pass it as `head`: every drafter step reuses it."""
         head = jax.lax.stop_gradient(policy.head_weight())
-        return head if self.draft_vocab is None else jnp.take(head, self.draft_vocab[...], axis=1)
+        return head if self.draft_vocab is None else jnp.take(head, self.draft_vocab[...], axis=0)
 
     def token_ids(self, index: jax.Array) -> jax.Array:
         """Draft-vocabulary indices -> token ids (identity without a draft vocabulary)."""
@@ -99,5 +99,5 @@ class Drafter(nnx.Module):
         embed = jax.lax.stop_gradient(policy.embed[tokens])
         x = jnp.concatenate([embed, hidden.astype(embed.dtype)], axis=-1) @ self.fc[...]
         out, cache = run_layers(self.cfg, self.layers, x, positions, cache, start, mask, input_norm=False)
-        logits = jnp.einsum("...h,hv->...v", out, head.astype(out.dtype), preferred_element_type=jnp.float32)
+        logits = head_logits(out, head)
         return logits, out, cache
