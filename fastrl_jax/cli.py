@@ -250,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--vocab", nargs="+", choices=["reduced", "full"], default=["reduced", "full"],
                     help="the drafter's reduced draft vocabulary and/or the same weights over the full vocabulary")
     bs.add_argument("--new-tokens", type=int, default=128, help="max new tokens per request (stop tokens end earlier)")
-    bs.add_argument("--prompts", type=int, default=16, help="held-out prompts of each kind (math, chat), alternated")
+    bs.add_argument("--prompts", type=int, default=16, help="held-out prompts of each kind (math, chat), alternated; each batch size generates all of them, batch size at a time")
     bs.add_argument("--repeats", type=int, default=1, help="timed runs per cell after the compiling one (best is kept)")
     bs.add_argument("--profile", action="store_true", help="also time each phase of one speculative step at batch 1")
     bs.add_argument("--out", default="bench_sd.json")
