@@ -2,9 +2,10 @@
 
 Drafters trained only on math answers see few everyday words; mixing these prompts into the
 warm-up data keeps drafting useful on ordinary chat. 24 templates (explanations, lists, stories,
-poems, letters, dialogues, instructions) over 64 topics: with the first 10 templates alone the drafter
-accepted 1.53 tokens per step on the held-out chat prompts against 3.14 on held-out math. The held-out set shares no template with the
-training stream, so it measures transfer rather than memorised phrasing.
+poems, letters, dialogues, instructions) over 64 topics: with the first 10 templates alone (and a
+quarter of today's data) the drafter accepted 1.53 tokens per step on the held-out chat prompts
+against 3.14 on held-out math. The held-out set shares no template with the training stream, so it
+measures transfer rather than memorised phrasing.
 """
 
 from __future__ import annotations
