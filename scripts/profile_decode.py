@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from fastrl_jax.models import decoder as D
-from fastrl_jax.models.config import ModelConfig, rope_inv_freq
+from fastrl_jax.models.config import ModelConfig
 from fastrl_jax.models.known_configs import KNOWN
 
 
@@ -43,11 +43,9 @@ def stacked_step(cfg: ModelConfig, graphdef, kv_len: int):
 
 def per_layer_step(cfg: ModelConfig, kv_len: int):
     """The same layers unrolled in Python over per-layer weight and cache buffers."""
-    inv_freq, rope_scale = rope_inv_freq(cfg)
 
     def step(weights, cache, token, start):
-        angles = start[:, None, None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
-        cos, sin = jnp.cos(angles) * rope_scale, jnp.sin(angles) * rope_scale
+        cos, sin = D.rope_tables(cfg, start[:, None])
         mask = D.attention_mask(start, None, 1, kv_len)
         x, new = weights["embed"][token[:, None]], []
         for p, k, v in zip(weights["layers"], *cache):

@@ -134,9 +134,7 @@ def run_layers(cfg: ModelConfig, layers: Layers, x, positions, cache: KVCache, s
     activations in the backward pass instead of keeping them (training memory).
     """
     kv_len = mask.shape[-1]
-    inv_freq, rope_scale = rope_inv_freq(cfg)
-    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
-    cos, sin = jnp.cos(angles) * rope_scale, jnp.sin(angles) * rope_scale
+    cos, sin = rope_tables(cfg, positions)
     layer_params = nnx.to_pure_dict(nnx.state(layers))
 
     def layer(x, inputs):
@@ -151,6 +149,13 @@ def run_layers(cfg: ModelConfig, layers: Layers, x, positions, cache: KVCache, s
     # the cache through the scan instead made XLA copy it at every layer.
     x, (k_new, v_new) = jax.lax.scan(layer, x, (layer_params, cache.k, cache.v))
     return x, KVCache(k=_write_rows(cache.k, k_new, start), v=_write_rows(cache.v, v_new, start))
+
+
+def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """RoPE cos and sin [..., head_dim / 2] (float32, scaled) at int positions [...]."""
+    inv_freq, rope_scale = rope_inv_freq(cfg)
+    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
+    return jnp.cos(angles) * rope_scale, jnp.sin(angles) * rope_scale
 
 
 def head_logits(x: jax.Array, head: jax.Array) -> jax.Array:
