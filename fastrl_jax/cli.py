@@ -155,14 +155,18 @@ def cmd_bench_sd(args: argparse.Namespace) -> None:
 
     from fastrl_jax.checkpoint import load_drafter
     from fastrl_jax.drafter import bench
-    from fastrl_jax.drafter.warmup import held_out_sets
+    from fastrl_jax.drafter.warmup import held_out_sets, read_jsonl_prompts
     from fastrl_jax.models.tokenizer import stop_ids
 
+    if not args.prompt_sets and not args.prompt_file:
+        raise ConfigError("bench-sd needs prompts: --prompt-sets math chat, and/or --prompt-file FILE.jsonl")
     cfg, model, model_cfg, tokenizer = _load(args, ["rollout.warm_up=false"])
     drafter = load_drafter(args.drafter, model_cfg, cfg.model.dtype)
     strategies = [tuple(int(x) for x in s.split("/")) for s in args.strategies]
-    sets = held_out_sets(cfg, tokenizer, args.prompts)
-    prompts = [p for pair in zip(sets["math"], sets["chat"]) for p in pair]  # alternate the two kinds
+    held_out = held_out_sets(cfg, tokenizer, args.prompts) if args.prompt_sets else {}
+    prompt_sets = {name: held_out[name] for name in args.prompt_sets}
+    for path in args.prompt_file:
+        prompt_sets[Path(path).stem] = read_jsonl_prompts(path, tokenizer)[: args.prompts]
     result = {"model": cfg.model.path, "dtype": cfg.model.dtype, "drafter": str(args.drafter),
               "new_tokens": args.new_tokens, "repeats": args.repeats, "backend": jax.default_backend()}
     if args.profile:
@@ -171,7 +175,7 @@ def cmd_bench_sd(args: argparse.Namespace) -> None:
         print("[bench-sd] one speculative step at batch 1, strategy " + args.strategies[0] + " (ms): "
               + ", ".join(f"{k} {v:.1f}" for k, v in prof.items()))
     rows = bench.run_bench(
-        model, drafter, prompts, stop_ids(model_cfg, tokenizer), base_cfg=cfg.rollout, batch_sizes=args.batch_sizes,
+        model, drafter, prompt_sets, stop_ids(model_cfg, tokenizer), base_cfg=cfg.rollout, batch_sizes=args.batch_sizes,
         strategies=strategies, temperatures=args.temperatures, vocabs=args.vocab, new_tokens=args.new_tokens,
         repeats=args.repeats, log=lambda line: print(f"[bench-sd] {line}", file=sys.stderr, flush=True))
     result["rows"] = rows
@@ -250,7 +254,11 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--vocab", nargs="+", choices=["reduced", "full"], default=["reduced", "full"],
                     help="the drafter's reduced draft vocabulary and/or the same weights over the full vocabulary")
     bs.add_argument("--new-tokens", type=int, default=128, help="max new tokens per request (stop tokens end earlier)")
-    bs.add_argument("--prompts", type=int, default=16, help="held-out prompts of each kind (math, chat), alternated; each batch size generates all of them, batch size at a time")
+    bs.add_argument("--prompt-sets", nargs="*", choices=["math", "chat"], default=["math", "chat"],
+                    help="held-out prompt sets, each timed apart: the built-in math task, general chat")
+    bs.add_argument("--prompt-file", nargs="*", default=[], metavar="JSONL",
+                    help='more prompt sets, named by file stem: {"prompt": text} or {"prompt_ids": [...]} per line')
+    bs.add_argument("--prompts", type=int, default=16, help="prompts per set; each batch size generates all of them, batch size at a time")
     bs.add_argument("--repeats", type=int, default=1, help="timed runs per cell after the compiling one (best is kept)")
     bs.add_argument("--profile", action="store_true", help="also time each phase of one speculative step at batch 1")
     bs.add_argument("--out", default="bench_sd.json")

@@ -43,3 +43,8 @@ def test_missing_drafter_is_one_clear_line(tmp_path):
     res = fastrl_jax("export-drafter", "--model", str(tiny_model_dir(tmp_path)), "--drafter", str(tmp_path / "none"),
                      "--out", str(tmp_path / "o"))
     assert res.returncode == 2 and "none" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_bench_sd_without_prompts_is_one_clear_line(tmp_path):
+    res = fastrl_jax("bench-sd", "--model", str(tiny_model_dir(tmp_path)), "--drafter", str(tmp_path), "--prompt-sets")
+    assert res.returncode == 2 and "--prompt-file" in res.stderr and "Traceback" not in res.stderr

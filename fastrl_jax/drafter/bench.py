@@ -1,6 +1,6 @@
-"""The bucketed speculative-decoding benchmark: plain vs SD tokens/s per batch size, strategy,
-temperature and draft vocabulary, on the same prompts in one run; and a per-phase profile of one
-speculative step.
+"""The bucketed speculative-decoding benchmark: plain vs SD tokens/s per prompt set, batch size,
+strategy, temperature and draft vocabulary, on the same prompts in one run; and a per-phase profile
+of one speculative step.
 
 Plain and speculative decoding produce the same tokens (greedy, and coupled sampling at T > 0 with
 the same seeds), so both do the same work and tokens/s compare directly.
@@ -73,18 +73,21 @@ def _timed(engine: RolloutEngine, rounds: list[list[Request]], repeats: int) -> 
     return tokens / best, out, stats
 
 
-def run_bench(policy: Decoder, drafter: Drafter, prompts: Sequence[Sequence[int]], stop_ids: Sequence[int], *,
+def run_bench(policy: Decoder, drafter: Drafter, prompt_sets: dict[str, Sequence[Sequence[int]]], stop_ids: Sequence[int], *,
               base_cfg: RolloutConfig, batch_sizes: Sequence[int], strategies: Sequence[tuple[int, int, int]],
               temperatures: Sequence[float], vocabs: Sequence[str], new_tokens: int, repeats: int,
               log=print) -> list[dict]:
-    """Rows {temperature, batch, strategy, vocab, plain_tok_s, sd_tok_s, acceptance_length, speedup, same}."""
+    """Rows {prompts, temperature, batch, strategy, vocab, plain_tok_s, sd_tok_s, acceptance_length,
+    speedup, same_tokens, requests}: one per prompt set and cell. Sets are timed apart because the
+    drafter's acceptance, and so the speedup, depends on the kind of text (math answers vs chat)."""
     margin = max(s[2] for s in strategies)
-    cfg = _bench_cfg(base_cfg, batch_sizes, max(len(p) for p in prompts), new_tokens, margin)
+    longest = max(len(p) for prompts in prompt_sets.values() for p in prompts)
+    cfg = _bench_cfg(base_cfg, batch_sizes, longest, new_tokens, margin)
     drafters = {"reduced": drafter, "full": with_full_vocab(drafter)}
     if "reduced" in vocabs and drafter.draft_vocab is None:
         raise ValueError("--vocab reduced needs a drafter trained with a draft vocabulary (drafter_train.draft_vocab_size > 0)")
 
-    def requests(b: int, t: float) -> list[list[Request]]:
+    def requests(prompts, b: int, t: float) -> list[list[Request]]:
         """Every prompt (at least b requests), b at a time: batch 1 over one prompt would time one answer's length."""
         n = -(-max(len(prompts), b) // b) * b
         reqs = [Request(prompts[i % len(prompts)], new_tokens, t, seed=i, stop_ids=tuple(stop_ids)) for i in range(n)]
@@ -92,54 +95,60 @@ def run_bench(policy: Decoder, drafter: Drafter, prompts: Sequence[Sequence[int]
 
     plain_engine = RolloutEngine(policy, cfg, progress=False)
     plain = {}
-    for t in temperatures:
-        for b in batch_sizes:
-            plain[t, b] = _timed(plain_engine, requests(b, t), repeats)
-            log(f"plain T={t:g} batch {b}: {plain[t, b][0]:.1f} tok/s")
+    for name, prompts in prompt_sets.items():
+        for t in temperatures:
+            for b in batch_sizes:
+                plain[name, t, b] = _timed(plain_engine, requests(prompts, b, t), repeats)
+                log(f"plain {name} T={t:g} batch {b}: {plain[name, t, b][0]:.1f} tok/s")
     rows = []
     for vocab in vocabs:
         for strat in strategies:
             sd = SpecConfig(mode="on", steps=strat[0], topk=strat[1], verify_tokens=strat[2])
             engine = RolloutEngine(policy, cfg, sd=sd, drafter=drafters[vocab], progress=False)
-            for t in temperatures:
-                for b in batch_sizes:
-                    tok_s, out, stats = _timed(engine, requests(b, t), repeats)
-                    base_tok_s, base_out, _ = plain[t, b]
-                    row = {
-                        "temperature": t, "batch": b, "strategy": list(strat), "vocab": vocab,
-                        "plain_tok_s": base_tok_s, "sd_tok_s": tok_s,
-                        "acceptance_length": stats.get("acceptance_length", float("nan")),
-                        "speedup": tok_s / base_tok_s,
-                        "same_tokens": sum(a.tokens == c.tokens for a, c in zip(out, base_out)),
-                        "requests": len(out),
-                    }
-                    rows.append(row)
-                    log(format_row(row))
+            for name, prompts in prompt_sets.items():
+                for t in temperatures:
+                    for b in batch_sizes:
+                        tok_s, out, stats = _timed(engine, requests(prompts, b, t), repeats)
+                        base_tok_s, base_out, _ = plain[name, t, b]
+                        row = {
+                            "prompts": name, "temperature": t, "batch": b, "strategy": list(strat), "vocab": vocab,
+                            "plain_tok_s": base_tok_s, "sd_tok_s": tok_s,
+                            "acceptance_length": stats.get("acceptance_length", float("nan")),
+                            "speedup": tok_s / base_tok_s,
+                            "same_tokens": sum(a.tokens == c.tokens for a, c in zip(out, base_out)),
+                            "requests": len(out),
+                        }
+                        rows.append(row)
+                        log(format_row(row))
     return rows
 
 
+def _label(r: dict) -> str:
+    return f"{r['prompts']} {'/'.join(map(str, r['strategy']))} {r['vocab']}"
+
+
 def stop_paying(rows: list[dict]) -> dict[str, int | None]:
-    """Per (temperature, strategy, vocab): the smallest batch whose speedup is below 1 (None: never)."""
+    """Per (prompt set, temperature, strategy, vocab): the smallest batch whose speedup is below 1 (None: never)."""
     out: dict[str, int | None] = {}
     for r in sorted(rows, key=lambda r: r["batch"]):
-        key = f"T={r['temperature']:g} {'/'.join(map(str, r['strategy']))} {r['vocab']}"
+        key = f"T={r['temperature']:g} {_label(r)}"
         out.setdefault(key, None)
         if out[key] is None and r["speedup"] < 1:
             out[key] = r["batch"]
     return out
 
 
-HEADER = f"{'T':>4} {'batch':>5} {'strategy':>9} {'vocab':>7} {'plain tok/s':>11} {'SD tok/s':>9} {'accept':>6} {'speedup':>7} {'same':>6}"
+HEADER = f"{'prompts':>8} {'T':>4} {'batch':>5} {'strategy':>9} {'vocab':>7} {'plain tok/s':>11} {'SD tok/s':>9} {'accept':>6} {'speedup':>7} {'same':>6}"
 
 
 def format_row(r: dict) -> str:
-    return (f"{r['temperature']:>4g} {r['batch']:>5} {'/'.join(map(str, r['strategy'])):>9} {r['vocab']:>7} "
+    return (f"{r['prompts']:>8} {r['temperature']:>4g} {r['batch']:>5} {'/'.join(map(str, r['strategy'])):>9} {r['vocab']:>7} "
             f"{r['plain_tok_s']:>11.1f} {r['sd_tok_s']:>9.1f} {r['acceptance_length']:>6.2f} {r['speedup']:>6.2f}x "
             f"{str(r['same_tokens']) + '/' + str(r['requests']):>6}")
 
 
 def plot(rows: list[dict], path: str | Path) -> bool:
-    """Speedup vs batch size, one line per (strategy, vocab), one panel per temperature; False without matplotlib."""
+    """Speedup vs batch size, one line per (prompt set, strategy, vocab), one panel per temperature; False without matplotlib."""
     try:
         import matplotlib
 
@@ -153,7 +162,7 @@ def plot(rows: list[dict], path: str | Path) -> bool:
         lines: dict[str, list] = {}
         for r in rows:
             if r["temperature"] == t:
-                lines.setdefault(f"{'/'.join(map(str, r['strategy']))} {r['vocab']}", []).append((r["batch"], r["speedup"]))
+                lines.setdefault(_label(r), []).append((r["batch"], r["speedup"]))
         for label, pts in sorted(lines.items()):
             pts.sort()
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
