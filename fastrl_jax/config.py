@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import re
 import types
 import typing
@@ -518,3 +519,9 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
 def to_dict(cfg: Any) -> dict[str, Any]:
     """The config as plain nested dicts, for logging and checkpoint metadata."""
     return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    """Writes the resolved config (file plus overrides) as YAML that `load_config` reads back."""
+    plain = json.loads(json.dumps(to_dict(cfg)))  # tuples -> lists: YAML's safe dumper has no tuples
+    Path(path).write_text(yaml.safe_dump(plain, sort_keys=False))

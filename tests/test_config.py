@@ -7,7 +7,7 @@ from typing import Optional
 
 import pytest
 
-from fastrl_jax.config import Config, ConfigError, MeshConfig, from_dict, load_config, to_dict
+from fastrl_jax.config import Config, ConfigError, MeshConfig, from_dict, load_config, save_config, to_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,6 +24,12 @@ def test_defaults_and_round_trip():
     cfg = load_config(None, ["mesh.fsdp=-1", "seed=7"])
     assert from_dict(Config, to_dict(cfg)) == cfg
     assert to_dict(cfg)["mesh"] == {"data": 1, "fsdp": -1, "tensor": 1}
+
+
+def test_saved_config_loads_back(tmp_path):
+    cfg = load_config(ROOT / "configs/smollm2_cpu.yaml", ["sd.strategies=[[3, 1, 4]]", "rl.out_dir='/tmp/a: b'", "sd.mode='off'"])
+    save_config(cfg, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == cfg
 
 
 def test_overrides_parse_values_and_nest(tmp_path):

@@ -92,6 +92,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(NonFiniteLoss, match="at step 3.*last good checkpoint is step 2"):
         trainer.run()
     assert [m["step"] for m in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
+    assert load_config(tmp_path / "run" / "config.yaml") == trainer.cfg  # the run says what it ran with
 
 
 def test_failed_checkpoint_write_keeps_previous(tmp_path, capsys):

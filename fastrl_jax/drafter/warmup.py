@@ -6,6 +6,7 @@ One run lives in drafter_train.out_dir:
   metrics.jsonl     one JSON line per log step and per evaluation; tensorboard/ the same as scalars
   drafter/          the trained drafter alone (Orbax, checkpoint.load_drafter), written at the end
   summary.json      data, timing and final held-out acceptance lengths
+  config.yaml       the resolved config of the latest start (fastrl-jax ... --config config.yaml reruns it)
 Resuming (the default when checkpoints exist) continues the same run: batches and noise are
 functions of (seed, step), so the steps after a restart are the steps the run would have taken.
 """
@@ -26,7 +27,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from fastrl_jax.checkpoint import RunCheckpointer, save_drafter
-from fastrl_jax.config import Config, SpecConfig
+from fastrl_jax.config import Config, SpecConfig, save_config
 from fastrl_jax.data.prompt_files import read_prompt_file
 from fastrl_jax.metrics import MetricsSink
 from fastrl_jax.data import chat_prompts, math_problems
@@ -115,6 +116,7 @@ def train_drafter(cfg: Config, policy: Decoder, tokenizer, *, resume: bool = Tru
     t_start = time.perf_counter()
     out_dir = Path(dt.out_dir).expanduser().resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out_dir / "config.yaml")
     model_cfg = policy.cfg
     stop = stop_ids(model_cfg, tokenizer)
     rollout_cfg = dataclasses.replace(cfg.rollout, warm_up=False)

@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from fastrl_jax.checkpoint import RunCheckpointer, load_drafter
-from fastrl_jax.config import Config, to_dict
+from fastrl_jax.config import Config, save_config, to_dict
 from fastrl_jax.drafter.online import SpotTrainer
 from fastrl_jax.models.decoder import DTYPES, Decoder
 from fastrl_jax.models.drafter import Drafter
@@ -96,6 +96,9 @@ class Trainer:
         self.eval_records = self._eval_records(fields) if rl.eval_every_steps else []
 
         self.out_dir = Path(rl.out_dir).expanduser()
+        if jax.process_index() == 0:  # what this start ran with: the file plus its overrides
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.out_dir / "config.yaml")
         self.checkpointer = RunCheckpointer(self.out_dir / "checkpoints", rl.keep_checkpoints) if rl.checkpoint_every_steps else None
         self.step = 0
         if resume:
