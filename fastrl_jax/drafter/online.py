@@ -95,6 +95,7 @@ class SpotTrainer:
         self._policy_params = policy_params
         self._abstract_policy = nnx.eval_shape(lambda: nnx.merge(policy_graphdef, policy_params))
         self._placements: dict[tuple[int, ...], _Placement] = {}
+        self._placements_lock = threading.Lock()  # the compile, spot and trainer threads all place
         self.blocks = aligned_blocks(self.num_replicas, self.cfg.batch_rows)
         self.steps_done = 0  # drafter optimizer steps over the run (checkpointed)
         self._cv = threading.Condition()
@@ -110,13 +111,14 @@ class SpotTrainer:
 
     # ---- placement -----------------------------------------------------------------------------
     def _placement(self, block: tuple[int, ...]) -> _Placement:
-        if block not in self._placements:
-            mesh = Mesh(self.mesh.devices[list(block)], AXES, axis_types=self.mesh.axis_types)
-            self._placements[block] = _Placement(
-                mesh, nnx.to_pure_dict(shardings_for(nnx.state(self._abstract_policy), mesh)),
-                shardings_for(self.params, mesh), NamedSharding(mesh, P()),
-            )
-        return self._placements[block]
+        with self._placements_lock:
+            if block not in self._placements:
+                mesh = Mesh(self.mesh.devices[list(block)], AXES, axis_types=self.mesh.axis_types)
+                self._placements[block] = _Placement(
+                    mesh, nnx.to_pure_dict(shardings_for(nnx.state(self._abstract_policy), mesh)),
+                    shardings_for(self.params, mesh), NamedSharding(mesh, P()),
+                )
+            return self._placements[block]
 
     def _inputs(self, block: tuple[int, ...], batch) -> tuple:
         """The step's arguments on the block's devices, in the shardings its program was compiled for."""
@@ -268,6 +270,10 @@ class SpotTrainer:
         t1 = time.perf_counter()
         ph["seconds"] += t1 - t0
         ph["trace"].append((t0, t1, block))
+
+    def close(self) -> None:
+        """Stops the compile thread (a compilation under way is dropped: the run is over)."""
+        self._compiler.shutdown(wait=False, cancel_futures=True)
 
     # ---- drift tracking ---------------------------------------------------------------------------
     @staticmethod

@@ -360,6 +360,8 @@ class Trainer:
             self._wait_checkpoint()
             self.checkpointer.close()
             self.checkpointer = None
+        if self.spot is not None:
+            self.spot.close()
         self.metrics.close()
 
 
