@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 from rl_helpers import write_tokenizer
 
-from fastrl_jax.data import math_problems
+from fastrl_jax.data import chat_prompts, math_problems
 from fastrl_jax.rl import data
 from fastrl_jax.rl.rewards import correctness_reward
 
@@ -24,6 +24,18 @@ def test_math_problems_are_deterministic_and_graded():
     assert all(p.level == 1 and p.answer <= 18 for p in easy)
     with pytest.raises(ValueError, match="levels"):
         math_problems.problem(0, 0, (9,))
+
+
+def test_chat_stream_mixes_its_families_and_never_holds_a_held_out_prompt():
+    a = chat_prompts.train_prompts(3, 500)
+    assert a == chat_prompts.train_prompts(3, 500) and a != chat_prompts.train_prompts(4, 500)
+    families = chat_prompts._families()
+    for share, prompts in families:
+        assert sum(p in set(prompts) for p in a) == round(500 * share)
+    assert len(set(a)) == 500  # no repeats before a family is exhausted
+    every = {p for _, prompts in families for p in prompts}
+    assert not every & set(chat_prompts.held_out_prompts())
+    assert len(chat_prompts.train_prompts(0, 7)) == 7 and chat_prompts.train_prompts(0, 0) == []
 
 
 def test_math_answers_are_right():
