@@ -158,8 +158,11 @@ def cmd_bench_sd(args: argparse.Namespace) -> None:
     from fastrl_jax.drafter.warmup import held_out_sets, read_jsonl_prompts
     from fastrl_jax.models.tokenizer import stop_ids
 
-    if not args.prompt_sets and not args.prompt_file:
+    names = [*args.prompt_sets, *(Path(p).stem for p in args.prompt_file)]  # a prompt file's set: its stem
+    if not names:
         raise ConfigError("bench-sd needs prompts: --prompt-sets math chat, and/or --prompt-file FILE.jsonl")
+    if len(set(names)) < len(names):
+        raise ConfigError(f"bench-sd prompt sets need distinct names (a file's is its stem), got {names}")
     cfg, model, model_cfg, tokenizer = _load(args, ["rollout.warm_up=false"])
     drafter = load_drafter(args.drafter, model_cfg, cfg.model.dtype)
     strategies = [tuple(int(x) for x in s.split("/")) for s in args.strategies]

@@ -45,6 +45,9 @@ def test_missing_drafter_is_one_clear_line(tmp_path):
     assert res.returncode == 2 and "none" in res.stderr and "Traceback" not in res.stderr
 
 
-def test_bench_sd_without_prompts_is_one_clear_line(tmp_path):
+def test_bench_sd_without_prompts_or_with_clashing_sets_is_one_clear_line(tmp_path):
     res = fastrl_jax("bench-sd", "--model", str(tiny_model_dir(tmp_path)), "--drafter", str(tmp_path), "--prompt-sets")
     assert res.returncode == 2 and "--prompt-file" in res.stderr and "Traceback" not in res.stderr
+    clash = fastrl_jax("bench-sd", "--model", str(tmp_path / "policy"), "--drafter", str(tmp_path),
+                       "--prompt-file", str(tmp_path / "a" / "math.jsonl"))
+    assert clash.returncode == 2 and "distinct names" in clash.stderr and "Traceback" not in clash.stderr
