@@ -25,7 +25,7 @@ from fastrl_jax.models.decoder import Decoder, KVCache
 from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.rollout import accept as accept_lib
 from fastrl_jax.rollout import speculative
-from fastrl_jax.rollout.engine import Request, RolloutEngine
+from fastrl_jax.rollout.engine import Request, RolloutEngine, acceptance_length, add_stats
 from fastrl_jax.rollout.programs import Slots
 from fastrl_jax.rollout.sampling import SamplingParams
 
@@ -51,14 +51,13 @@ def _bench_cfg(base: RolloutConfig, batch_sizes, prompt_len: int, new_tokens: in
 
 def _timed(engine: RolloutEngine, rounds: list[list[Request]], repeats: int) -> tuple[float, list, dict]:
     """Tokens/s over the rounds (one generate call each), their completions, and their summed
-    counters (acceptance length from the sums), from the fastest of `repeats` runs after a compiling one."""
+    counters, from the fastest of `repeats` runs after a compiling one."""
 
     def run():
         t0, out, totals = time.perf_counter(), [], {}
         for reqs in rounds:
             out += engine.generate(reqs)
-            for k, v in engine.stats.items():
-                totals[k] = totals.get(k, 0.0) + v
+            add_stats(totals, engine.stats)
         return time.perf_counter() - t0, out, totals
 
     run()  # compiles what these batches reach
@@ -67,8 +66,6 @@ def _timed(engine: RolloutEngine, rounds: list[list[Request]], repeats: int) -> 
         seconds, completions, totals = run()
         if seconds < best:
             best, out, stats = seconds, completions, totals
-    if stats.get("sd_steps"):
-        stats["acceptance_length"] = stats["sd_tokens"] / stats["sd_steps"]
     tokens = sum(len(o.tokens) for o in out)
     return tokens / best, out, stats
 
@@ -113,7 +110,7 @@ def run_bench(policy: Decoder, drafter: Drafter, prompt_sets: dict[str, Sequence
                         row = {
                             "prompts": name, "temperature": t, "batch": b, "strategy": list(strat), "vocab": vocab,
                             "plain_tok_s": base_tok_s, "sd_tok_s": tok_s,
-                            "acceptance_length": stats.get("acceptance_length", float("nan")),
+                            "acceptance_length": acceptance_length(stats),
                             "speedup": tok_s / base_tok_s,
                             "same_tokens": sum(a.tokens == c.tokens for a, c in zip(out, base_out)),
                             "requests": len(out),

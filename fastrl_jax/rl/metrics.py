@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from fastrl_jax.metrics import MetricsSink
+from fastrl_jax.rollout.engine import acceptance_length
 
 
 def rollout_summary(rewards: Sequence[float], correct: Sequence[float], lengths: Sequence[int],
@@ -35,8 +36,7 @@ def rollout_summary(rewards: Sequence[float], correct: Sequence[float], lengths:
     out["sd_share"] = float(spec / (plain + spec)) if plain + spec else 0.0
     out["sd_token_share"] = float(stats.get("sd_tokens", 0) / tokens) if tokens else 0.0
     out["rollout_compile_s"] = float(stats.get("seconds_compile", 0.0))
-    steps = stats.get("sd_steps", 0)
-    out["acceptance_length"] = float(stats["sd_tokens"] / steps) if steps else float("nan")
+    out["acceptance_length"] = acceptance_length(stats)
     return out
 
 

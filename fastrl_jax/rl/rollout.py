@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from fastrl_jax.config import Config, ConfigError
 from fastrl_jax.models.drafter import Drafter
-from fastrl_jax.rollout.engine import Completion, Request, RolloutEngine
+from fastrl_jax.rollout.engine import Completion, Request, RolloutEngine, add_stats
 from fastrl_jax.sharding import replica_meshes, shardings_for
 
 _FINISH = ("stop", "length", "error")
@@ -124,9 +124,7 @@ class RolloutWorkers:
         for mine, out, st in results:
             for i, c in zip(mine, out):
                 completions[i] = c
-            for k, v in st.items():
-                if k != "acceptance_length":
-                    stats[k] = stats.get(k, 0) + v
+            add_stats(stats, st)
         if jax.process_count() > 1:
             completions = _allgather(completions, requests, owner, self.num_replicas)
         return completions, stats

@@ -63,10 +63,26 @@ def strategy_label(s: speculative.Strategy) -> str:
     return f"{s.steps}/{s.topk}/{s.verify_tokens}"
 
 
+def acceptance_length(stats: dict[str, float], label: str = "") -> float:
+    """Tokens per speculative row-step in an engine's stats (or several rollouts' summed stats), of
+    all strategies or of the one labelled `label`; NaN without speculative steps."""
+    suffix = f"[{label}]" if label else ""
+    steps = stats.get("sd_steps" + suffix, 0)
+    return float(stats["sd_tokens" + suffix] / steps) if steps else float("nan")
+
+
+def add_stats(total: dict[str, float], stats: dict[str, float]) -> None:
+    """Adds one rollout's counters and seconds into `total`; the acceptance_length ratio is left out
+    (acceptance_length(total) gives it from the sums)."""
+    for k, v in stats.items():
+        if k != "acceptance_length":
+            total[k] = total.get(k, 0) + v
+
+
 def acceptance_by_strategy(stats: dict[str, float]) -> dict[str, float]:
-    """Acceptance length (tokens per speculative row-step) of each strategy in an engine's stats."""
+    """Acceptance length of each strategy in an engine's stats."""
     labels = [k.removeprefix("sd_steps[").removesuffix("]") for k, v in stats.items() if k.startswith("sd_steps[") and v]
-    return {label: stats[f"sd_tokens[{label}]"] / stats[f"sd_steps[{label}]"] for label in labels}
+    return {label: acceptance_length(stats, label) for label in labels}
 
 
 def compiler_options(key: tuple) -> dict | None:
@@ -469,5 +485,5 @@ class _Stats:
             v for k, v in out.items() if k.startswith("seconds_") and "[" not in k
         )
         if out.get("sd_steps"):
-            out["acceptance_length"] = out["sd_tokens"] / out["sd_steps"]
+            out["acceptance_length"] = acceptance_length(out)
         return out
