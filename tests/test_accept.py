@@ -8,9 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fastrl_jax.kernels.tree_accept import api as tree_accept
+from fastrl_jax.kernels.tree_accept import pallas as walk_pallas
 from scipy.stats import chisquare
 
-from fastrl_jax.kernels.tree_accept import tree_walk_pallas, tree_walk_ref
 from fastrl_jax.rollout import accept
 from fastrl_jax.rollout.accept import accept_coupled, accept_greedy, accept_rejection
 from fastrl_jax.rollout.sampling import SamplingParams, filtered_logits, sample
@@ -348,9 +349,11 @@ def test_rejection_keys_are_positional():
 @pytest.mark.parametrize("B,N,block_rows", [(13, 10, 4), (5, 7, 8), (16, 33, 8)])
 def test_pallas_walk_matches_reference(B, N, block_rows):
     y, tokens, parents, valid = random_trees(np.random.default_rng(B * N), B, N, V=6, match=0.7)
-    args = [jnp.asarray(a, jnp.int32) for a in (y, tokens, parents)] + [jnp.asarray(valid)]
-    ref_path, ref_n = tree_walk_ref(*args)
-    path, n = tree_walk_pallas(*args, block_rows=block_rows, interpret=True)
+    y, tokens, parents, valid = (jnp.asarray(a) for a in (y, tokens, parents, valid))
+    acceptable = tree_accept.acceptable_children(y, tokens, parents, valid)
+    (ref_path, ref_n), used = tree_accept.walk(acceptable, parents, with_backend=True)
+    assert used == "reference"
+    path, n = walk_pallas.walk(acceptable, parents, block_rows=block_rows, interpret=True)
     np.testing.assert_array_equal(path, ref_path)
     np.testing.assert_array_equal(n, ref_n)
     np_path, np_n = numpy_walk(y, tokens, parents, valid)

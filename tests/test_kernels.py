@@ -1,4 +1,4 @@
-"""Masked (tree) attention: every CPU backend against a float64 numpy attention, and the dispatcher."""
+"""Masked (tree) attention: every CPU backend against a float64 numpy attention, and the backend choice."""
 
 import logging
 import os
@@ -7,8 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from fastrl_jax.kernels import attention
+from fastrl_jax.kernels import backends
+from fastrl_jax.kernels.tree_attention import api as attention
+from fastrl_jax.kernels.tree_attention import pallas, reference
 
 CPU_BACKENDS = ["reference", "pallas_interpret"]
 
@@ -88,8 +89,8 @@ def test_tree_mask_builder():
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}T{}KV{}G{}D{}S{}-{}".format(*c))
 def test_matches_numpy(backend, case):
     q, k, v, mask = make_case(sum(case[:6]), *case)
-    out = attention.masked_attention(q, k, v, mask, backend=backend)
-    assert attention.last_backend() == backend
+    out, used = attention.masked_attention(q, k, v, mask, backend=backend, with_backend=True)
+    assert used == backend
     assert out.shape == q.shape and out.dtype == q.dtype
     np.testing.assert_allclose(np.asarray(out), naive_attention(q, k, v, mask), atol=1e-5, rtol=1e-5)
 
@@ -119,8 +120,8 @@ def test_cached_attention_sees_the_new_tokens_not_the_stale_slots(backend, case)
     """The decoder's entry point: the new tokens' keys stand in their slots whatever the cache held
     there, whether the backend splits the softmax (reference) or is handed the placed window."""
     q, k, v, mask, (k_cached, v_cached, k_new, v_new, starts) = split_case(sum(case[:6]), case)
-    out = attention.cached_attention(q, k_cached, v_cached, k_new, v_new, starts, mask, backend=backend)
-    assert attention.last_backend() == backend
+    out, used = attention.cached_attention(q, k_cached, v_cached, k_new, v_new, starts, mask, backend=backend, with_backend=True)
+    assert used == backend
     assert out.shape == q.shape and out.dtype == q.dtype
     np.testing.assert_allclose(np.asarray(out), naive_attention(q, k, v, mask), atol=1e-5, rtol=1e-5)
 
@@ -133,8 +134,8 @@ def test_cached_attention_gradients_equal_the_placed_windows():
         return jnp.sum(w * attention.cached_attention(q, k_cached, v_cached, k_new, v_new, starts, mask, backend="reference"))
 
     def window_loss(q, k_new, v_new):
-        k_win, v_win = (attention.place_new_tokens(c, n, starts) for c, n in ((k_cached, k_new), (v_cached, v_new)))
-        return jnp.sum(w * attention.masked_attention_ref(q, k_win, v_win, mask))
+        k_win, v_win = (reference.place_new_tokens(c, n, starts) for c, n in ((k_cached, k_new), (v_cached, v_new)))
+        return jnp.sum(w * reference.masked_attention(q, k_win, v_win, mask))
 
     for a, b in zip(*(jax.jit(jax.grad(f, argnums=(0, 1, 2)))(q, k_new, v_new) for f in (split_loss, window_loss))):
         assert float(jnp.abs(b).max()) > 0
@@ -196,30 +197,43 @@ def test_pallas_kernel_lowers_for_gpu_and_tpu(lowering):
         jax.ShapeDtypeStruct(shape, dt)
         for shape, dt in [((2, T, 2, G, D), dtype), ((2, 2, S, D), dtype), ((2, 2, S, D), dtype), ((2, T, S), bool)]
     ]
-    fn = lambda *a: attention.masked_attention_pallas(*a, platform={"cuda": "gpu", "tpu": "tpu"}[target])  # noqa: E731
+    fn = lambda *a: pallas.masked_attention(*a, platform={"cuda": "gpu", "tpu": "tpu"}[target])  # noqa: E731
     hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=(target,)).as_text()
     expected = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}[target]
     assert f"custom_call @{expected}" in hlo
 
 
 def test_cpu_dispatch_picks_reference():
-    assert attention.available_backends() == CPU_BACKENDS
+    assert backends.available_backends() == CPU_BACKENDS
     q, k, v, mask = make_case(0, 1, 1, 1, 1, 16, 8, "causal")
-    attention.masked_attention(q, k, v, mask)
-    assert attention.last_backend() == "reference"
+    _, used = attention.masked_attention(q, k, v, mask, with_backend=True)
+    assert used == "reference"
+
+
+def test_select_backend_is_a_pure_choice():
+    gpu = ["reference", "pallas_interpret", "pallas", "triton"]
+    assert backends.select_backend("gpu", "auto", gpu).order == ("triton", "pallas", "reference")
+    assert backends.select_backend("tpu", "auto", gpu[:3]).order == ("pallas", "reference")
+    assert backends.select_backend("cpu", "auto", CPU_BACKENDS).order == ("reference",)
+    no_triton = backends.select_backend("gpu", "auto", gpu[:3])  # a GPU without jax-triton
+    assert no_triton.order == ("pallas", "reference") and [b for b, _ in no_triton.unavailable] == ["triton"]
+    # An op without a Triton kernel of its own asks for Pallas on a GPU.
+    assert backends.select_backend("gpu", "auto", gpu, implemented=("reference", "pallas")).order == ("pallas", "reference")
+    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
+        backends.select_backend("gpu", "cuda", gpu)
 
 
 @pytest.fixture
-def fresh_log(monkeypatch, caplog):
-    monkeypatch.setattr(attention, "_logged_fallbacks", set())
-    caplog.set_level(logging.WARNING, logger=attention.__name__)
+def fresh_log(caplog):
+    backends.log_fallback_once.cache_clear()
+    caplog.set_level(logging.WARNING, logger=backends.__name__)
     return caplog
 
 
 def test_triton_on_cpu_falls_back_with_one_warning(fresh_log):
     q, k, v, mask = make_case(1, 2, 8, 2, 3, 16, 40, "tree")
-    out = attention.masked_attention(q, k, v, mask, backend="triton")
-    assert attention.last_backend() == "reference"
+    out, used = attention.masked_attention(q, k, v, mask, backend="triton", with_backend=True)
+    assert used == "reference"
     np.testing.assert_allclose(np.asarray(out), naive_attention(q, k, v, mask), atol=1e-5, rtol=1e-5)
     messages = [r.getMessage() for r in fresh_log.records]
     assert any("'triton'" in m and "GPU" in m for m in messages), messages
@@ -230,13 +244,22 @@ def test_triton_on_cpu_falls_back_with_one_warning(fresh_log):
 
 
 def test_kernel_that_fails_to_compile_falls_back(fresh_log, monkeypatch):
-    # With a "cpu" table entry the non-interpreted Pallas kernel traces on CPU but cannot lower:
-    # the stand-in for a Triton / Mosaic lowering failure on a real accelerator.
-    monkeypatch.setitem(attention.BLOCK_TABLE, "cpu", attention.BLOCK_TABLE["interpret"])
-    monkeypatch.setattr(attention, "_compile_failures", {})
+    # With a "cpu" table entry, and "pallas" claimed available, the non-interpreted Pallas kernel
+    # traces on CPU but cannot lower: the stand-in for a Triton / Mosaic lowering failure on a real
+    # accelerator.
+    monkeypatch.setitem(pallas.BLOCK_TABLE, "cpu", pallas.BLOCK_TABLE["interpret"])
+    monkeypatch.setattr(backends, "available_backends", lambda platform=None: [*CPU_BACKENDS, "pallas"])
+    backends._compile_failure.cache_clear()
     q, k, v, mask = make_case(2, 1, 4, 1, 1, 16, 24, "tree")
-    out = jax.jit(lambda *a: attention.masked_attention(*a, backend="pallas"))(q, k, v, mask)
-    assert attention.last_backend() == "reference"
+    used = []  # the backend is chosen while jit traces
+
+    def run(*args):
+        out, name = attention.masked_attention(*args, backend="pallas", with_backend=True)
+        used.append(name)
+        return out
+
+    out = jax.jit(run)(q, k, v, mask)
+    assert used == ["reference"]
     np.testing.assert_allclose(np.asarray(out), naive_attention(q, k, v, mask), atol=1e-5, rtol=1e-5)
     assert any("does not compile" in r.getMessage() for r in fresh_log.records)
 
@@ -262,7 +285,7 @@ def test_triton_kernel_in_triton_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # read when @triton.jit runs, i.e. at module import
     pytest.importorskip("triton")
     torch = pytest.importorskip("torch")  # the interpreter runs on torch CPU tensors
-    from fastrl_jax.kernels import attention_triton
+    from fastrl_jax.kernels.tree_attention import triton_kernel as attention_triton
 
     # float16 stands in for bfloat16 on the non-float32 path: the interpreter's bf16 tl.dot is
     # wrong (triton 3.9: a bare bf16 dot there is off by ~1e10), while fp16 follows the same code.

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from fastrl_jax.kernels.attention import cached_attention
+from fastrl_jax.kernels.tree_attention.api import cached_attention
 from fastrl_jax.models.config import ModelConfig, rope_inv_freq
 
 
@@ -195,7 +195,7 @@ def _write_rows(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array
     """Writes new [L, B, KV, T, D] into cache [L, B, KV, S, D] at slot start[b] of each row b.
 
     One dynamic_update_slice per row in a loop updates the donated cache in place; the vmapped
-    form lowers to a scatter that XLA CPU ran ~30x slower.
+    form lowers to a scatter that XLA CPU runs far slower (docs/measurements.md).
     """
     new = new.astype(cache.dtype)
 
@@ -225,7 +225,7 @@ def _layer(cfg: ModelConfig, p, x, k_cached, v_cached, cos, sin, start, mask, in
     qg = q.reshape(B, T, cfg.num_kv_heads, G, cfg.head_dim) / np.sqrt(cfg.head_dim).astype(q.dtype)
     attn = cached_attention(qg, k_cached, v_cached, k, v, start, mask)  # [B, T, KV, G, D]; the backend suits the device
     # One contraction over (heads x head_dim): contracting the two axes apart, XLA CPU copied a transpose
-    # of wo in every layer of every step (~4 ms of thread time per SmolLM2 batch-1 step).
+    # of wo in every layer of every step (docs/measurements.md).
     heads_dim = cfg.num_heads * cfg.head_dim
     x = x + jnp.einsum("bte,eh->bth", attn.reshape(B, T, heads_dim), p["wo"].reshape(heads_dim, -1))
 

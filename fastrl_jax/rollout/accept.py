@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from fastrl_jax.kernels.tree_accept import tree_walk_ref, walk_ref
+from fastrl_jax.kernels.tree_accept import api as tree_accept
 from fastrl_jax.rollout.sampling import SamplingParams, filtered_logits, first_argmax, sample
 
 # Rejection sampling draws from jax.random: key(seed) folded with this stream id, then with the
@@ -85,7 +85,7 @@ def accept_coupled(
 def _accept_targets(y, y_logprobs, tokens, parents, valid) -> Accepted:
     """Emits y along the accepted path: an accepted child's token is y of its parent, and the
     bonus is y of the last node, so emitted token i is y[path[i]]."""
-    path, n_accepted = tree_walk_ref(y, tokens, parents, valid)
+    path, n_accepted = tree_accept.walk(tree_accept.acceptable_children(y, tokens, parents, valid), parents)
     rows = jnp.arange(y.shape[0])[:, None]
     on_path = path >= 0
     node = jnp.maximum(path, 0)
@@ -140,7 +140,7 @@ def accept_rejection(
     uniforms = jax.vmap(jax.vmap(lambda k, c: jax.random.uniform(jax.random.fold_in(k, c))))(
         test_keys, jnp.broadcast_to(node, (B, N))
     )
-    path, n_accepted = walk_ref(valid & (uniforms < accept_prob), parents)
+    path, n_accepted = tree_accept.walk(valid & (uniforms < accept_prob), parents)
 
     # The walk stopped at `last`: every valid child of it was rejected (or it has none), so the
     # final token comes from last's target without those children's tokens.

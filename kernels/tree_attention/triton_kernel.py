@@ -1,8 +1,8 @@
 """Triton masked (tree) attention for NVIDIA GPUs, launched through jax-triton.
 
-GPU-only: imported lazily by `attention.masked_attention_triton`, never at package import,
-because triton needs a GPU build to compile and jax-triton imports only beside a CUDA jaxlib
-(it is imported inside `masked_attention`). The kernel's arithmetic is tested on
+GPU-only: imported lazily by `api.triton`, never at package import, because triton needs a GPU
+build to compile and jax-triton imports only beside a CUDA jaxlib (it is imported inside
+`masked_attention`). The kernel's arithmetic is tested on
 CPU under Triton's interpreter (TRITON_INTERPRET=1, torch tensors) when triton is installed;
 the jax-triton launch itself runs only on a GPU.
 
@@ -107,7 +107,7 @@ def launch_params(q_shape, k_shape) -> dict:
 
 
 def masked_attention(q, k, v, mask):
-    """Same contract as `attention.masked_attention` (shapes already checked by the caller)."""
+    """Same contract as `reference.masked_attention` (shapes already checked by the caller)."""
     import jax_triton as jt  # here, so that the kernel itself imports (and is tested) without it
 
     params = launch_params(q.shape, k.shape)

@@ -1,0 +1,1 @@
+"""Tree accept walk: api.py dispatches to reference.py and pallas.py."""
