@@ -7,32 +7,35 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from fastrl_jax.config import ConfigError
 
 
-def _load(args: argparse.Namespace, defaults: list[str] = ()):
-    """Config, model, model config and tokenizer for a sub-command's --config/--model/--set."""
+def _config(args: argparse.Namespace, defaults: Sequence[str] = ()):
+    """A sub-command's config (--config, --model, train's KEY=VALUE overrides and --set, over
+    `defaults`), with the compilation cache it names (rollout.compile_cache_dir) turned on."""
     from fastrl_jax.config import load_config
-    from fastrl_jax.models.hub import resolve_model_path
-    from fastrl_jax.models.loading import load_model
-    from fastrl_jax.models.tokenizer import load_tokenizer
+    from fastrl_jax.rollout.pool import enable_persistent_cache
+
+    model = [f"model.path={args.model}"] if getattr(args, "model", None) else []
+    cfg = load_config(args.config, [*defaults, *model, *getattr(args, "overrides", []), *args.set])
+    if cfg.rollout.compile_cache_dir:
+        enable_persistent_cache(cfg.rollout.compile_cache_dir)
+    return cfg
+
+
+def _policy(cfg):
+    from fastrl_jax.models.loading import load_policy
     from fastrl_jax.sharding import make_mesh
 
-    overrides = [*defaults, *([f"model.path={args.model}"] if args.model else []), *args.set]
-    cfg = load_config(args.config, overrides)
-    t0 = time.perf_counter()
-    path = resolve_model_path(cfg.model.path)
-    model, model_cfg = load_model(path, make_mesh(cfg.mesh), cfg.model.dtype)
-    tokenizer = load_tokenizer(path)
-    print(f"[fastrl-jax] loaded {cfg.model.path} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-    return cfg, model, model_cfg, tokenizer
+    return load_policy(cfg.model, make_mesh(cfg.mesh))
 
 
 def _read_prompts(args, tokenizer) -> list[list[int]]:
     from fastrl_jax.data.prompt_files import read_prompt_file
-    from fastrl_jax.models.tokenizer import chat_prompt_ids
+    from fastrl_jax.data.prompts import chat_prompt_ids
 
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text) if args.raw else chat_prompt_ids(tokenizer, text)
@@ -43,41 +46,29 @@ def _read_prompts(args, tokenizer) -> list[list[int]]:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from fastrl_jax.models.tokenizer import stop_ids
-    from fastrl_jax.rollout.engine import Request, RolloutEngine, acceptance_by_strategy
+    from fastrl_jax.models.drafter_io import make_drafter
+    from fastrl_jax.rollout.engine import Request, RolloutEngine
 
     # A one-off generation compiles only the programs it reaches.
     spec = [f"sd.{key}={value!r}" for key, value in (
         ("mode", args.sd), ("steps", args.spec_steps), ("topk", args.spec_topk),
         ("verify_tokens", args.spec_verify_tokens), ("accept", args.spec_accept)) if value is not None]
-    cfg, model, model_cfg, tokenizer = _load(args, ["rollout.warm_up=false", *spec])
-    prompts = _read_prompts(args, tokenizer)
-    stop = stop_ids(model_cfg, tokenizer)
+    cfg = _config(args, ["rollout.warm_up=false", *spec])
+    policy = _policy(cfg)
+    prompts = _read_prompts(args, policy.tokenizer)
     requests = [
-        Request(p, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed + i, stop)
+        Request(p, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed + i, policy.stop_ids)
         for i, p in enumerate(prompts)
     ]
-    drafter = None
-    if cfg.sd.mode != "off":
-        from flax import nnx
-
-        from fastrl_jax.checkpoint import load_drafter
-        from fastrl_jax.models.decoder import DTYPES
-        from fastrl_jax.models.drafter import Drafter
-
-        if args.drafter:
-            drafter = load_drafter(args.drafter, model_cfg, DTYPES[cfg.model.dtype])
-        else:
-            print("[fastrl-jax] no --drafter: using a randomly initialised drafter (lossless, but slow)", file=sys.stderr)
-            drafter = Drafter(model_cfg, nnx.Rngs(cfg.seed), DTYPES[cfg.model.dtype])
-    engine = RolloutEngine(model, cfg.rollout, sd=cfg.sd, drafter=drafter)
+    drafter = make_drafter(cfg, policy.cfg, args.drafter) if cfg.sd.mode != "off" else None
+    engine = RolloutEngine(policy.model, cfg.rollout, sd=cfg.sd, drafter=drafter)
     t0 = time.perf_counter()
     results = engine.generate(requests)
     seconds = time.perf_counter() - t0
     rows = []
     for p, r in zip(prompts, results):
         ids = r.tokens[:-1] if r.finish_reason == "stop" else r.tokens
-        row = {"prompt_ids": p, "completion_ids": ids, "completion": tokenizer.decode(ids), "finish_reason": r.finish_reason}
+        row = {"prompt_ids": p, "completion_ids": ids, "completion": policy.tokenizer.decode(ids), "finish_reason": r.finish_reason}
         if r.error:
             row["error"] = r.error
             print(f"[fastrl-jax] request {len(rows)}: {r.error}", file=sys.stderr)
@@ -92,17 +83,15 @@ def cmd_generate(args: argparse.Namespace) -> None:
     print(f"[fastrl-jax] {len(rows)} completions, {tokens} tokens in {seconds:.1f}s "
           f"({tokens / seconds:.1f} tok/s, compilation included; {engine.pool.report()})", file=sys.stderr)
     st = engine.stats
-    if "acceptance_length" in st:
-        by_strategy = ", ".join(f"{k} {v:.2f}" for k, v in acceptance_by_strategy(st).items())
-        print(f"[fastrl-jax] speculative: {st['sd_steps']:.0f} row-steps, acceptance length "
-              f"{st['acceptance_length']:.2f} tokens/step ({by_strategy}); device steps with SD "
-              f"{st.get('steps_sd', 0):.0f}, without {st.get('steps_plain', 0):.0f}", file=sys.stderr)
+    if st.sd_steps:
+        by_strategy = ", ".join(f"{k} {v:.2f}" for k, v in st.acceptance_by_strategy().items())
+        print(f"[fastrl-jax] speculative: {st.sd_steps} row-steps, acceptance length "
+              f"{st.acceptance_length():.2f} tokens/step ({by_strategy}); device steps with SD "
+              f"{st.steps_sd}, without {st.steps_plain}", file=sys.stderr)
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from fastrl_jax.config import load_config
-
-    cfg = load_config(args.config, [*args.overrides, *args.set])
+    cfg = _config(args)
     if args.dry_run:
         from fastrl_jax.rl.dry_run import plan
 
@@ -123,8 +112,9 @@ def cmd_train(args: argparse.Namespace) -> None:
 def cmd_train_drafter(args: argparse.Namespace) -> None:
     from fastrl_jax.drafter.warmup import train_drafter
 
-    cfg, model, _, tokenizer = _load(args, ["rollout.warm_up=false"])
-    summary = train_drafter(cfg, model, tokenizer, resume=not args.restart)
+    cfg = _config(args, ["rollout.warm_up=false"])
+    policy = _policy(cfg)
+    summary = train_drafter(cfg, policy.model, policy.tokenizer, resume=not args.restart)
     final = summary.get("final_eval", {})
     figures = ", ".join(f"{k.removeprefix('accept_')} {v:.2f}" for k, v in final.items() if k.startswith("accept_"))
     print(f"[fastrl-jax] drafter in {summary['drafter']}; held-out acceptance length: {figures or '-'}; "
@@ -132,13 +122,12 @@ def cmd_train_drafter(args: argparse.Namespace) -> None:
 
 
 def cmd_export_drafter(args: argparse.Namespace) -> None:
-    from fastrl_jax.checkpoint import load_drafter, save_drafter
-    from fastrl_jax.config import load_config
     from fastrl_jax.drafter.export import export_eagle
+    from fastrl_jax.models.drafter_io import load_drafter, save_drafter
     from fastrl_jax.models.hub import resolve_model_path
     from fastrl_jax.models.loading import read_model_config
 
-    cfg = load_config(args.config, [*([f"model.path={args.model}"] if args.model else []), *args.set])
+    cfg = _config(args)
     model_cfg = read_model_config(resolve_model_path(cfg.model.path))
     drafter = load_drafter(args.drafter, model_cfg, cfg.model.dtype)
     out = Path(args.out).expanduser()
@@ -153,32 +142,32 @@ def cmd_export_drafter(args: argparse.Namespace) -> None:
 def cmd_bench_sd(args: argparse.Namespace) -> None:
     import jax
 
-    from fastrl_jax.checkpoint import load_drafter
+    from fastrl_jax.data.prompts import held_out_sets, read_jsonl_prompts
     from fastrl_jax.drafter import bench
-    from fastrl_jax.drafter.warmup import held_out_sets, read_jsonl_prompts
-    from fastrl_jax.models.tokenizer import stop_ids
+    from fastrl_jax.models.drafter_io import make_drafter
 
     names = [*args.prompt_sets, *(Path(p).stem for p in args.prompt_file)]  # a prompt file's set: its stem
     if not names:
         raise ConfigError("bench-sd needs prompts: --prompt-sets math chat, and/or --prompt-file FILE.jsonl")
     if len(set(names)) < len(names):
         raise ConfigError(f"bench-sd prompt sets need distinct names (a file's is its stem), got {names}")
-    cfg, model, model_cfg, tokenizer = _load(args, ["rollout.warm_up=false"])
-    drafter = load_drafter(args.drafter, model_cfg, cfg.model.dtype)
+    cfg = _config(args, ["rollout.warm_up=false"])
+    policy = _policy(cfg)
+    drafter = make_drafter(cfg, policy.cfg, args.drafter)
     strategies = [tuple(int(x) for x in s.split("/")) for s in args.strategies]
-    held_out = held_out_sets(cfg, tokenizer, args.prompts) if args.prompt_sets else {}
+    held_out = held_out_sets(cfg, policy.tokenizer, args.prompts) if args.prompt_sets else {}
     prompt_sets = {name: held_out[name] for name in args.prompt_sets}
     for path in args.prompt_file:
-        prompt_sets[Path(path).stem] = read_jsonl_prompts(path, tokenizer)[: args.prompts]
+        prompt_sets[Path(path).stem] = read_jsonl_prompts(path, policy.tokenizer)[: args.prompts]
     result = {"model": cfg.model.path, "dtype": cfg.model.dtype, "drafter": str(args.drafter),
               "new_tokens": args.new_tokens, "repeats": args.repeats, "backend": jax.default_backend()}
     if args.profile:
-        prof = bench.profile_step(model, drafter, strategies[0], temperature=args.temperatures[-1])
+        prof = bench.profile_step(policy.model, drafter, strategies[0], temperature=args.temperatures[-1])
         result["profile_ms"] = prof
         print("[bench-sd] one speculative step at batch 1, strategy " + args.strategies[0] + " (ms): "
               + ", ".join(f"{k} {v:.1f}" for k, v in prof.items()))
     rows = bench.run_bench(
-        model, drafter, prompt_sets, stop_ids(model_cfg, tokenizer), base_cfg=cfg.rollout, batch_sizes=args.batch_sizes,
+        policy.model, drafter, prompt_sets, policy.stop_ids, base_cfg=cfg.rollout, batch_sizes=args.batch_sizes,
         strategies=strategies, temperatures=args.temperatures, vocabs=args.vocab, new_tokens=args.new_tokens,
         repeats=args.repeats, log=lambda line: print(f"[bench-sd] {line}", file=sys.stderr, flush=True))
     result["rows"] = rows

@@ -42,7 +42,7 @@ class ModelSpec:
     """Which policy checkpoint to load and in which dtype."""
 
     path: str = "smollm2"  # 'smollm2', a local HF checkpoint directory, or a local .gguf file
-    dtype: str = "float32"  # float32 on CPU (XLA CPU runs bfloat16 ~4x slower), bfloat16 on GPU/TPU
+    dtype: str = "float32"  # float32 on CPU (XLA CPU runs bfloat16 slower), bfloat16 on GPU/TPU
 
     def __post_init__(self):
         _check_choice("model.dtype", self.dtype, ("float32", "bfloat16"))

@@ -1,4 +1,5 @@
-"""The (data, fsdp, tensor) device mesh, logical-axis -> mesh-axis rules, NamedShardings, replica sub-meshes.
+"""The (data, fsdp, tensor) device mesh, logical-axis -> mesh-axis rules, NamedShardings, replica sub-meshes,
+and moving weights between meshes (reshard).
 
 Arrays name their dimensions with logical axes ('embed', 'heads', 'batch', ...);
 parameters carry them as nnx metadata, `nnx.Param(x, logical_axes=(...))`. A rules
@@ -11,6 +12,7 @@ import functools
 import logging
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -43,29 +45,36 @@ DEFAULT_RULES: Rules = (
 )
 
 
+def mesh_sizes(cfg: MeshConfig, devices: int, where: str = "visible (jax.devices())") -> dict[str, int]:
+    """The mesh axis sizes {data, fsdp, tensor} for `devices` devices; the -1 axis takes the rest.
+    `where` says in errors where the device count came from."""
+    shape = [cfg.data, cfg.fsdp, cfg.tensor]
+    if -1 in shape:
+        known = math.prod(s for s in shape if s != -1)
+        if devices % known:
+            raise ConfigError(
+                f"mesh data*fsdp*tensor = {'*'.join(map(str, shape))}: the -1 axis cannot take the rest of "
+                f"{devices} {where} devices because {devices} is not divisible by {known}; set mesh.* so the "
+                f"product is {devices}"
+            )
+        shape[shape.index(-1)] = devices // known
+    if math.prod(shape) != devices:
+        raise ConfigError(
+            f"mesh data*fsdp*tensor = {'*'.join(map(str, shape))} = {math.prod(shape)} but {devices} devices are "
+            f"{where}; set mesh.* so the product is {devices}, or on CPU set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={math.prod(shape)}"
+        )
+    return dict(zip(AXES, shape))
+
+
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A mesh over all visible (or the given) devices with axes (data, fsdp, tensor); -1 takes the rest."""
     where = "visible (jax.devices())" if devices is None else "given"
     devices = list(jax.devices() if devices is None else devices)
-    n = len(devices)
-    shape = [cfg.data, cfg.fsdp, cfg.tensor]
-    if -1 in shape:
-        known = math.prod(s for s in shape if s != -1)
-        if n % known:
-            raise ConfigError(
-                f"mesh data*fsdp*tensor = {'*'.join(map(str, shape))}: the -1 axis cannot take the rest of "
-                f"{n} {where} devices because {n} is not divisible by {known}; set mesh.* so the product is {n}"
-            )
-        shape[shape.index(-1)] = n // known
-    if math.prod(shape) != n:
-        raise ConfigError(
-            f"mesh data*fsdp*tensor = {'*'.join(map(str, shape))} = {math.prod(shape)} but {n} devices are "
-            f"{where}; set mesh.* so the product is {n}, or on CPU set "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={math.prod(shape)}"
-        )
+    shape = tuple(mesh_sizes(cfg, len(devices), where).values())
     # Auto axes: XLA propagates shardings from the annotated inputs; Explicit axes would
     # demand a sharding annotation on every op of the model.
-    return jax.make_mesh(tuple(shape), AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
 
 
 def logical_to_spec(
@@ -135,3 +144,26 @@ def shardings_for(state: nnx.State, mesh: Mesh, rules: Rules = DEFAULT_RULES) ->
 def replica_meshes(mesh: Mesh) -> list[Mesh]:
     """One sub-mesh per index along `data`, each with axes (data=1, fsdp, tensor): a rollout replica."""
     return [Mesh(mesh.devices[i : i + 1], AXES, axis_types=mesh.axis_types) for i in range(mesh.shape["data"])]
+
+
+def reshard(tree: Any, shardings: Any) -> Any:
+    """Each array of `tree` on the matching NamedSharding of `shardings` (same pytree).
+
+    Zero-copy when the target's devices already hold the target's shards (a replica of a mesh whose
+    parameters are replicated along data); otherwise a device_put (single process only).
+    """
+
+    def one(x: jax.Array, target: NamedSharding) -> jax.Array:
+        if x.sharding == target:
+            return x
+        devices = set(target.device_set)
+        shards = [s for s in x.addressable_shards if s.device in devices]
+        if len({s.device for s in shards}) == len(devices) and all(
+            s.data.shape == target.shard_shape(x.shape) and s.index == target.devices_indices_map(x.shape)[s.device]
+            for s in shards
+        ):
+            unique = {s.device: s.data for s in shards}
+            return jax.make_array_from_single_device_arrays(x.shape, target, list(unique.values()))
+        return jax.device_put(x, target)
+
+    return jax.tree.map(one, tree, shardings)

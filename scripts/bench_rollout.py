@@ -112,18 +112,18 @@ def bench_hf(gguf_path, prompt_ids, batch_sizes, new_tokens, repeats, pad_id):
     return out
 
 
-def load_smollm2():
+def load_smollm2(cfg):
+    """The config's policy (SmolLM2 float32 by default) on one device, with the compilation cache on."""
     import jax
 
-    from fastrl_jax.models.hub import smollm2_gguf_path
-    from fastrl_jax.models.loading import load_model
-    from fastrl_jax.models.tokenizer import load_tokenizer
+    from fastrl_jax.config import MeshConfig
+    from fastrl_jax.models.loading import load_policy
+    from fastrl_jax.rollout.pool import enable_persistent_cache
+    from fastrl_jax.sharding import make_mesh
 
-    path = smollm2_gguf_path()
-    mesh = jax.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"), devices=jax.devices()[:1],
-                         axis_types=(jax.sharding.AxisType.Auto,) * 3)
-    model, model_cfg = load_model(path, mesh, "float32")
-    return path, model, model_cfg, load_tokenizer(path)
+    if cfg.rollout.compile_cache_dir:
+        enable_persistent_cache(cfg.rollout.compile_cache_dir)
+    return load_policy(cfg.model, make_mesh(MeshConfig(), jax.devices()[:1]))
 
 
 # ---- long-tail workload -----------------------------------------------------------------------
@@ -132,16 +132,15 @@ LONGTAIL_SEED = 2026  # problem stream of fastrl_jax.data.math_problems; not the
 INSTRUCTION = "Explain step by step, then put the final answer after 'The answer is'."
 
 
-def longtail_requests(tokenizer, model_cfg, args):
+def longtail_requests(policy, args):
     from fastrl_jax.data.math_problems import problems
-    from fastrl_jax.models.tokenizer import chat_prompt_ids, stop_ids
+    from fastrl_jax.data.prompts import chat_prompt_ids
     from fastrl_jax.rollout.engine import Request
 
     word_problems = problems(LONGTAIL_SEED, args.problems, levels=(4, 5))
-    stop = stop_ids(model_cfg, tokenizer)
     return [
-        Request(chat_prompt_ids(tokenizer, f"{p.question} {INSTRUCTION}"), args.max_new_tokens, args.temperature,
-                seed=args.seed + 100 * i + j, stop_ids=stop)
+        Request(chat_prompt_ids(policy.tokenizer, f"{p.question} {INSTRUCTION}"), args.max_new_tokens, args.temperature,
+                seed=args.seed + 100 * i + j, stop_ids=policy.stop_ids)
         for i, p in enumerate(word_problems)
         for j in range(args.samples)
     ]
@@ -161,9 +160,9 @@ def longtail_rollout_config(cfg, requests, margin: int):
 def time_at_or_below(timeline, live_batch: int) -> float:
     """Seconds of a rollout spent in program calls that started at live batch <= live_batch."""
     t_prev, total = 0.0, 0.0
-    for t, live, *_ in timeline:
-        total += (t - t_prev) * (live <= live_batch)
-        t_prev = t
+    for e in timeline:
+        total += (e["end_s"] - t_prev) * (e["live"] <= live_batch)
+        t_prev = e["end_s"]
     return total
 
 
@@ -182,11 +181,12 @@ def run_longtail(name, model, drafter, rollout_cfg, sd, requests):
     print(f"[{name}] {engine.pool_report()}; {compile_s:.0f}s", file=sys.stderr)
     out = engine.generate(requests)
     s = engine.stats
-    print(f"[{name}] {s['tokens']:.0f} tokens in {s['seconds']:.1f}s", file=sys.stderr)
+    seconds = s.seconds["total"]
+    print(f"[{name}] {s.tokens} tokens in {seconds:.1f}s", file=sys.stderr)
     return {
-        "name": name, "sd": dataclasses.asdict(sd), "seconds": s["seconds"], "tokens": int(s["tokens"]),
-        "tok_s": s["tokens"] / s["seconds"], "start_seconds": compile_s, "programs": engine.pool_report(),
-        "stats": s, "timeline": engine.timeline, "outputs": [o.tokens for o in out],
+        "name": name, "sd": dataclasses.asdict(sd), "seconds": seconds, "tokens": s.tokens,
+        "tok_s": s.tokens / seconds, "start_seconds": compile_s, "programs": engine.pool_report(),
+        "stats": s.as_dict(), "timeline": [c._asdict() for c in engine.timeline], "outputs": [o.tokens for o in out],
     }
 
 
@@ -203,9 +203,9 @@ def plot_timelines(runs, threshold: int, title: str, path: str) -> bool:
     fig, (ax_b, ax_t, ax_s) = plt.subplots(3, 1, figsize=(11, 8), sharex=True,
                                           gridspec_kw={"height_ratios": [3, 3, 1.4]})
     for run in runs:
-        t = np.array([0.0] + [e[0] for e in run["timeline"]])
-        live = [e[1] for e in run["timeline"]]
-        rate = [e[2] / max(t1 - t0, 1e-9) for e, t0, t1 in zip(run["timeline"], t[:-1], t[1:])]
+        t = np.array([0.0] + [e["end_s"] for e in run["timeline"]])
+        live = [e["live"] for e in run["timeline"]]
+        rate = [e["tokens"] / max(t1 - t0, 1e-9) for e, t0, t1 in zip(run["timeline"], t[:-1], t[1:])]
         ax_b.stairs(live, t, baseline=None, label=f"{run['name']} ({run['seconds']:.0f}s)", lw=1.5)
         ax_t.stairs(rate, t, baseline=None, label=run["name"], alpha=0.8)
     ax_b.axhline(threshold, color="gray", ls=":", lw=1)
@@ -214,12 +214,12 @@ def plot_timelines(runs, threshold: int, title: str, path: str) -> bool:
     ax_b.legend()
     ax_t.set_ylabel("tokens/s")
     adaptive = runs[-1]
-    labels = sorted({e[4] for e in adaptive["timeline"] if e[3]})
+    labels = sorted({e["strategy"] for e in adaptive["timeline"] if e["speculative"]})
     colors = dict(zip(labels, plt.cm.tab10.colors))
     t_prev = 0.0
-    for t, _, _, on, label in adaptive["timeline"]:
-        ax_s.axvspan(t_prev, t, color=colors[label] if on else "lightgray", lw=0)
-        t_prev = t
+    for e in adaptive["timeline"]:
+        ax_s.axvspan(t_prev, e["end_s"], color=colors[e["strategy"]] if e["speculative"] else "lightgray", lw=0)
+        t_prev = e["end_s"]
     handles = [plt.Rectangle((0, 0), 1, 1, color="lightgray")] + [plt.Rectangle((0, 0), 1, 1, color=colors[k]) for k in labels]
     ax_s.legend(handles, ["plain"] + [f"SD {k}" for k in labels], ncol=len(handles), loc="upper left", fontsize=8)
     ax_s.set_yticks([])
@@ -233,21 +233,15 @@ def plot_timelines(runs, threshold: int, title: str, path: str) -> bool:
 
 def bench_longtail(args) -> int:
     import jax
-    from flax import nnx
 
-    from fastrl_jax.checkpoint import load_drafter
     from fastrl_jax.config import SpecConfig, load_config
-    from fastrl_jax.models.drafter import Drafter
-    from fastrl_jax.rollout.engine import acceptance_by_strategy
+    from fastrl_jax.models.drafter_io import make_drafter
 
     cfg = load_config(args.config, args.set)
-    path, model, model_cfg, tokenizer = load_smollm2()
-    if args.drafter:
-        drafter, drafter_name = load_drafter(args.drafter, model_cfg), args.drafter
-    else:
-        print("no --drafter: a RANDOM drafter (acceptance ~1 token/step; SD cannot pay)", file=sys.stderr)
-        drafter, drafter_name = Drafter(model_cfg, nnx.Rngs(0)), "random"
-    requests = longtail_requests(tokenizer, model_cfg, args)
+    policy = load_smollm2(cfg)
+    model = policy.model
+    drafter, drafter_name = make_drafter(cfg, policy.cfg, args.drafter), args.drafter or "random"
+    requests = longtail_requests(policy, args)
     adaptive_sd = dataclasses.replace(cfg.sd, mode="adaptive")
     on_strategies = [tuple(s) for s in args.on_strategies] if args.on_strategies else adaptive_sd.strategy_list()
     margin = max(s[2] for s in [*adaptive_sd.strategy_list(), *on_strategies]) - 1
@@ -293,7 +287,7 @@ def bench_longtail(args) -> int:
     print(f"{'run':>14} {'seconds':>8} {'tok/s':>7} {'speedup':>8} {'s@<=' + str(k):>7} {'x@<=' + str(k):>7}"
           f" {'accept':>7} {'identical':>10}")
     for run in [plain, *on_runs, adaptive]:
-        acc = run["stats"].get("acceptance_length", float("nan"))
+        acc = run["stats"]["acceptance_length"]
         print(f"{run['name']:>14} {run['seconds']:>8.1f} {run['tok_s']:>7.1f} {run['speedup']:>7.2f}x "
               f"{run[f'seconds_at_live_batch_le_{k}']:>7.1f} {run[f'speedup_at_live_batch_le_{k}']:>6.2f}x {acc:>7.2f} "
               f"{run['identical_to_plain']:>4}/{len(requests)}")
@@ -301,10 +295,9 @@ def bench_longtail(args) -> int:
           f"adaptive is {summary['adaptive_vs_plain']:.2f}x plain ({summary[f'adaptive_speedup_at_live_batch_le_{k}']:.2f}x "
           f"inside that share) and {summary['adaptive_vs_best_on']:.2f}x the best always-on ({best_on['name']})")
     s = adaptive["stats"]
-    per_strategy = acceptance_by_strategy(s)
-    print("adaptive: steps plain {:.0f}, SD {:.0f}; acceptance by strategy {}; seconds {}".format(
-        s.get("steps_plain", 0), s.get("steps_sd", 0), {k2: round(v, 2) for k2, v in per_strategy.items()},
-        {k2[len("seconds_"):]: round(v, 1) for k2, v in s.items() if k2.startswith("seconds_") and "[" not in k2}))
+    print("adaptive: steps plain {}, SD {}; acceptance by strategy {}; seconds {}".format(
+        s["steps_plain"], s["steps_sd"], {k2: round(v, 2) for k2, v in s["acceptance_by_strategy"].items()},
+        {k2: round(v, 1) for k2, v in s["seconds"].items()}))
     plot = args.plot or str(Path(args.out).with_suffix(".png"))
     # Two lines: a drafter path after the workload ran past the figure's edge.
     title = f"SmolLM2-135M rollout on {summary['backend']}: {summary['workload']}\ndrafter {drafter_name}"
@@ -324,9 +317,10 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--out", default="bench_rollout.json")
+    parser.add_argument("--config", default="configs/smollm2_cpu.yaml",
+                        help="its model section is the policy; its sd section drives adaptive (longtail)")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides, e.g. sd.threshold_live_batch=4")
     longtail = parser.add_argument_group("longtail")
-    longtail.add_argument("--config", default="configs/smollm2_cpu.yaml", help="its sd section drives adaptive")
-    longtail.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides, e.g. sd.threshold_live_batch=4")
     longtail.add_argument("--drafter", help="drafter checkpoint directory (save_drafter); a random drafter when omitted")
     longtail.add_argument("--on-strategies", type=int, nargs=3, action="append", metavar=("STEPS", "TOPK", "VERIFY"),
                           help="always-on strategies to run (repeatable); default: the config's sd strategies")
@@ -342,9 +336,11 @@ def main(argv=None) -> int:
 
     import jax
 
-    from fastrl_jax.models.tokenizer import chat_prompt_ids
+    from fastrl_jax.config import load_config
+    from fastrl_jax.data.prompts import chat_prompt_ids
 
-    path, model, model_cfg, tokenizer = load_smollm2()
+    policy = load_smollm2(load_config(args.config, args.set))
+    model, tokenizer = policy.model, policy.tokenizer
     prompt_ids = [chat_prompt_ids(tokenizer, q) for q in make_prompts(64)]
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(__import__("flax").nnx.state(model)))
     bandwidth = copy_bandwidth_gbs()
@@ -352,7 +348,7 @@ def main(argv=None) -> int:
 
     print(f"SmolLM2-135M float32 ({weight_bytes / 1e6:.0f} MB), {args.new_tokens} new tokens, greedy", file=sys.stderr)
     ours, compile_s, pool_report = bench_engine(model, prompt_ids, args.batch_sizes, args.new_tokens, args.repeats)
-    hf = {} if args.skip_hf else bench_hf(path, prompt_ids, args.batch_sizes, args.new_tokens, args.repeats,
+    hf = {} if args.skip_hf else bench_hf(policy.path, prompt_ids, args.batch_sizes, args.new_tokens, args.repeats,
                                           tokenizer.pad_token_id or 0)
     rows = []
     for b in args.batch_sizes:

@@ -17,7 +17,7 @@ import statistics
 
 import matplotlib
 
-from fastrl_jax.metrics import read_metrics
+from fastrl_jax.metric_sink import read_metrics
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

@@ -16,6 +16,16 @@ import jax  # noqa: E402  (after XLA_FLAGS is set)
 import pytest  # noqa: E402
 
 
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct (float32, one device) as the CLI loads it, once per session."""
+    from fastrl_jax.config import MeshConfig, ModelSpec
+    from fastrl_jax.models.loading import load_policy
+    from fastrl_jax.sharding import make_mesh
+
+    return load_policy(ModelSpec(), make_mesh(MeshConfig(), jax.devices()[:1]))
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
     """Drops each test module's compiled programs when it ends. The suite compiles thousands of

@@ -5,11 +5,11 @@ import dataclasses
 import numpy as np
 import pytest
 from flax import nnx
-from test_rollout import CFG, TINY, prompts, tiny_model
+from helpers.greedy import greedy_generate
+from helpers.tiny import CFG, TINY, prompts, tiny_model
 
 from fastrl_jax.config import ConfigError, SpecConfig, load_config
 from fastrl_jax.models.drafter import Drafter
-from fastrl_jax.models.greedy import greedy_generate
 from fastrl_jax.rollout.controller import OnOff, StrategyChooser
 from fastrl_jax.rollout.engine import Request, RolloutEngine
 from fastrl_jax.rollout.speculative import Strategy
@@ -138,13 +138,13 @@ def test_adaptive_greedy_equals_plain_and_never_reruns_the_policy(adaptive_engin
     assert "decode" in phases[:first_sd] and phases[first_sd - 1] == "draft_prefill"
     assert "decode" not in phases[first_sd:]  # the batch never grows back: no flapping
     s = engine.stats
-    assert s["steps_plain"] > 0 and s["steps_sd"] > 0 and s["draft_prefill_calls"] == 1
-    assert s["sd_steps[2/2/4]"] > 0 and s["sd_steps[3/1/4]"] > 0  # the bandit tried both at live batch 2..3
-    assert s["sd_steps[3/2/6]"] > 0  # the last row alone runs the 6-token tree
+    assert s.steps_plain > 0 and s.steps_sd > 0 and s.calls["draft_prefill"] == 1
+    assert s.strategies["2/2/4"].steps > 0 and s.strategies["3/1/4"].steps > 0  # the bandit tried both at live batch 2..3
+    assert s.strategies["3/2/6"].steps > 0  # the last row alone runs the 6-token tree
     # The timeline accounts for every token but each request's first (sampled by the prefill).
-    assert sum(e[2] for e in engine.timeline) + len(reqs) == s["tokens"] == sum(len(o.tokens) for o in out)
-    assert all(e[3] == (e[1] <= 3) for e in engine.timeline)
-    assert all(e[4] in ("", "3/2/6") or e[1] > 1 for e in engine.timeline)
+    assert sum(e.tokens for e in engine.timeline) + len(reqs) == s.tokens == sum(len(o.tokens) for o in out)
+    assert all(e.speculative == (e.live <= 3) for e in engine.timeline)
+    assert all(e.strategy in ("", "3/2/6") or e.live > 1 for e in engine.timeline)
 
 
 def test_adaptive_coupled_sampling_is_bit_identical_to_plain(adaptive_engine, model):
@@ -154,7 +154,7 @@ def test_adaptive_coupled_sampling_is_bit_identical_to_plain(adaptive_engine, mo
     ]
     plain = RolloutEngine(model, ADAPTIVE_CFG, progress=False).generate(reqs)
     adaptive = adaptive_engine.generate(reqs)
-    assert adaptive_engine.stats["steps_sd"] > 0
+    assert adaptive_engine.stats.steps_sd > 0
     for a, b in zip(plain, adaptive):
         assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
         np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-4, atol=1e-4)

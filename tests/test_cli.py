@@ -1,17 +1,9 @@
 """The `fastrl-jax` command line: generate end to end, and clear errors for bad input."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-
-
-def fastrl_jax(*args):
-    """Runs the command in a fresh process on one CPU device (the tests' 8 fake devices stay here)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return subprocess.run([sys.executable, "-m", "fastrl_jax.cli", *args], capture_output=True, text=True, env=env)
+from helpers.cli import fastrl_jax
 
 
 @pytest.mark.slow

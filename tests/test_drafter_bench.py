@@ -4,7 +4,7 @@ every cell."""
 
 import numpy as np
 from flax import nnx
-from test_rollout import CFG, TINY, prompts, tiny_model
+from helpers.tiny import CFG, TINY, prompts, tiny_model
 
 from fastrl_jax.drafter.bench import run_bench, stop_paying
 from fastrl_jax.models.drafter import Drafter

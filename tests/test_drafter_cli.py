@@ -4,12 +4,12 @@ import json
 
 import numpy as np
 from flax import nnx
-from test_cli import fastrl_jax
-from test_rollout import TINY
+from helpers.cli import fastrl_jax
+from helpers.tiny import TINY
 
-from fastrl_jax.checkpoint import load_drafter, save_drafter
 from fastrl_jax.drafter.export import load_eagle
 from fastrl_jax.models.drafter import Drafter
+from fastrl_jax.models.drafter_io import load_drafter, save_drafter
 
 
 def tiny_model_dir(tmp_path):

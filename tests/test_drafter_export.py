@@ -8,13 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_rollout import CFG, TINY, prompts, tiny_model
+from helpers.greedy import greedy_generate
+from helpers.tiny import CFG, TINY, prompts, tiny_model
 
-from fastrl_jax.checkpoint import load_drafter, save_drafter
 from fastrl_jax.config import SpecConfig
 from fastrl_jax.drafter.export import export_eagle, load_eagle
 from fastrl_jax.models.drafter import Drafter
-from fastrl_jax.models.greedy import greedy_generate
+from fastrl_jax.models.drafter_io import load_drafter, save_drafter
 from fastrl_jax.rollout import speculative
 from fastrl_jax.rollout.engine import Request, RolloutEngine
 

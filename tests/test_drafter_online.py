@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from rl_helpers import tiny_overrides
-from test_rollout import TINY, tiny_model
+from helpers.tiny import TINY, tiny_model
+from helpers.tiny_run import tiny_overrides
 
 from fastrl_jax.config import load_config
 from fastrl_jax.drafter.buffer import SampleBuffer
@@ -19,10 +19,9 @@ from fastrl_jax.drafter.online import SpotTrainer, aligned_blocks
 from fastrl_jax.drafter.train import chain_acceptance
 from fastrl_jax.models.drafter import Drafter, policy_features
 from fastrl_jax.models.loading import load_model
-from fastrl_jax.rl.rollout import RolloutWorkers
+from fastrl_jax.rl.workers import RolloutWorkers
 from fastrl_jax.rollout.engine import Request
 from fastrl_jax.sharding import make_mesh
-
 
 
 def test_aligned_blocks():

@@ -8,13 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_rollout import TINY, tiny_model
+from helpers.tiny import TINY, tiny_model
 
-from fastrl_jax.checkpoint import load_drafter
 from fastrl_jax.config import Config, DrafterTrainConfig, RolloutConfig
 from fastrl_jax.drafter import warmup
-from fastrl_jax.drafter.train import LossSettings, drafter_loss, make_optimizer, make_train_step, smooth_l1
+from fastrl_jax.drafter.train import LossSettings, drafter_loss, drafter_optimizer, make_train_step, smooth_l1
 from fastrl_jax.models.drafter import Drafter, policy_features
+from fastrl_jax.models.drafter_io import load_drafter
 
 S, P = 12, 9  # sequence length; the one token to learn is x_P
 
@@ -124,7 +124,7 @@ def test_train_step_learns_and_trains_only_the_drafter(policy):
     before = jax.tree.map(np.asarray, nnx.to_pure_dict(params))
     pg, ps = nnx.split(policy)
     policy_before = jax.tree.map(np.asarray, nnx.to_pure_dict(ps))
-    opt = make_optimizer(3e-3, 2, 30, 0.0, 1.0)
+    opt = drafter_optimizer(3e-3, 2, 30, 0.0, 1.0)
     step = make_train_step(opt, LossSettings(input_noise=0.05, unroll_steps=2))
     state = opt.init(params)
     losses = []

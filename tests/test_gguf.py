@@ -7,8 +7,9 @@ import gguf
 import numpy as np
 import pytest
 
+from fastrl_jax.data.prompts import chat_prompt_ids
 from fastrl_jax.models import gguf_loader, hub
-from fastrl_jax.models.tokenizer import chat_prompt_ids, load_tokenizer
+from fastrl_jax.models.tokenizer import load_tokenizer
 
 TINY = dict(hidden=8, heads=2, kv_heads=1, head_dim=4, intermediate=12, vocab=16, layers=2)
 GGUF_ARCHS = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}

@@ -8,9 +8,11 @@ import pytest
 torch = pytest.importorskip("torch")
 import transformers  # noqa: E402
 
+from fastrl_jax.config import MeshConfig  # noqa: E402
 from fastrl_jax.models.config import ModelConfig  # noqa: E402
 from fastrl_jax.models.decoder import KVCache  # noqa: E402
 from fastrl_jax.models.loading import load_model  # noqa: E402
+from fastrl_jax.sharding import make_mesh  # noqa: E402
 
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
@@ -33,9 +35,7 @@ CONFIGS = {
 
 
 def single_device_mesh():
-    return jax.make_mesh(
-        (1, 1, 1), ("data", "fsdp", "tensor"), devices=jax.devices()[:1], axis_types=(jax.sharding.AxisType.Auto,) * 3
-    )
+    return make_mesh(MeshConfig(), jax.devices()[:1])
 
 
 def relative_error(ours, ref):
@@ -162,16 +162,13 @@ def test_missing_and_corrupt_checkpoints(tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_matches_transformers():
+def test_smollm2_matches_transformers(smollm2):
     """The real SmolLM2-135M: prefill and cached decode logits within 1e-4 of transformers."""
-    from fastrl_jax.models.hub import smollm2_gguf_path
-    from fastrl_jax.models.tokenizer import chat_prompt_ids, load_tokenizer
+    from fastrl_jax.data.prompts import chat_prompt_ids
     from fastrl_jax.models.torch_reference import torch_model
 
-    path = smollm2_gguf_path()
-    model, cfg = load_model(path, single_device_mesh())
-    hf = torch_model(path)
-    tokenizer = load_tokenizer(path)
+    model, cfg, tokenizer = smollm2.model, smollm2.cfg, smollm2.tokenizer
+    hf = torch_model(smollm2.path)
     step = jax.jit(lambda m, t, p, c, s: m(t, p, c, s))
     for text in ["What is 17 * 23?", "Write a haiku about rain.", "Explain photosynthesis in one sentence."]:
         ids = np.array([chat_prompt_ids(tokenizer, text) + [1, 504, 3777]])  # a few continuation tokens too

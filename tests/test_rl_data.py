@@ -5,10 +5,11 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from rl_helpers import write_tokenizer
+from helpers.tiny_run import write_tokenizer
 
-from fastrl_jax.data import chat_prompts, math_problems
-from fastrl_jax.rl import data
+from fastrl_jax.data import chat_prompts, math_problems, pipeline
+from fastrl_jax.data.prompt_files import read_records
+from fastrl_jax.data.prompts import record_prompt_ids
 from fastrl_jax.rl.rewards import correctness_reward
 
 
@@ -52,28 +53,28 @@ def test_iterator_resume_continues_exactly(tmp_path):
     rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(10)]
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    ds = data.prompt_batches(data.source(str(path), seed=0), batch_size=4, seed=3)
-    it = data.PromptIterator(ds)
+    ds = pipeline.prompt_batches(pipeline.source(str(path), seed=0), batch_size=4, seed=3)
+    it = pipeline.PromptIterator(ds)
     first = take(it, 2)
     state = json.loads(json.dumps(it.state()))  # saved as a JSON checkpoint item
     rest = take(it, 4)
-    resumed = data.PromptIterator(ds)
+    resumed = pipeline.PromptIterator(ds)
     resumed.restore(state)
     assert take(resumed, 4) == rest
     # shuffled, and every record appears once per epoch
     seen = [q for batch in first + rest for q in batch][:10]
     assert sorted(seen) == sorted(r["prompt"] for r in rows) and seen != [r["prompt"] for r in rows]
-    other_seed = data.PromptIterator(data.prompt_batches(data.source(str(path), seed=0), 4, seed=4))
+    other_seed = pipeline.PromptIterator(pipeline.prompt_batches(pipeline.source(str(path), seed=0), 4, seed=4))
     assert take(other_seed, 2) != first
 
 
 def test_math_source_iterates_and_resumes():
-    ds = data.prompt_batches(data.source("math", seed=5, levels=(1, 2)), batch_size=3, seed=5)
-    it = data.PromptIterator(ds)
+    ds = pipeline.prompt_batches(pipeline.source("math", seed=5, levels=(1, 2)), batch_size=3, seed=5)
+    it = pipeline.PromptIterator(ds)
     next(it)
     state = it.state()
     nxt = next(it)
-    it2 = data.PromptIterator(ds)
+    it2 = pipeline.PromptIterator(ds)
     it2.restore(state)
     assert next(it2) == nxt and all(r["level"] in (1, 2) for r in nxt)
 
@@ -82,30 +83,30 @@ def test_parquet_and_messages(tmp_path):
     path = tmp_path / "p.parquet"
     table = pa.table({"question": ["1+1?", "2+2?"], "gt": ["2", "4"]})
     pq.write_table(table, path)
-    records = data.read_records(path, prompt_field="question", answer_field="gt")
+    records = read_records(path, prompt_field="question", answer_field="gt")
     assert records == [{"answer": "2", "prompt": "1+1?"}, {"answer": "4", "prompt": "2+2?"}]
     msgs = tmp_path / "m.jsonl"
     msgs.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}], "answer": 3}) + "\n")
-    assert data.read_records(msgs) == [{"answer": "3", "messages": [{"role": "user", "content": "hi"}]}]
+    assert read_records(msgs) == [{"answer": "3", "messages": [{"role": "user", "content": "hi"}]}]
 
 
 def test_bad_files_fail_clearly(tmp_path):
     with pytest.raises(FileNotFoundError, match="missing.jsonl not found"):
-        data.read_records(tmp_path / "missing.jsonl")
+        read_records(tmp_path / "missing.jsonl")
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "x"}) + "\n")
     with pytest.raises(ValueError, match="record 1 has no 'answer' field"):
-        data.read_records(bad)
+        read_records(bad)
     bad.write_text(json.dumps({"text": "x", "answer": "1"}) + "\n")
     with pytest.raises(ValueError, match="needs a 'prompt' string or a 'messages' list"):
-        data.read_records(bad)
+        read_records(bad)
     bad.write_text("{not json\n")
     with pytest.raises(ValueError, match="bad.jsonl:1 is not valid JSON"):
-        data.read_records(bad)
+        read_records(bad)
     csv = tmp_path / "p.csv"
     csv.write_text("a,b\n")
     with pytest.raises(ValueError, match="must be .jsonl or .parquet"):
-        data.read_records(csv)
+        read_records(csv)
 
 
 def test_prompt_ids_instruction(tmp_path):
@@ -113,5 +114,5 @@ def test_prompt_ids_instruction(tmp_path):
 
     write_tokenizer(tmp_path)
     tok = AutoTokenizer.from_pretrained(tmp_path)
-    ids = data.prompt_ids({"prompt": "1+2=", "answer": "3"}, tok, instruction="ok", chat_template=True)
+    ids = record_prompt_ids({"prompt": "1+2=", "answer": "3"}, tok, instruction="ok", chat_template=True)
     assert tok.decode(ids) == "1+2= ok"  # no chat template on this tokenizer: plain text

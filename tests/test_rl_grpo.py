@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from test_rollout import CFG, TINY, prompts, tiny_model
+from helpers.tiny import CFG, TINY, prompts, tiny_model
 
 from fastrl_jax.config import OptimConfig, RLConfig
 from fastrl_jax.models.decoder import Decoder
@@ -140,7 +140,7 @@ def test_grad_accumulation_equals_one_batch():
         tx = optax.sgd(1.0)  # new params = params - gradient: compares the accumulated gradients
         outs = []
         for K in (1, 4):
-            batch = update.Batch(tokens.reshape(K, N // K, S), pad.reshape(K, N // K), mask.reshape(K, N // K, C),
+            batch = update.GRPOBatch(tokens.reshape(K, N // K, S), pad.reshape(K, N // K), mask.reshape(K, N // K, C),
                                  adv.reshape(K, N // K), np.zeros((K, N // K, C), np.float32))
             step = jax.jit(update.train_step, static_argnums=(0, 1, 2))
             new, _, metrics = step(graphdef, tx, opts, params, tx.init(params), None, batch)
@@ -160,7 +160,7 @@ def test_schedules():
     assert tx_lr[0] == 0 and tx_lr[2] == pytest.approx(1.0) and tx_lr[-1] < 0.1
     assert update.learning_rate(OptimConfig(learning_rate=0.5), 10, 7) == 0.5
     # the optimizer's own schedule agrees with the logged one
-    tx = update.make_optimizer(OptimConfig(learning_rate=1.0, schedule="linear", max_grad_norm=0.0), 4)
+    tx = update.policy_optimizer(OptimConfig(learning_rate=1.0, schedule="linear", max_grad_norm=0.0), 4)
     params = {"w": jnp.zeros(())}
     state = tx.init(params)
     deltas = []

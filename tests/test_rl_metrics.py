@@ -5,18 +5,20 @@ import math
 
 import pytest
 
-from fastrl_jax.metrics import read_metrics
-from fastrl_jax.rl.metrics import MetricsLog, rollout_summary, table_header, table_row
+from fastrl_jax.metric_sink import read_metrics
+from fastrl_jax.rl.step_metrics import MetricsLog, rollout_summary, table_header, table_row
+from fastrl_jax.rollout.stats import RolloutStats
 
 
 def test_rollout_summary():
-    stats = {"tokens": 40, "steps_plain": 6, "steps_sd": 2, "sd_tokens": 12, "sd_steps": 4, "seconds_compile": 1.5}
+    stats = RolloutStats(tokens=40, steps_plain=6, steps_sd=2, sd_tokens=12, sd_steps=4)
+    stats.seconds["compile"] = 1.5
     m = rollout_summary([1.0, 0.0, 1.0, 0.0], [1, 0, 1, 0], [5, 10, 15, 10], ["stop", "stop", "length", "stop"], stats)
     assert m["reward_mean"] == 0.5 and m["reward_std"] == 0.5 and m["accuracy"] == 0.5
     assert m["len_mean"] == 10 and m["len_p50"] == 10 and m["len_max"] == 15 and 14 < m["len_p99"] <= 15
     assert m["truncated_frac"] == 0.25 and m["tokens"] == 40
     assert m["sd_share"] == 0.25 and m["sd_token_share"] == 0.3 and m["acceptance_length"] == 3.0
-    plain = rollout_summary([0.0], [0], [3], ["stop"], {"tokens": 3, "steps_plain": 3})
+    plain = rollout_summary([0.0], [0], [3], ["stop"], RolloutStats(tokens=3, steps_plain=3))
     assert plain["sd_share"] == 0.0 and math.isnan(plain["acceptance_length"])
 
 

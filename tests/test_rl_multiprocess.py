@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from rl_helpers import tiny_overrides
+from helpers.tiny_run import tiny_overrides
 
-from fastrl_jax.metrics import read_metrics
+from fastrl_jax.metric_sink import read_metrics
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent

@@ -57,7 +57,7 @@ def test_registry_and_combination():
         rewards.get("nope")
     with pytest.raises(ValueError, match="cannot import"):
         rewards.get("no_such_module_xyz:f")
-    assert rewards.get("rl_helpers:digit_reward")("a1", "") == 0.5
+    assert rewards.get("helpers.tiny_run:digit_reward")("a1", "") == 0.5
 
     @rewards.register("test_len")
     def length(completion, answer):

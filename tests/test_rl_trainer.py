@@ -14,13 +14,13 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from rl_helpers import tiny_overrides
+from helpers.tiny_run import tiny_overrides
 
 from fastrl_jax.config import ConfigError, load_config
+from fastrl_jax.metric_sink import read_metrics
 from fastrl_jax.models.loading import load_model
 from fastrl_jax.models.tokenizer import load_tokenizer
 from fastrl_jax.rl import dry_run, update
-from fastrl_jax.metrics import read_metrics
 from fastrl_jax.rl.trainer import NonFiniteLoss, Trainer
 from fastrl_jax.sharding import make_mesh
 
@@ -314,7 +314,7 @@ def test_off_policy_minibatches_recompute_old_logprobs(tmp_path):
     trainer = make_trainer(tmp_path, "rl.minibatches_per_step=2", "rl.checkpoint_every_steps=0", steps=1)
     try:
         records = next(trainer.data)
-        requests, completions, _ = trainer.rollout(records, 1)
+        requests, completions, _, _ = trainer.rollout(records, 1)
         adv = np.linspace(-1, 1, len(requests)).astype(np.float32)
         tokens, pad, mask, adv, rollout_logp = trainer.build_batch(requests, completions, adv)
         rows = lambda x: update.to_global(x[:8], update.rows_sharding(trainer.mesh, x[:8].shape, 0))  # noqa: E731

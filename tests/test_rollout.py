@@ -6,34 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from helpers.greedy import greedy_generate
+from helpers.tiny import CFG, TINY, prompts, tiny_model
 from scipy.stats import chisquare
 
 from fastrl_jax.config import RolloutConfig
-from fastrl_jax.models.config import ModelConfig
-from fastrl_jax.models.decoder import Decoder
-from fastrl_jax.models.greedy import greedy_generate
 from fastrl_jax.rollout.engine import Request, RolloutEngine
 from fastrl_jax.rollout.sampling import SamplingParams, filtered_logits, first_argmax, position_gumbel, sample
-
-TINY = ModelConfig(
-    family="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-    num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, max_position_embeddings=512,
-    tie_word_embeddings=False, qkv_bias=False, qk_norm=False,
-)
-CFG = RolloutConfig(
-    batch_buckets=(1, 4, 16), length_buckets=(32, 64), prompt_buckets=(8, 16), steps_per_call=8,
-    compile_cache_dir="", warm_up=False,
-)
-
-
-def tiny_model(seed=0) -> Decoder:
-    """A random model with confident next-token distributions, so greedy has no near-ties."""
-    model = Decoder(TINY, nnx.Rngs(seed))
-    for path, var in nnx.iter_graph(model):
-        if isinstance(var, nnx.Param) and var.get_value().ndim >= 2:
-            var.set_value(var.get_value() * 8.0)
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -46,16 +25,11 @@ def engine(model):
     return RolloutEngine(model, CFG, progress=False)
 
 
-def prompts(n, seed=0, lo=2, hi=16):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, TINY.vocab_size, rng.integers(lo, hi + 1)).tolist() for _ in range(n)]
-
-
 def test_greedy_matches_plain_decode_with_compaction(engine, model):
     ps = prompts(13, seed=1)
     reqs = [Request(p, max_new_tokens=5 + 3 * i) for i, p in enumerate(ps)]
     out = engine.generate(reqs)
-    assert engine.stats["resize_calls"] >= 1  # 13 requests of different lengths shrink 16 -> 4 -> 1
+    assert engine.stats.calls["resize"] >= 1  # 13 requests of different lengths shrink 16 -> 4 -> 1
     for r, o in zip(reqs, out):
         assert o.tokens == greedy_generate(model, r.prompt_ids, r.max_new_tokens)
         assert o.finish_reason == "length" and len(o.logprobs) == len(o.tokens)
@@ -146,10 +120,11 @@ def _cache(n):
 _CACHE_PROBE = """
 import dataclasses, jax, sys
 sys.path.insert(0, "tests")
-from test_rollout import CFG, tiny_model
+from helpers.tiny import CFG, tiny_model
 from fastrl_jax.rollout.engine import RolloutEngine
-cfg = dataclasses.replace(CFG, batch_buckets=(4,), length_buckets=(32,), prompt_buckets=(8,),
-                          compile_cache_dir=sys.argv[1], warm_up=True)
+from fastrl_jax.rollout.pool import enable_persistent_cache
+cfg = dataclasses.replace(CFG, batch_buckets=(4,), length_buckets=(32,), prompt_buckets=(8,), warm_up=True)
+enable_persistent_cache(sys.argv[1])  # what the entry points do with rollout.compile_cache_dir
 model = tiny_model()
 hits = []
 jax.monitoring.register_event_listener(lambda name, **kw: hits.append(name == "/jax/compilation_cache/cache_hits"))
@@ -254,20 +229,14 @@ def test_first_argmax_is_argmax(shape):
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_matches_transformers():
+def test_smollm2_greedy_matches_transformers(smollm2):
     """16 prompts x 64 greedy tokens equal HF's, except at a near-tie of the top two logits."""
     import torch
 
-    from fastrl_jax.models.hub import smollm2_gguf_path
-    from fastrl_jax.models.loading import load_model
-    from fastrl_jax.models.tokenizer import chat_prompt_ids, load_tokenizer
+    from fastrl_jax.data.prompts import chat_prompt_ids
     from fastrl_jax.models.torch_reference import torch_model
 
-    path = smollm2_gguf_path()
-    mesh = jax.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"), devices=jax.devices()[:1],
-                         axis_types=(jax.sharding.AxisType.Auto,) * 3)
-    model, _ = load_model(path, mesh)
-    tokenizer = load_tokenizer(path)
+    path, model, tokenizer = smollm2.path, smollm2.model, smollm2.tokenizer
     questions = [f"What is {a} plus {b}? Explain step by step." for a, b in zip(range(11, 27), range(40, 56))]
     prompt_ids = [chat_prompt_ids(tokenizer, q) for q in questions]
     cfg = RolloutConfig(batch_buckets=(4, 16), length_buckets=(128,), prompt_buckets=(64,), steps_per_call=32,

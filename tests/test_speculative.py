@@ -7,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_rollout import CFG, TINY, prompts, tiny_model
+from helpers.greedy import greedy_generate
+from helpers.tiny import CFG, TINY, prompts, tiny_model
 
 from fastrl_jax.config import SpecConfig
 from fastrl_jax.models.decoder import KVCache
 from fastrl_jax.models.drafter import Drafter
-from fastrl_jax.models.greedy import greedy_generate
 from fastrl_jax.rollout import speculative
 from fastrl_jax.rollout.engine import Request, RolloutEngine
 
@@ -103,7 +103,7 @@ def test_greedy_equals_plain_decoding(model, drafter, steps, topk, verify):
     engine = RolloutEngine(model, SD_CFG, sd=sd, drafter=drafter, progress=False)
     reqs = [Request(p, max_new_tokens=5 + 4 * i) for i, p in enumerate(prompts(7, seed=1))]
     out = engine.generate(reqs)
-    assert engine.stats["resize_calls"] >= 1 and engine.stats["sd_steps"] > 0
+    assert engine.stats.calls["resize"] >= 1 and engine.stats.sd_steps > 0
     for r, o in zip(reqs, out):
         assert o.tokens == greedy_generate(model, r.prompt_ids, r.max_new_tokens)
 
@@ -166,7 +166,7 @@ def test_accepted_paths_move_the_cache(model, drafter, monkeypatch):
     out = engine.generate(reqs)
     for r, o in zip(reqs, out):
         assert o.tokens == greedy_generate(model, r.prompt_ids, r.max_new_tokens)
-    assert engine.stats["acceptance_length"] > 3.0  # up to 4 per step: 3 chain drafts + bonus
+    assert engine.stats.acceptance_length() > 3.0  # up to 4 per step: 3 chain drafts + bonus
 
 
 class _WithPolicyCache:
@@ -199,7 +199,7 @@ def test_jit_tree_shapes_are_static():
 
 
 def test_drafter_checkpoint_round_trip(drafter, tmp_path):
-    from fastrl_jax.checkpoint import load_drafter, save_drafter
+    from fastrl_jax.models.drafter_io import load_drafter, save_drafter
 
     save_drafter(tmp_path / "d", drafter)
     back = load_drafter(tmp_path / "d", TINY)
@@ -210,17 +210,11 @@ def test_drafter_checkpoint_round_trip(drafter, tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_speculative_greedy_equals_plain():
+def test_smollm2_speculative_greedy_equals_plain(smollm2):
     """The real SmolLM2 with a random drafter: 16 prompts x 64 tokens, token for token."""
-    from fastrl_jax.models.hub import smollm2_gguf_path
-    from fastrl_jax.models.loading import load_model
-    from fastrl_jax.models.tokenizer import chat_prompt_ids, load_tokenizer
+    from fastrl_jax.data.prompts import chat_prompt_ids
 
-    path = smollm2_gguf_path()
-    mesh = jax.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"), devices=jax.devices()[:1],
-                         axis_types=(jax.sharding.AxisType.Auto,) * 3)
-    model, model_cfg = load_model(path, mesh)
-    tokenizer = load_tokenizer(path)
+    model, model_cfg, tokenizer = smollm2.model, smollm2.cfg, smollm2.tokenizer
     reqs = [Request(chat_prompt_ids(tokenizer, f"Tell me a fact about the number {n}."), max_new_tokens=64)
             for n in range(16)]
     cfg = dataclasses.replace(CFG, batch_buckets=(4, 16), length_buckets=(128,), prompt_buckets=(64,))

@@ -19,7 +19,7 @@ import dataclasses, json, sys
 import numpy as np
 from flax import nnx
 sys.path.insert(0, sys.argv[1])
-from test_rollout import CFG, TINY
+from helpers.tiny import CFG, TINY
 from fastrl_jax.models.decoder import Decoder
 from fastrl_jax.rollout.engine import Request, RolloutEngine
 

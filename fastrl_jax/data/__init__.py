@@ -1,1 +1,2 @@
-"""Built-in data: verifiable math problems used as RL and drafter-training prompts."""
+"""Prompts and data: built-in math and chat prompt sets, prompt files and records, chat-template
+tokenisation, and the grain pipelines of RL prompts."""

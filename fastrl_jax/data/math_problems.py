@@ -5,7 +5,7 @@ same problems, so a training stream and a held-out set are two seeds, and a resu
 exactly the problems it would have seen. Levels go from one-digit sums (a 135M model gets some
 right before any training, so RL has a signal) to two-step word problems. Answers are integers.
 
-Used for RL prompts (fastrl_jax.rl.data) and as drafter-training prompts.
+Used for RL prompts (fastrl_jax.data.pipeline) and as drafter-training prompts.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Prompt files: JSON lines, and the {"prompt": text} / {"prompt_ids": [ints]} prompt format."""
+"""Prompt files: JSON lines, the {"prompt": text} / {"prompt_ids": [ints]} prompt format, and RL prompt
+records (JSONL or Parquet with an answer), read whole and checked once so a missing field fails at
+start-up with the file and row named."""
 
 from __future__ import annotations
 
@@ -36,3 +38,40 @@ def read_prompt_file(path: str | Path, encode: Callable[[str], list[int]]) -> li
     if not prompts:
         raise ValueError(f"{path} holds no prompts")
     return prompts
+
+
+def read_records(path: str | Path, prompt_field: str = "prompt", messages_field: str = "messages",
+                 answer_field: str = "answer") -> list[dict[str, Any]]:
+    """Reads a .jsonl or .parquet prompt file into records {"prompt"|"messages", "answer"}."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset file {path} not found (data.source / data.eval_source)")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(path).to_pylist()
+    elif path.suffix in (".jsonl", ".json"):
+        rows = [row for _, _, row in jsonl_rows(path)]
+    else:
+        raise ValueError(f"dataset file {path} must be .jsonl or .parquet, got {path.suffix!r}")
+    if not rows:
+        raise ValueError(f"dataset file {path} has no records")
+    records = []
+    for n, row in enumerate(rows, 1):
+        where = f"{path} record {n}"
+        if not isinstance(row, dict):
+            raise ValueError(f"{where} is not an object: {str(row)[:80]}")
+        if answer_field not in row or row[answer_field] is None:
+            raise ValueError(f"{where} has no '{answer_field}' field (set data.answer_field); keys: {sorted(row)}")
+        record = {"answer": str(row[answer_field])}
+        if isinstance(row.get(prompt_field), str):
+            record["prompt"] = row[prompt_field]
+        elif isinstance(row.get(messages_field), list) and row[messages_field]:
+            record["messages"] = [{"role": m["role"], "content": m["content"]} for m in row[messages_field]]
+        else:
+            raise ValueError(
+                f"{where} needs a '{prompt_field}' string or a '{messages_field}' list "
+                f"(set data.prompt_field / data.messages_field); keys: {sorted(row)}"
+            )
+        records.append(record)
+    return records

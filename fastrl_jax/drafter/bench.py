@@ -25,9 +25,10 @@ from fastrl_jax.models.decoder import Decoder, KVCache
 from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.rollout import accept as accept_lib
 from fastrl_jax.rollout import speculative
-from fastrl_jax.rollout.engine import Request, RolloutEngine, acceptance_length, add_stats
+from fastrl_jax.rollout.engine import Request, RolloutEngine
 from fastrl_jax.rollout.programs import Slots
 from fastrl_jax.rollout.sampling import SamplingParams
+from fastrl_jax.rollout.stats import RolloutStats
 
 
 def with_full_vocab(drafter: Drafter) -> Drafter:
@@ -49,19 +50,19 @@ def _bench_cfg(base: RolloutConfig, batch_sizes, prompt_len: int, new_tokens: in
     )
 
 
-def _timed(engine: RolloutEngine, rounds: list[list[Request]], repeats: int) -> tuple[float, list, dict]:
+def _timed(engine: RolloutEngine, rounds: list[list[Request]], repeats: int) -> tuple[float, list, RolloutStats]:
     """Tokens/s over the rounds (one generate call each), their completions, and their summed
-    counters, from the fastest of `repeats` runs after a compiling one."""
+    stats, from the fastest of `repeats` runs after a compiling one."""
 
     def run():
-        t0, out, totals = time.perf_counter(), [], {}
+        t0, out, totals = time.perf_counter(), [], RolloutStats()
         for reqs in rounds:
             out += engine.generate(reqs)
-            add_stats(totals, engine.stats)
+            totals += engine.stats
         return time.perf_counter() - t0, out, totals
 
     run()  # compiles what these batches reach
-    best, out, stats = float("inf"), None, {}
+    best, out, stats = float("inf"), None, RolloutStats()
     for _ in range(repeats):
         seconds, completions, totals = run()
         if seconds < best:
@@ -110,7 +111,7 @@ def run_bench(policy: Decoder, drafter: Drafter, prompt_sets: dict[str, Sequence
                         row = {
                             "prompts": name, "temperature": t, "batch": b, "strategy": list(strat), "vocab": vocab,
                             "plain_tok_s": base_tok_s, "sd_tok_s": tok_s,
-                            "acceptance_length": acceptance_length(stats),
+                            "acceptance_length": stats.acceptance_length(),
                             "speedup": tok_s / base_tok_s,
                             "same_tokens": sum(a.tokens == c.tokens for a, c in zip(out, base_out)),
                             "requests": len(out),

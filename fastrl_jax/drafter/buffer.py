@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 
 @dataclasses.dataclass
-class Batch:
+class PackedBatch:
     """Rows of packed sequences; every field's leading shape is [B, S]."""
 
     tokens: np.ndarray  # [B, S] int32
@@ -109,7 +109,7 @@ class SampleBuffer:
         recent = set(self.steps[-self.keep_steps :])
         return [s for s in self._seqs if s.step in recent]
 
-    def sample(self, rng: np.random.Generator, rows: int, seq_len: int) -> Batch:
+    def sample(self, rng: np.random.Generator, rows: int, seq_len: int) -> PackedBatch:
         """Packs randomly drawn sequences into `rows` rows of `seq_len` tokens.
 
         Sequences are drawn without replacement until every row is full (or the eligible
@@ -122,7 +122,7 @@ class SampleBuffer:
         if rows < 1 or seq_len < 3:
             raise ValueError(f"need rows >= 1 and seq_len >= 3, got {rows}, {seq_len}")
         H = self.hidden_size
-        batch = Batch(
+        batch = PackedBatch(
             tokens=np.zeros((rows, seq_len), np.int32),
             hidden=np.zeros((rows, seq_len, H), np.float32),
             loss_mask=np.zeros((rows, seq_len), bool),

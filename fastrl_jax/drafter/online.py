@@ -36,15 +36,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from fastrl_jax.config import Config
 from fastrl_jax.drafter.buffer import SampleBuffer
-from fastrl_jax.drafter.train import LossSettings, chain_acceptance, make_optimizer, make_train_step
+from fastrl_jax.drafter.train import LossSettings, chain_acceptance, drafter_optimizer, make_train_step
 from fastrl_jax.models.drafter import Drafter
-from fastrl_jax.rl.rollout import reshard
 from fastrl_jax.rollout.engine import Completion, Request
-from fastrl_jax.sharding import AXES, named_sharding, shardings_for
+from fastrl_jax.sharding import AXES, named_sharding, reshard, shardings_for
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class SpotTrainer:
         self.buffer = SampleBuffer(self.cfg.buffer_max_tokens, drafter.cfg.hidden_size, keep_steps=self.cfg.keep_steps)
         self.dgraphdef, self.params, self.rest = nnx.split(drafter, nnx.Param, ...)
         self.frozen = jax.tree.map(jnp.copy, self.params)  # the starting drafter, for the drift comparison
-        self.tx = make_optimizer(self.cfg.learning_rate, self.cfg.warmup_steps, None, dt.weight_decay, dt.grad_clip_norm)
+        self.tx = drafter_optimizer(self.cfg.learning_rate, self.cfg.warmup_steps, None, dt.weight_decay, dt.grad_clip_norm)
         self.opt_state = self.tx.init(self.params)
         # No donation: the engines may draft with these very buffers (a hand-off is zero-copy).
         self._step = make_train_step(self.tx, LossSettings(dt.ce_weight, dt.input_noise, dt.unroll_steps, dt.unroll_decay),

@@ -85,7 +85,7 @@ def _target_valid(batch: dict, j: int) -> jax.Array:
 def drafter_loss(drafter: Drafter, policy: Decoder, batch: dict, key: jax.Array, settings: LossSettings):
     """Mean loss over the batch's valid entries, and metrics.
 
-    batch (see buffer.Batch): tokens [B, S] int32, hidden [B, S, H] policy hidden states (before
+    batch (see buffer.PackedBatch): tokens [B, S] int32, hidden [B, S, H] policy hidden states (before
     the final norm), loss_mask [B, S] bool, positions [B, S] int32, segments [B, S] int32 (0 = pad).
     Returns (loss, {"loss", "hidden_l1", "ce", "acc_<j>" per unroll step, "entries"}).
     """
@@ -137,7 +137,7 @@ def chain_acceptance(drafter: Drafter, policy: Decoder, batch: dict, depth: int)
     return accepted, anchors
 
 
-def make_optimizer(learning_rate: float, warmup_steps: int, total_steps: int | None, weight_decay: float,
+def drafter_optimizer(learning_rate: float, warmup_steps: int, total_steps: int | None, weight_decay: float,
                    grad_clip_norm: float) -> optax.GradientTransformation:
     """AdamW with linear warm-up then cosine decay to a tenth at total_steps (None: constant after the
     warm-up, for online training that has no end), after global-norm clipping."""

@@ -1,4 +1,5 @@
-"""Builds a sharded Decoder from an HF safetensors checkpoint directory or a GGUF file.
+"""Builds a sharded Decoder from an HF safetensors checkpoint directory or a GGUF file; `load_policy`
+is the one way a command gets its policy, tokenizer and stop ids.
 
 Every tensor is read on the host (memory-mapped where the format allows) and placed shard by
 shard onto its target NamedSharding, so the full model never sits on one device.
@@ -6,9 +7,12 @@ shard onto its target NamedSharding, so the full model never sits on one device.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import struct
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,8 +23,11 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from fastrl_jax import sharding
+from fastrl_jax.config import ModelSpec
 from fastrl_jax.models.config import ModelConfig
 from fastrl_jax.models.decoder import DTYPES, Decoder, abstract_decoder
+from fastrl_jax.models.hub import resolve_model_path
+from fastrl_jax.models.tokenizer import load_tokenizer, stop_ids
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +35,31 @@ _ST_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """A loaded policy: the model on its mesh, its tokenizer, and the token ids that end a completion."""
+
+    model: Decoder
+    tokenizer: object
+    stop_ids: tuple[int, ...]
+    path: Path  # the resolved checkpoint directory or .gguf file
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.model.cfg
+
+
+def load_policy(spec: ModelSpec, mesh: Mesh) -> Policy:
+    """The policy named by the config's model section (`smollm2`, a .gguf file or an HF checkpoint
+    directory) in its dtype on `mesh`, with its tokenizer; says on stderr how long loading took."""
+    t0 = time.perf_counter()
+    path = resolve_model_path(spec.path)
+    model, model_cfg = load_model(path, mesh, spec.dtype)
+    tokenizer = load_tokenizer(path)
+    print(f"[fastrl-jax] loaded {spec.path} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    return Policy(model, tokenizer, stop_ids(model_cfg, tokenizer), path)
 
 
 def load_model(path: str | Path, mesh: Mesh, dtype: str = "float32") -> tuple[Decoder, ModelConfig]:

@@ -1,4 +1,4 @@
-"""Loads a model's tokenizer (from a GGUF file or an HF checkpoint dir) and builds chat prompts."""
+"""Loads a model's tokenizer (from a GGUF file or an HF checkpoint dir) and its stop token ids."""
 
 from __future__ import annotations
 
@@ -20,16 +20,3 @@ def load_tokenizer(path: Path):
 def stop_ids(model_cfg, tokenizer) -> tuple[int, ...]:
     """The token ids that end a completion: the model config's EOS ids and the tokenizer's."""
     return tuple(sorted(set(model_cfg.eos_token_ids) | ({tokenizer.eos_token_id} - {None})))
-
-
-def chat_prompt_ids(tokenizer, text: str) -> list[int]:
-    """Token ids of `text` as a user turn followed by the assistant header the model continues from.
-
-    A tokenizer without a chat template (a base model) gets `text` encoded as is.
-    """
-    if not tokenizer.chat_template:
-        return tokenizer.encode(text)
-    messages = [{"role": "user", "content": text}]
-    # Tokenizing inside apply_chat_template (rather than rendering, then encoding) keeps control
-    # tokens typed in `text` as plain text, as transformers does for chat input.
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)

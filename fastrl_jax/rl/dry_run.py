@@ -25,7 +25,7 @@ from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.models.known_configs import KNOWN, known_config
 from fastrl_jax.models.loading import read_model_config
 from fastrl_jax.rollout.engine import RolloutEngine
-from fastrl_jax.sharding import AXES, shardings_for
+from fastrl_jax.sharding import AXES, mesh_sizes, shardings_for
 
 GiB = 2**30
 
@@ -44,17 +44,12 @@ def model_config(path: str) -> ModelConfig:
 
 
 def mesh_shape(cfg: Config, devices: int | None) -> dict[str, int]:
-    sizes = [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor]
-    if -1 in sizes:
-        if devices is None:
+    """Mesh axis sizes for `devices` devices (--devices), or for the product of the configured sizes."""
+    if devices is None:
+        if -1 in (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor):
             raise ConfigError("--dry-run: a mesh axis is -1; pass --devices N (the job's device count)")
-        known = math.prod(s for s in sizes if s != -1)
-        if devices % known:
-            raise ConfigError(f"--dry-run: {devices} devices do not divide by the fixed mesh axes ({known})")
-        sizes[sizes.index(-1)] = devices // known
-    elif devices is not None and math.prod(sizes) != devices:
-        raise ConfigError(f"--dry-run: mesh {sizes} needs {math.prod(sizes)} devices, --devices says {devices}")
-    return dict(zip(AXES, sizes))
+        devices = cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor
+    return mesh_sizes(cfg.mesh, devices, where="planned (--devices)")
 
 
 def _per_device_bytes(shardings, abstract_state) -> int:

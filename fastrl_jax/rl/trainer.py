@@ -21,16 +21,19 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fastrl_jax.checkpoint import RunCheckpointer, load_drafter
+from fastrl_jax.checkpoint import RunCheckpointer
 from fastrl_jax.config import Config, save_config, to_dict
+from fastrl_jax.data import pipeline
+from fastrl_jax.data.prompt_files import read_records
+from fastrl_jax.data.prompts import record_prompt_ids
 from fastrl_jax.drafter.online import SpotTrainer
-from fastrl_jax.models.decoder import DTYPES, Decoder
-from fastrl_jax.models.drafter import Drafter
+from fastrl_jax.models.decoder import Decoder
+from fastrl_jax.models.drafter_io import make_drafter
+from fastrl_jax.models.loading import load_policy
 from fastrl_jax.models.tokenizer import stop_ids
-from fastrl_jax.rl import data as data_lib
 from fastrl_jax.rl import grpo, rewards, update
-from fastrl_jax.rl.metrics import MetricsLog, rollout_summary
-from fastrl_jax.rl.rollout import RolloutWorkers
+from fastrl_jax.rl.step_metrics import MetricsLog, rollout_summary
+from fastrl_jax.rl.workers import RolloutWorkers
 from fastrl_jax.rollout.engine import Completion, Request
 from fastrl_jax.sharding import make_mesh, shardings_for
 
@@ -65,7 +68,7 @@ class Trainer:
         self.param_shardings = nnx.to_pure_dict(shardings_for(state, self.mesh))
         self.params = jax.device_put(nnx.to_pure_dict(state), self.param_shardings)
         self.total_updates = rl.steps * rl.minibatches_per_step
-        self.tx = update.make_optimizer(cfg.optim, self.total_updates)
+        self.tx = update.policy_optimizer(cfg.optim, self.total_updates)
         self.opt_shardings = update.optimizer_shardings(self.tx, self.params, self.param_shardings, self.mesh)
         self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(self.params)
         self.ref_params = jax.tree.map(jnp.copy, self.params) if rl.kl_coef > 0 else None
@@ -77,7 +80,7 @@ class Trainer:
         self._logp_fn = update.jit_logprobs(self.graphdef, rl.temperature, self.param_shardings, self.mesh,
                                             rl.micro_batch_size)
 
-        self.drafter = self._make_drafter(model) if cfg.sd.mode != "off" else None
+        self.drafter = make_drafter(cfg, model.cfg, rl.drafter_path) if cfg.sd.mode != "off" else None
         self.workers = RolloutWorkers(cfg, self.graphdef, self.params, self.mesh, self.drafter)
         self.spot = None
         if self.drafter is not None and cfg.drafter_online.enabled:
@@ -91,8 +94,8 @@ class Trainer:
 
         d = cfg.data
         fields = dict(prompt_field=d.prompt_field, messages_field=d.messages_field, answer_field=d.answer_field)
-        train_src = data_lib.source(d.source, cfg.seed, d.math_levels, **fields)
-        self.data = data_lib.PromptIterator(data_lib.prompt_batches(train_src, rl.prompts_per_step, cfg.seed, d.shuffle))
+        train_src = pipeline.source(d.source, cfg.seed, d.math_levels, **fields)
+        self.data = pipeline.PromptIterator(pipeline.prompt_batches(train_src, rl.prompts_per_step, cfg.seed, d.shuffle))
         self.eval_records = self._eval_records(fields) if rl.eval_every_steps else []
 
         self.out_dir = Path(rl.out_dir).expanduser()
@@ -107,24 +110,16 @@ class Trainer:
                                   enabled=jax.process_index() == 0, stream=stream)
 
     # ---- set-up -------------------------------------------------------------------------------
-    def _make_drafter(self, model: Decoder) -> Drafter:
-        dtype = DTYPES[self.cfg.model.dtype]
-        if self.cfg.rl.drafter_path:
-            return load_drafter(self.cfg.rl.drafter_path, model.cfg, dtype)
-        log.warning("sd.mode=%s without rl.drafter_path: a randomly initialised drafter (lossless, but slow)",
-                    self.cfg.sd.mode)
-        return Drafter(model.cfg, nnx.Rngs(self.cfg.seed), dtype)
-
     def _eval_records(self, fields: dict) -> list[dict]:
         d, n = self.cfg.data, self.cfg.rl.eval_prompts
-        if d.eval_source == data_lib.MATH_SOURCE:
-            src = data_lib.MathSource(self.cfg.seed + EVAL_SEED_OFFSET, d.math_levels)
+        if d.eval_source == pipeline.MATH_SOURCE:
+            src = pipeline.MathSource(self.cfg.seed + EVAL_SEED_OFFSET, d.math_levels)
             return [src[i] for i in range(n)]
-        return data_lib.read_records(d.eval_source, **fields)[:n]
+        return read_records(d.eval_source, **fields)[:n]
 
     def _prompt(self, record: dict) -> list[int]:
         d = self.cfg.data
-        ids = data_lib.prompt_ids(record, self.tokenizer, d.instruction, d.chat_template)
+        ids = record_prompt_ids(record, self.tokenizer, d.instruction, d.chat_template)
         limit = self.cfg.rollout.prompt_buckets[-1]
         if len(ids) > limit:
             raise ValueError(f"a prompt has {len(ids)} tokens, more than the largest rollout.prompt_buckets ({limit}): "
@@ -139,7 +134,7 @@ class Trainer:
                     request_seed(self.cfg.seed, step, g * rl.samples_per_prompt + s), self.stop_ids)
             for g, r in enumerate(records) for s in range(rl.samples_per_prompt)
         ]
-        spot = self.spot
+        spot, report = self.spot, {}
         if spot is None:
             completions, stats = self.workers.generate(requests, rl.samples_per_prompt)
         else:
@@ -149,11 +144,10 @@ class Trainer:
                                                            replica_done=spot.lend, between_steps=spot.tail_step)
             finally:
                 report = spot.end()  # the devices come back before anything else runs on them
-            stats = {**stats, **report}
         for c in completions:
             if c.finish_reason == "error":
                 raise ValueError(f"rollout request failed: {c.error}")
-        return requests, completions, stats
+        return requests, completions, stats, report
 
     def track_drafter(self, requests: list[Request], completions: list[Completion], step: int) -> dict[str, float]:
         """Acceptance estimates on this step's rollouts (before they join the buffer), then the buffer
@@ -213,7 +207,7 @@ class Trainer:
         totals: dict[str, float] = {}
         for j in range(m):
             rows = slice(j * per, (j + 1) * per)
-            host = update.Batch(
+            host = update.GRPOBatch(
                 tokens=tokens[rows].reshape(k, mb, -1), pad=pad[rows].reshape(k, mb),
                 mask=mask[rows].reshape(k, mb, -1), advantages=advantages[rows].reshape(k, mb),
                 old_logp=old[rows].reshape(k, mb, -1),
@@ -259,7 +253,7 @@ class Trainer:
         rl, step = self.cfg.rl, self.step + 1
         t0 = time.perf_counter()
         records = next(self.data)
-        requests, completions, stats = self.rollout(records, step)
+        requests, completions, stats, spot_report = self.rollout(records, step)
         rollout_s = time.perf_counter() - t0
         texts = [self._text(c) for c in completions]
         answers = [records[i // rl.samples_per_prompt]["answer"] for i in range(len(requests))]
@@ -278,7 +272,7 @@ class Trainer:
         metrics: dict[str, Any] = {"step": step}
         metrics |= rollout_summary(reward, correct, [len(c.tokens) for c in completions],
                                    [c.finish_reason for c in completions], stats)
-        metrics |= {k: v for k, v in stats.items() if k.startswith("drafter_")}  # the spot trainer's report
+        metrics |= spot_report  # the online drafter trainer's steps during the rollout
         metrics |= {"rollout_s": rollout_s, "train_s": train_s,
                     "tokens_per_s": metrics["tokens"] / (rollout_s + train_s),
                     "rollout_tokens_per_s": metrics["tokens"] / rollout_s,
@@ -373,14 +367,6 @@ def _state_from(module: nnx.Module, pure: dict) -> nnx.State:
 
 def train(cfg: Config, *, resume: bool = False, stream=sys.stdout) -> list[dict[str, Any]]:
     """Loads the policy and tokenizer named by cfg.model, then runs GRPO to cfg.rl.steps."""
-    from fastrl_jax.models.hub import resolve_model_path
-    from fastrl_jax.models.loading import load_model
-    from fastrl_jax.models.tokenizer import load_tokenizer
-
-    t0 = time.perf_counter()
-    path = resolve_model_path(cfg.model.path)
-    model, _ = load_model(path, make_mesh(cfg.mesh), cfg.model.dtype)
-    tokenizer = load_tokenizer(path)
-    print(f"[fastrl-jax] loaded {cfg.model.path} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-    trainer = Trainer(cfg, model, tokenizer, resume=resume, stream=stream)
+    policy = load_policy(cfg.model, make_mesh(cfg.mesh))
+    trainer = Trainer(cfg, policy.model, policy.tokenizer, resume=resume, stream=stream)
     return trainer.run()

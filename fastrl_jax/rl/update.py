@@ -41,7 +41,7 @@ def make_schedule(cfg: OptimConfig, total_updates: int) -> optax.Schedule:
     return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup]) if warmup else after
 
 
-def make_optimizer(cfg: OptimConfig, total_updates: int) -> optax.GradientTransformation:
+def policy_optimizer(cfg: OptimConfig, total_updates: int) -> optax.GradientTransformation:
     """AdamW with global-norm clipping; the schedule runs over `total_updates` optimizer steps."""
     adamw = optax.adamw(make_schedule(cfg, total_updates), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                         weight_decay=cfg.weight_decay)
@@ -89,7 +89,7 @@ def sequence_logprobs(graphdef, params: Params, tokens: jax.Array, pad: jax.Arra
 
 
 @struct.dataclass
-class Batch:
+class GRPOBatch:
     """One mini-batch, [K micro-batches, M rows, ...]; row = one sampled completion (see sequence_logprobs)."""
 
     tokens: jax.Array  # [K, M, P + C] int32: left-padded prompt, right-padded completion
@@ -118,7 +118,7 @@ class StepOptions:
                    rl.remat, on_policy=rl.minibatches_per_step == 1)
 
 
-def _micro_loss(params, graphdef, ref_params, mb: Batch, normalizer, opts: StepOptions):
+def _micro_loss(params, graphdef, ref_params, mb: GRPOBatch, normalizer, opts: StepOptions):
     C = mb.mask.shape[-1]
     logp, ent = sequence_logprobs(graphdef, params, mb.tokens, mb.pad, C, opts.temperature, opts.remat)
     old = jax.lax.stop_gradient(logp) if opts.on_policy else mb.old_logp
@@ -135,7 +135,7 @@ def _micro_loss(params, graphdef, ref_params, mb: Batch, normalizer, opts: StepO
     return loss, metrics
 
 
-def train_step(graphdef, tx, opts: StepOptions, params: Params, opt_state, ref_params, batch: Batch):
+def train_step(graphdef, tx, opts: StepOptions, params: Params, opt_state, ref_params, batch: GRPOBatch):
     """One optimizer update from a mini-batch; returns (params, opt_state, metrics). Pure; jit it
     with `jit_train_step`."""
     K, M = batch.advantages.shape
@@ -168,10 +168,10 @@ def check_batch_fits_mesh(rl: RLConfig, mesh: Mesh) -> None:
         )
 
 
-def batch_shardings(mesh: Mesh, micro_batch_size: int) -> Batch:
-    """The sharding of each Batch field: rows over (data, fsdp), whatever the sequence length."""
+def batch_shardings(mesh: Mesh, micro_batch_size: int) -> GRPOBatch:
+    """The sharding of each GRPOBatch field: rows over (data, fsdp), whatever the sequence length."""
     rows = lambda rank: rows_sharding(mesh, (1, micro_batch_size, 1)[:rank], 1)  # noqa: E731
-    return Batch(tokens=rows(3), pad=rows(2), mask=rows(3), advantages=rows(2), old_logp=rows(3))
+    return GRPOBatch(tokens=rows(3), pad=rows(2), mask=rows(3), advantages=rows(2), old_logp=rows(3))
 
 
 def jit_train_step(graphdef, tx, opts: StepOptions, param_shardings, opt_shardings, mesh: Mesh, with_ref: bool,

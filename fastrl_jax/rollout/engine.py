@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import sys
 import time
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import jax
@@ -30,8 +30,9 @@ from fastrl_jax.models.decoder import Decoder
 from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.rollout import programs, speculative
 from fastrl_jax.rollout.controller import OnOff, StrategyChooser
-from fastrl_jax.rollout.pool import ProgramPool, enable_persistent_cache
+from fastrl_jax.rollout.pool import ProgramPool
 from fastrl_jax.rollout.sampling import SamplingParams
+from fastrl_jax.rollout.stats import Call, Recorder, RolloutStats
 
 log = logging.getLogger(__name__)
 
@@ -58,39 +59,11 @@ class Completion:
     hidden_states: np.ndarray | None = None
 
 
-def strategy_label(s: speculative.Strategy) -> str:
-    """'steps/topk/verify_tokens', the notation of stats keys and timelines."""
-    return f"{s.steps}/{s.topk}/{s.verify_tokens}"
-
-
-def acceptance_length(stats: dict[str, float], label: str = "") -> float:
-    """Tokens per speculative row-step in an engine's stats (or several rollouts' summed stats), of
-    all strategies or of the one labelled `label`; NaN without speculative steps."""
-    suffix = f"[{label}]" if label else ""
-    steps = stats.get("sd_steps" + suffix, 0)
-    return float(stats["sd_tokens" + suffix] / steps) if steps else float("nan")
-
-
-def add_stats(total: dict[str, float], stats: dict[str, float]) -> None:
-    """Adds one rollout's counters and seconds into `total`; the acceptance_length ratio is left out
-    (acceptance_length(total) gives it from the sums)."""
-    for k, v in stats.items():
-        if k != "acceptance_length":
-            total[k] = total.get(k, 0) + v
-
-
-def acceptance_by_strategy(stats: dict[str, float]) -> dict[str, float]:
-    """Acceptance length of each strategy in an engine's stats."""
-    labels = [k.removeprefix("sd_steps[").removesuffix("]") for k, v in stats.items() if k.startswith("sd_steps[") and v]
-    return {label: acceptance_length(stats, label) for label in labels}
-
-
 def compiler_options(key: tuple) -> dict | None:
-    """XLA options of a pool program. On CPU, YNNPACK fusion (XLA's default) runs the small-M weight
-    dots of narrow batches and tree verification about 2x faster, but in wide programs over long
-    windows its batched attention dots ran ~2.5x slower (SmolLM2 decode step, batch 64: 918 vs 362 ms
-    at 640 slots, 130 vs 169 ms at 160; batch 16 at 640 slots equal; batch 4: 36 vs 76 ms). Decode and
-    speculative programs of batch >= 32 over more than 512 slots compile without it."""
+    """XLA options of a pool program. On CPU, YNNPACK fusion (XLA's default) speeds up the small-M
+    weight dots of narrow batches and tree verification, but slows the batched attention dots of wide
+    programs over long windows (docs/measurements.md): decode and speculative programs of batch >= 32
+    over more than 512 slots compile without it."""
     phase = key[0]
     if jax.default_backend() != "cpu" or phase not in ("decode", "sd", "draft_prefill"):
         return None
@@ -143,13 +116,9 @@ class RolloutEngine:
         self._replicated = (
             NamedSharding(weights.mesh, PartitionSpec()) if isinstance(weights, NamedSharding) else weights
         )
-        if cfg.compile_cache_dir:
-            enable_persistent_cache(cfg.compile_cache_dir)
         self.pool = ProgramPool(self._build, compiler_options)
-        self.stats: dict[str, float] = {}  # the last rollout's counters and seconds (summable across rollouts)
-        # The last rollout, one entry per program call: (seconds since start at its end, live batch,
-        # tokens it emitted, speculative, strategy label or "").
-        self.timeline: list[tuple[float, int, int, bool, str]] = []
+        self.stats = RolloutStats()  # the last rollout's
+        self.timeline: list[Call] = []  # the last rollout's program calls
         if cfg.warm_up:
             t0 = time.perf_counter()
             self.pool.warm_up(self.warm_up_keys(), progress)
@@ -189,7 +158,7 @@ class RolloutEngine:
         """The compiled pool, and each strategy's share of it."""
         parts = [self.pool.report()]
         for s in self.strategies:
-            parts.append(f"strategy {strategy_label(s)}: {self.pool.report(lambda k, s=s: k[0] == 'sd' and k[3] == s)}")
+            parts.append(f"strategy {s.label}: {self.pool.report(lambda k, s=s: k[0] == 'sd' and k[3] == s)}")
         return "; ".join(parts)
 
     def _empty(self, batch: int) -> programs.Slots:
@@ -336,107 +305,122 @@ class RolloutEngine:
         between_steps(live_batch), when given, runs on the host after every decode call (the online
         drafter trainer interleaves its steps into the tail there)."""
         results: list[Completion | None] = [None] * len(requests)
-        pending: deque[int] = deque()
+        queue: deque[int] = deque()
         for i, r in enumerate(requests):
             error = self.validate(r)
             if error:
                 results[i] = Completion([], [], "error", error)
             else:
-                pending.append(i)
-        if not pending:
+                queue.append(i)
+        if not queue:
             return results
         c = self.cfg
-        batch = bucket_for(min(len(pending), c.batch_buckets[-1]), c.batch_buckets)
-        slots = jax.device_put(self._empty(batch), self._replicated)
-        row_req = [-1] * batch
-        stats = _Stats(self.pool)
+        table = _Table(self._placed_empty(bucket_for(min(len(queue), c.batch_buckets[-1]), c.batch_buckets)))
+        rec = Recorder(self.pool.compile_seconds())
         self.onoff.reset()
-        draft_fresh = False  # whether the drafter cache holds every row's prefix
-        bar = tqdm(total=len(pending), desc="rollout", unit="req", file=sys.stderr, disable=not self.progress)
-        while True:
-            free = [r for r in range(batch) if row_req[r] < 0]
-            if pending and free:
-                take = [pending.popleft() for _ in range(min(len(pending), len(free)))]
-                adm, p, t = self._admission([requests[i] for i in take], free[: len(take)])
-                slots, _ = stats.run("prefill", self.pool.get(("prefill", batch, p, t)), self.state, slots, adm)
-                for row, i in zip(free, take):
-                    row_req[row] = i
-                draft_fresh = False
-            live, length = jax.device_get((slots.live, slots.length))
-            before = _counters(slots)
-            done = [r for r in range(batch) if row_req[r] >= 0 and not live[r]]
-            if done:
-                for r, completion in zip(done, self._harvest(slots, done, requests, row_req)):
-                    results[row_req[r]] = completion
-                    stats.add("tokens", len(completion.tokens))
-                    row_req[r] = -1
-                bar.update(len(done))
-            live_rows = [r for r in range(batch) if row_req[r] >= 0]
-            if not live_rows:
-                if not pending:
-                    break
-                continue
-            target = bucket_for(len(live_rows), c.batch_buckets)
-            if not pending and target < batch:
-                index = np.full(target, -1, np.int32)
-                index[: len(live_rows)] = live_rows
-                slots, _ = stats.run("resize", self.pool.get(("resize", batch, target)), slots,
-                                     jax.device_put(index, self._replicated))
-                row_req = [row_req[r] for r in live_rows] + [-1] * (target - len(live_rows))
-                length = length[live_rows]
-                before = np.pad(before[:, live_rows], ((0, 0), (0, target - len(live_rows))))
-                batch = target
-            longest = int(max(length[r] for r in range(batch) if row_req[r] >= 0))
-            strategy = self._plan(len(live_rows))
-            if strategy is None:
-                kv_len = bucket_for(longest + 1, c.length_buckets)
-                steps = min(c.steps_per_call, kv_len - longest)
-                key, args = ("decode", batch, kv_len), (self.state, slots, jnp.int32(steps))
-                draft_fresh = False  # plain steps leave the drafter behind
-            else:
-                if not draft_fresh:
-                    kv = bucket_for(longest + 1, c.length_buckets)
-                    slots, _ = stats.run("draft_prefill", self.pool.get(("draft_prefill", batch, kv)),
-                                         self.state, self.drafter_state, slots)
-                    draft_fresh = True
-                n, depth = strategy.verify_tokens, strategy.steps
-                kv_len = bucket_for(min(longest + n, self.max_len), c.length_buckets)
-                steps = min(c.steps_per_call, (kv_len - longest - n) // (depth + 1) + 1)
-                key = ("sd", batch, kv_len, strategy)
-                args = (self.state, self.drafter_state, slots, jnp.int32(steps))
-            program = self.pool.get(key)  # compiles outside the timed call when not warmed up
-            slots, seconds = stats.run(key[0], program, *args)
-            diff = _counters(slots) - before  # [2, B] tokens and speculative steps per row
-            tokens, row_steps = (int(x) for x in diff.sum(1))
-            if strategy is None:
-                stats.add("steps_plain", int(diff[0].max()))
-            else:
-                label = strategy_label(strategy)
-                stats.add("steps_sd", int(diff[1].max()))
-                for suffix in ("", f"[{label}]"):
-                    stats.add("sd_tokens" + suffix, tokens)
-                    stats.add("sd_steps" + suffix, row_steps)
-                stats.add(f"seconds_sd[{label}]", seconds)
-                if self.chooser is not None:
-                    self.chooser.record(strategy, tokens / seconds)  # accepted tokens x live rows / second
-            stats.timeline.append(
-                (stats.elapsed(), len(live_rows), tokens, strategy is not None, strategy_label(strategy) if strategy else "")
-            )
-            if between_steps is not None:
-                between_steps(len(live_rows))
-        bar.close()
-        self.stats, self.timeline = stats.finish(), stats.timeline
+        with tqdm(total=len(queue), desc="rollout", unit="req", file=sys.stderr, disable=not self.progress) as bar:
+            while queue or table.busy():
+                self._admit(table, queue, requests, rec)
+                bar.update(self._collect_finished(table, requests, results, rec))
+                live = table.busy()
+                if not live:
+                    continue
+                if not queue:
+                    self._compact(table, rec)
+                self._advance(table, self._plan(live), rec)
+                if between_steps is not None:
+                    between_steps(live)
+        self.stats, self.timeline = rec.finish(self.pool.compile_seconds()), rec.timeline
         return results
 
-    def _harvest(self, slots, rows: list[int], requests, row_req) -> list[Completion]:
+    # ---- the steps of one host visit ------------------------------------------------------------
+    def _placed_empty(self, batch: int) -> programs.Slots:
+        return jax.device_put(self._empty(batch), self._replicated)
+
+    def _run(self, rec: Recorder, key: tuple, *args):
+        """Runs program `key` to completion (compiling it first, outside the timing, if it is not
+        warm); returns (its output, seconds), counted under its phase."""
+        program = self.pool.get(key)
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(program(*args))
+        seconds = time.perf_counter() - t0
+        rec.timed(key[0], seconds)
+        return out, seconds
+
+    def _admit(self, table: _Table, queue: deque[int], requests: Sequence[Request], rec: Recorder) -> None:
+        """Prefills queued requests into the free rows."""
+        free = table.free_rows()
+        if not queue or not free:
+            return
+        take = [queue.popleft() for _ in range(min(len(queue), len(free)))]
+        adm, p, t = self._admission([requests[i] for i in take], free[: len(take)])
+        table.slots, _ = self._run(rec, ("prefill", table.batch, p, t), self.state, table.slots, adm)
+        for row, i in zip(free, take):
+            table.row_req[row] = i
+        table.draft_fresh = False
+
+    def _collect_finished(self, table: _Table, requests, results: list, rec: Recorder) -> int:
+        """Moves the finished rows' completions into results and frees the rows; returns how many."""
+        live = jax.device_get(table.slots.live)
+        done = [r for r in range(table.batch) if table.row_req[r] >= 0 and not live[r]]
+        if not done:
+            return 0
+        for r, completion in zip(done, self._harvest(table.slots, done, [requests[table.row_req[r]] for r in done])):
+            results[table.row_req[r]] = completion
+            rec.stats.tokens += len(completion.tokens)
+            table.row_req[r] = -1
+        return len(done)
+
+    def _compact(self, table: _Table, rec: Recorder) -> None:
+        """Moves the live rows into the smallest batch bucket that holds them (the queue is empty)."""
+        live_rows = [r for r in range(table.batch) if table.row_req[r] >= 0]
+        target = bucket_for(len(live_rows), self.cfg.batch_buckets)
+        if target >= table.batch:
+            return
+        index = np.full(target, -1, np.int32)
+        index[: len(live_rows)] = live_rows
+        table.slots, _ = self._run(rec, ("resize", table.batch, target), table.slots,
+                                   jax.device_put(index, self._replicated))
+        table.row_req = [table.row_req[r] for r in live_rows] + [-1] * (target - len(live_rows))
+
+    def _advance(self, table: _Table, strategy: speculative.Strategy | None, rec: Recorder) -> None:
+        """One device call: plain decoding, or speculative steps of `strategy`, until a row finishes."""
+        c, batch, live = self.cfg, table.batch, table.busy()
+        before = _counters(table.slots)  # [3, B]: tokens, speculative steps, length of every row
+        longest = int(max(before[2, r] for r in range(batch) if table.row_req[r] >= 0))
+        if strategy is None:
+            kv_len = bucket_for(longest + 1, c.length_buckets)
+            steps = min(c.steps_per_call, kv_len - longest)
+            key, args = ("decode", batch, kv_len), (self.state, table.slots, jnp.int32(steps))
+            table.draft_fresh = False  # plain steps leave the drafter behind
+        else:
+            if not table.draft_fresh:
+                kv = bucket_for(longest + 1, c.length_buckets)
+                table.slots, _ = self._run(rec, ("draft_prefill", batch, kv), self.state, self.drafter_state, table.slots)
+                table.draft_fresh = True
+            n, depth = strategy.verify_tokens, strategy.steps
+            kv_len = bucket_for(min(longest + n, self.max_len), c.length_buckets)
+            steps = min(c.steps_per_call, (kv_len - longest - n) // (depth + 1) + 1)
+            key = ("sd", batch, kv_len, strategy)
+            args = (self.state, self.drafter_state, table.slots, jnp.int32(steps))
+        table.slots, seconds = self._run(rec, key, *args)
+        diff = _counters(table.slots)[:2] - before[:2]  # [2, B] tokens and speculative steps per row
+        tokens, row_steps = (int(x) for x in diff.sum(1))
+        if strategy is None:
+            rec.decode_call(live, tokens, int(diff[0].max()))
+            return
+        rec.sd_call(strategy.label, live, tokens, row_steps, int(diff[1].max()), seconds)
+        if self.chooser is not None:
+            self.chooser.record(strategy, tokens / seconds)  # accepted tokens x live rows / second
+
+    def _harvest(self, slots, rows: list[int], requests: list[Request]) -> list[Completion]:
         idx = np.asarray(rows)
         n_out, tokens, logprobs, length = jax.device_get(
             (slots.n_out[idx], slots.out_tokens[idx], slots.out_logprobs[idx], slots.length[idx])
         )
         hidden = jax.device_get(slots.hidden[idx]) if self.keep_hidden else None
         out = []
-        for j, r in enumerate(rows):
-            req = requests[row_req[r]]
+        for j, req in enumerate(requests):
             n = int(n_out[j])
             toks = tokens[j, :n].tolist()
             reason = "stop" if toks and toks[-1] in req.stop_ids else "length"
@@ -445,45 +429,32 @@ class RolloutEngine:
         return out
 
 
+@dataclasses.dataclass
+class _Table:
+    """The row table of one generate call on device, and which request each row serves."""
+
+    slots: programs.Slots
+    row_req: list[int] = dataclasses.field(default_factory=list)  # request index per row, -1 when free
+    draft_fresh: bool = False  # whether the drafter cache holds every row's prefix
+
+    def __post_init__(self):
+        self.row_req = self.row_req or [-1] * self.slots.batch
+
+    @property
+    def batch(self) -> int:
+        return len(self.row_req)
+
+    def free_rows(self) -> list[int]:
+        return [r for r in range(self.batch) if self.row_req[r] < 0]
+
+    def busy(self) -> int:
+        """Rows serving a request (live, or finished and not yet collected)."""
+        return sum(r >= 0 for r in self.row_req)
+
+
 def _counters(slots: programs.Slots) -> np.ndarray:
-    """[2, B] int64: completion tokens and speculative steps so far of every row."""
+    """[3, B] int64: completion tokens, speculative steps and cached length of every row so far."""
     if slots.draft is None:
-        n_out = jax.device_get(slots.n_out)
-        return np.stack([n_out, np.zeros_like(n_out)]).astype(np.int64)
-    return np.stack(jax.device_get((slots.n_out, slots.draft.sd_steps))).astype(np.int64)
-
-
-class _Stats:
-    """One rollout's counters, seconds per phase, and timeline."""
-
-    def __init__(self, pool: ProgramPool):
-        self.pool, self.compile_seconds = pool, pool.compile_seconds()
-        self.start = time.perf_counter()
-        self.values: dict[str, float] = defaultdict(float)
-        self.timeline: list[tuple[float, int, int, bool, str]] = []
-
-    def add(self, key: str, n: float = 1) -> None:
-        self.values[key] += n
-
-    def run(self, phase: str, program, *args):
-        """Runs a program to completion; returns (its output, seconds), counted under `phase`."""
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(program(*args))
-        seconds = time.perf_counter() - t0
-        self.add(f"{phase}_calls")
-        self.add(f"seconds_{phase}", seconds)
-        return out, seconds
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start
-
-    def finish(self) -> dict[str, float]:
-        out = dict(self.values)
-        out["seconds"] = self.elapsed()
-        out["seconds_compile"] = self.pool.compile_seconds() - self.compile_seconds
-        out["seconds_host"] = out["seconds"] - sum(
-            v for k, v in out.items() if k.startswith("seconds_") and "[" not in k
-        )
-        if out.get("sd_steps"):
-            out["acceptance_length"] = acceptance_length(out)
-        return out
+        n_out, length = jax.device_get((slots.n_out, slots.length))
+        return np.stack([n_out, np.zeros_like(n_out), length]).astype(np.int64)
+    return np.stack(jax.device_get((slots.n_out, slots.draft.sd_steps, slots.length))).astype(np.int64)

@@ -8,6 +8,7 @@ unexpected shape is an error rather than a silent recompile.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -22,7 +23,12 @@ log = logging.getLogger(__name__)
 
 
 def enable_persistent_cache(directory: str | os.PathLike) -> Path:
-    """Turns on JAX's on-disk compilation cache, so a second process compiles nothing it compiled before."""
+    """Turns on JAX's on-disk compilation cache, so a second process compiles nothing it compiled before.
+
+    Entry points (the CLI, scripts) call it with rollout.compile_cache_dir; it is process-wide JAX
+    state, so library code never turns it on by itself. It also starts counting cache hits, which
+    ProgramPool reports per program.
+    """
     path = Path(directory).expanduser()
     path.mkdir(parents=True, exist_ok=True)
     current = jax.config.jax_compilation_cache_dir
@@ -32,21 +38,26 @@ def enable_persistent_cache(directory: str | os.PathLike) -> Path:
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    _count_cache_hits()
     return path
 
 
-# Programs served by the persistent compilation cache, over the process (pools compiling in several
-# threads at once may credit a hit to the wrong program: the count only feeds reports).
-_cache_hits = 0
+class _CacheHits:
+    """Programs served by the persistent compilation cache over the process (pools compiling in several
+    threads at once may credit a hit to the wrong program: the count only feeds reports)."""
+
+    count = 0
+
+    @classmethod
+    def listen(cls, event: str, **kwargs) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            cls.count += 1
 
 
-def _count_cache_hits(event: str, **kwargs) -> None:
-    global _cache_hits
-    if event == "/jax/compilation_cache/cache_hits":
-        _cache_hits += 1
-
-
-jax.monitoring.register_event_listener(_count_cache_hits)
+@functools.cache
+def _count_cache_hits() -> None:
+    """Registers the hit counter with jax.monitoring, once per process."""
+    jax.monitoring.register_event_listener(_CacheHits.listen)
 
 
 @dataclasses.dataclass
@@ -90,7 +101,7 @@ class ProgramPool:
 
     def _compile(self, key: Hashable) -> None:
         fn, args = self._build(key)
-        hits = _cache_hits
+        hits = _CacheHits.count
         t0 = time.perf_counter()
         compiled = fn.lower(*args).compile(compiler_options=self._compiler_options(key))
         seconds = time.perf_counter() - t0
@@ -101,7 +112,7 @@ class ProgramPool:
             compile_seconds=seconds,
             temp_bytes=getattr(memory, "temp_size_in_bytes", 0) if memory else 0,
             argument_bytes=getattr(memory, "argument_size_in_bytes", 0) if memory else 0,
-            from_cache=_cache_hits > hits,
+            from_cache=_CacheHits.count > hits,
         )
 
     def compile_seconds(self) -> float:

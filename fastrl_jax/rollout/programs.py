@@ -6,10 +6,11 @@ an argument, so the pool compiles it once and a weight update reuses it.
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
+from collections.abc import Callable
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 from flax import nnx, struct
 
 from fastrl_jax.models.decoder import KVCache
@@ -133,6 +134,22 @@ def prefill(graphdef, state, slots: Slots, adm: Admission) -> Slots:
     )
 
 
+def steps_until_a_row_finishes(step: Callable[[Slots], Slots], slots: Slots, max_steps: jax.Array) -> Slots:
+    """Runs step(slots) on device until max_steps steps have run or a live row has finished: the loop
+    of plain decoding and of speculative decoding alike (the host harvests a finished row at once)."""
+    n_live = jnp.sum(slots.live)
+
+    def cond(carry):
+        i, s = carry
+        return (i < max_steps) & (jnp.sum(s.live) == n_live) & (n_live > 0)
+
+    def body(carry):
+        i, s = carry
+        return i + 1, step(s)
+
+    return jax.lax.while_loop(cond, body, (jnp.int32(0), slots))[1]
+
+
 def decode(graphdef, state, slots: Slots, max_steps: jax.Array, kv_len: int) -> Slots:
     """Decodes up to max_steps tokens per live row, returning early as soon as a row finishes.
 
@@ -140,16 +157,9 @@ def decode(graphdef, state, slots: Slots, max_steps: jax.Array, kv_len: int) -> 
     window): the host passes max_steps <= kv_len - max(length).
     """
     model = nnx.merge(graphdef, state)
-    B = slots.batch
-    rows = jnp.arange(B)
-    n_live = jnp.sum(slots.live)
+    rows = jnp.arange(slots.batch)
 
-    def cond(carry):
-        step, s = carry
-        return (step < max_steps) & (jnp.sum(s.live) == n_live) & (n_live > 0)
-
-    def body(carry):
-        step, s = carry
+    def step(s: Slots) -> Slots:
         logits, hidden, cache = model(s.token[:, None], s.length[:, None], s.cache, s.length, kv_len=kv_len)
         token, logprob = sample(logits[:, 0], s.params, s.length + 1)
         live = s.live
@@ -158,7 +168,7 @@ def decode(graphdef, state, slots: Slots, max_steps: jax.Array, kv_len: int) -> 
         if hid is not None:
             hid = hid.at[rows, s.length].set(hidden[:, 0].astype(hid.dtype))
         n_out = s.n_out + live
-        return step + 1, s.replace(
+        return s.replace(
             cache=cache,
             hidden=hid,
             token=jnp.where(live, token, s.token),
@@ -170,7 +180,7 @@ def decode(graphdef, state, slots: Slots, max_steps: jax.Array, kv_len: int) -> 
             history=s.history.at[rows, jnp.where(live, s.length + 1, s.history.shape[1])].set(token, mode="drop"),
         )
 
-    return jax.lax.while_loop(cond, body, (jnp.int32(0), slots))[1]
+    return steps_until_a_row_finishes(step, slots, max_steps)
 
 
 def resize(slots: Slots, index: jax.Array) -> Slots:

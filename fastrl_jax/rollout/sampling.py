@@ -38,10 +38,8 @@ def position_gumbel(seed: jax.Array, position: jax.Array, vocab: int) -> jax.Arr
 
     A counter-based hash of (seed, position, token id); seed and position each enter through a
     bijective mix, so neighbouring seeds or positions draw unrelated noise (a chi-square test checks
-    it). jax.random's threefry cost ~5x more here, where every sampled row draws a whole vocabulary
-    of noise per step (SmolLM2 on CPU: ~40% of a batch-64 decode step). An earlier attempt was
-    reverted for outputs that differed from plain decoding; the cause was XLA's YNNPACK reduce
-    fusion reading unwritten memory (fastrl_jax/__init__.py), not this noise.
+    it). It is several times cheaper than jax.random's threefry, which matters because every sampled
+    row draws a whole vocabulary of noise per step (docs/measurements.md).
     """
     a = _mix32(seed.astype(jnp.uint32) ^ jnp.uint32(0x3C6EF372))[..., None]
     b = _mix32(position.astype(jnp.uint32) ^ jnp.uint32(0xA54FF53A))[..., None]
@@ -52,9 +50,9 @@ def position_gumbel(seed: jax.Array, position: jax.Array, vocab: int) -> jax.Arr
 
 def first_argmax(x: jax.Array, chunk: int = 128) -> jax.Array:
     """jnp.argmax over the last axis (the first index of the maximum; NaN counts as the maximum):
-    [..., V] -> [...] int32. XLA CPU's argmax reduce over a whole vocabulary runs ~10x slower
-    than a max, so this finds the first chunk of `chunk` entries holding the maximum, then the
-    argmax inside it."""
+    [..., V] -> [...] int32. XLA CPU's argmax reduce over a whole vocabulary runs far slower than a
+    max (docs/measurements.md), so this finds the first chunk of `chunk` entries holding the maximum,
+    then the argmax inside it."""
     V = x.shape[-1]
     pad = -V % chunk
     if pad:
@@ -75,8 +73,8 @@ def filtered_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
 
 def _top_k_top_p(scaled: jax.Array, params: SamplingParams) -> jax.Array:
     """HF's top-k then top-p filter, with each threshold found by bisection over the float order (32
-    passes over the vocabulary) instead of a sort: XLA CPU's sort took ~25 ms per SmolLM2 row, more
-    than a decode step."""
+    passes over the vocabulary) instead of a sort: XLA CPU's sort of a vocabulary costs more than a
+    decode step (docs/measurements.md)."""
     keys = _order_keys(scaled)
     top_k = params.top_k[:, None]
     k_key = _largest_key_where(keys, lambda key: jnp.sum(keys >= key, -1, keepdims=True) >= top_k)

@@ -20,7 +20,7 @@ from flax import nnx, struct
 from fastrl_jax.models.decoder import KVCache
 from fastrl_jax.models.drafter import policy_features
 from fastrl_jax.rollout import accept as accept_lib
-from fastrl_jax.rollout.programs import Slots
+from fastrl_jax.rollout.programs import Slots, steps_until_a_row_finishes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +34,11 @@ class Strategy:
     def __post_init__(self):
         if self.steps < 1 or self.topk < 1 or not 2 <= self.verify_tokens <= self.num_candidates + 1:
             raise ValueError(f"need steps >= 1, topk >= 1, 2 <= verify_tokens <= {self.num_candidates + 1}: {self}")
+
+    @property
+    def label(self) -> str:
+        """'steps/topk/verify_tokens', the notation of stats, timelines and configs."""
+        return f"{self.steps}/{self.topk}/{self.verify_tokens}"
 
     @property
     def num_candidates(self) -> int:
@@ -279,18 +284,12 @@ def sd_program(graphdef, state, dgraphdef, dstate, s: Slots, max_steps, strategy
     """Speculative steps until a row finishes or max_steps (the host keeps rows inside kv_len)."""
     policy = nnx.merge(graphdef, state)
     drafter = nnx.merge(dgraphdef, dstate)
-    n_live = jnp.sum(s.live)
 
-    def cond(carry):
-        step, s = carry
-        return (step < max_steps) & (jnp.sum(s.live) == n_live) & (n_live > 0)
-
-    def body(carry):
-        step, s = carry
+    def step(s: Slots) -> Slots:
         s, ds = sd_step(policy, drafter, s.replace(draft=None), s.draft, strategy, kv_len, mode)
-        return step + 1, s.replace(draft=ds)
+        return s.replace(draft=ds)
 
-    return jax.lax.while_loop(cond, body, (jnp.int32(0), s))[1]
+    return steps_until_a_row_finishes(step, s, max_steps)
 
 
 def drafter_prefill_program(graphdef, state, dgraphdef, dstate, s: Slots, kv_len: int) -> Slots:

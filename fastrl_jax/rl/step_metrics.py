@@ -10,12 +10,12 @@ from typing import Any
 
 import numpy as np
 
-from fastrl_jax.metrics import MetricsSink
-from fastrl_jax.rollout.engine import acceptance_length
+from fastrl_jax.metric_sink import MetricsSink
+from fastrl_jax.rollout.stats import RolloutStats
 
 
 def rollout_summary(rewards: Sequence[float], correct: Sequence[float], lengths: Sequence[int],
-                    finish_reasons: Sequence[str], stats: dict[str, float]) -> dict[str, float]:
+                    finish_reasons: Sequence[str], stats: RolloutStats) -> dict[str, float]:
     """Reward, accuracy and response-length statistics of one rollout, plus the engine's SD figures."""
     r, n = np.asarray(rewards, np.float64), np.asarray(lengths, np.float64)
     out = {
@@ -29,14 +29,13 @@ def rollout_summary(rewards: Sequence[float], correct: Sequence[float], lengths:
         "truncated_frac": float(np.mean([f == "length" for f in finish_reasons])),
         "tokens": int(n.sum()),
     }
-    tokens = stats.get("tokens", 0)
-    plain, spec = stats.get("steps_plain", 0), stats.get("steps_sd", 0)
+    tokens, plain, spec = stats.tokens, stats.steps_plain, stats.steps_sd
     # Share of decode steps that were speculative (1 with sd.mode=on, 0 when off, the tail when adaptive),
     # and share of generated tokens those steps produced.
     out["sd_share"] = float(spec / (plain + spec)) if plain + spec else 0.0
-    out["sd_token_share"] = float(stats.get("sd_tokens", 0) / tokens) if tokens else 0.0
-    out["rollout_compile_s"] = float(stats.get("seconds_compile", 0.0))
-    out["acceptance_length"] = acceptance_length(stats)
+    out["sd_token_share"] = float(stats.sd_tokens / tokens) if tokens else 0.0
+    out["rollout_compile_s"] = float(stats.seconds["compile"])
+    out["acceptance_length"] = stats.acceptance_length()
     return out
 
 

@@ -1,4 +1,4 @@
-"""Fixtures for the RL tests: a tiny random Llama written as an HF checkpoint with a character tokenizer.
+"""Tiny GRPO runs: a tiny random Llama written as an HF checkpoint with a character tokenizer.
 
 The trainer loads it through the same path as a real checkpoint (config.json + safetensors +
 tokenizer.json), so subprocess tests (resume after SIGKILL, two processes) run the real CLI.
@@ -93,7 +93,7 @@ def tiny_overrides(tmp: Path, steps: int = 3) -> list[str]:
     prompts = write_prompts(tmp / "prompts.jsonl")
     return [
         f"model.path={ckpt}", f"data.source={prompts}", f"data.eval_source={prompts}", "data.instruction=",
-        "data.chat_template=false", "reward.functions=[rl_helpers:digit_reward]", "reward.weights=[1.0]",
+        "data.chat_template=false", "reward.functions=[helpers.tiny_run:digit_reward]", "reward.weights=[1.0]",
         f"rl.steps={steps}", "rl.prompts_per_step=4", "rl.samples_per_prompt=4", "rl.max_new_tokens=12",
         "rl.micro_batch_size=8", "rl.temperature=1.0", f"rl.out_dir={tmp / 'run'}", "rl.tensorboard=false",
         "optim.learning_rate=0.003", "rollout.batch_buckets=[1, 4, 16]", "rollout.length_buckets=[32, 64]",

@@ -1,6 +1,6 @@
-"""Rollout side of the RL loop: one engine per local replica, the weight hand-off, and the gather.
+"""The RL loop's rollout workers: one engine per local replica, the weight hand-off, and the gather.
 
-Replicas are the mesh's sub-meshes along `data` (fastrl_jax.sharding.replica_meshes). The trainer's
+Replicas are the mesh's sub-meshes along `data` (sharding.replica_meshes). The trainer's
 parameters are sharded over (fsdp, tensor) and replicated over data, so each replica's devices
 already hold the shards its engine needs: the hand-off re-wraps those buffers with the replica's
 sharding (no copy, no recompilation; engine.update_weights keeps every program). Requests are
@@ -18,37 +18,15 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from fastrl_jax.config import Config, ConfigError
 from fastrl_jax.models.drafter import Drafter
-from fastrl_jax.rollout.engine import Completion, Request, RolloutEngine, add_stats
-from fastrl_jax.sharding import replica_meshes, shardings_for
+from fastrl_jax.rollout.engine import Completion, Request, RolloutEngine
+from fastrl_jax.rollout.stats import RolloutStats
+from fastrl_jax.sharding import replica_meshes, reshard, shardings_for
 
 _FINISH = ("stop", "length", "error")
-
-
-def reshard(tree: Any, shardings: Any) -> Any:
-    """Each array of `tree` on the matching NamedSharding of `shardings` (same pytree).
-
-    Zero-copy when the target's devices already hold the target's shards (a replica of a mesh whose
-    parameters are replicated along data); otherwise a device_put (single process only).
-    """
-
-    def one(x: jax.Array, target: NamedSharding) -> jax.Array:
-        if x.sharding == target:
-            return x
-        devices = set(target.device_set)
-        shards = [s for s in x.addressable_shards if s.device in devices]
-        if len({s.device for s in shards}) == len(devices) and all(
-            s.data.shape == target.shard_shape(x.shape) and s.index == target.devices_indices_map(x.shape)[s.device]
-            for s in shards
-        ):
-            unique = {s.device: s.data for s in shards}
-            return jax.make_array_from_single_device_arrays(x.shape, target, list(unique.values()))
-        return jax.device_put(x, target)
-
-    return jax.tree.map(one, tree, shardings)
 
 
 @dataclasses.dataclass
@@ -98,7 +76,7 @@ class RolloutWorkers:
 
     def generate(self, requests: Sequence[Request], group_size: int, *,
                  replica_done: Callable[[int], None] | None = None,
-                 between_steps: Callable[[int], None] | None = None) -> tuple[list[Completion], dict[str, float]]:
+                 between_steps: Callable[[int], None] | None = None) -> tuple[list[Completion], RolloutStats]:
         """All completions (in request order) and the local engines' summed stats.
 
         Group g (requests g*group_size ...) goes to replica g % num_replicas. replica_done(index) runs
@@ -112,7 +90,7 @@ class RolloutWorkers:
             out = r.engine.generate([requests[i] for i in mine], between_steps) if mine else []
             if replica_done is not None:
                 replica_done(r.index)
-            return mine, out, dict(r.engine.stats) if mine else {}
+            return mine, out, r.engine.stats if mine else RolloutStats()
 
         if len(self.replicas) == 1:
             results = [run(self.replicas[0])]
@@ -120,11 +98,11 @@ class RolloutWorkers:
             with ThreadPoolExecutor(len(self.replicas)) as pool:
                 results = list(pool.map(run, self.replicas))
         completions: list[Completion | None] = [None] * len(requests)
-        stats: dict[str, float] = {}
+        stats = RolloutStats()
         for mine, out, st in results:
             for i, c in zip(mine, out):
                 completions[i] = c
-            add_stats(stats, st)
+            stats += st
         if jax.process_count() > 1:
             completions = _allgather(completions, requests, owner, self.num_replicas)
         return completions, stats

@@ -1,0 +1,70 @@
+"""RL prompt pipelines on grain: prompt records (a file, or the built-in math generator) -> shuffled,
+repeated batches.
+
+A record is {"prompt": str} or {"messages": [{"role", "content"}, ...]}, plus "answer" (the ground
+truth the reward compares with); prompt_files.read_records reads and checks a file's. The iterator's
+position is a small JSON dict (grain's iterator state), saved with every checkpoint so a resumed
+run continues with the next batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import grain
+
+from fastrl_jax.data import math_problems
+from fastrl_jax.data.prompt_files import read_records
+
+MATH_SOURCE = "math"
+_MATH_LEN = 1 << 30  # the generator is unbounded; grain wants a length
+
+
+class MathSource:
+    """Random-access view of the built-in math problem stream `seed` (grain RandomAccessDataSource)."""
+
+    def __init__(self, seed: int, levels: Sequence[int]):
+        self.seed, self.levels = seed, tuple(levels)
+        math_problems.problem(seed, 0, self.levels)  # checks the levels now
+
+    def __len__(self) -> int:
+        return _MATH_LEN
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        p = math_problems.problem(self.seed, int(index), self.levels)
+        return {"prompt": p.question, "answer": str(p.answer), "level": p.level}
+
+
+def source(spec: str, seed: int, levels: Sequence[int] = math_problems.LEVELS, **fields) -> Any:
+    """A grain random-access source: the math generator (spec 'math') or a prompt file."""
+    if spec == MATH_SOURCE:
+        return MathSource(seed, levels)
+    return read_records(spec, **fields)
+
+
+def prompt_batches(src: Any, batch_size: int, seed: int, shuffle: bool = True) -> grain.MapDataset:
+    """Shuffled (per epoch, from `seed`), repeated forever, batched into lists of records."""
+    ds = grain.MapDataset.source(src)
+    if shuffle and len(src) < _MATH_LEN:  # the generator is random already; a 2^30 permutation is wasted work
+        ds = ds.shuffle(seed=seed)
+    return ds.repeat(None).batch(batch_size, batch_fn=list)
+
+
+class PromptIterator:
+    """Batches of records with a JSON-able position: `state()` / `restore(state)`."""
+
+    def __init__(self, dataset: grain.MapDataset):
+        self._it = iter(dataset)
+
+    def __next__(self) -> list[dict[str, Any]]:
+        return next(self._it)
+
+    def __iter__(self):
+        return self
+
+    def state(self) -> dict[str, Any]:
+        return self._it.get_state()
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self._it.set_state(state)

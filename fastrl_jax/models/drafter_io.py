@@ -1,0 +1,69 @@
+"""Drafter weights in and out: Orbax save / load, and make_drafter, the one way a run gets its drafter."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from fastrl_jax.config import Config
+from fastrl_jax.models.config import ModelConfig
+from fastrl_jax.models.decoder import DTYPES
+from fastrl_jax.models.drafter import Drafter, DraftVocab
+
+log = logging.getLogger(__name__)
+
+
+def save_drafter(path: str | Path, drafter: Drafter) -> Path:
+    """Writes the drafter's parameters (and its draft vocabulary, if any) as an Orbax checkpoint
+    at `path` (a new directory)."""
+    path = Path(path).expanduser().resolve()
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path, nnx.to_pure_dict(nnx.state(drafter, (nnx.Param, DraftVocab))))
+    return path
+
+
+def abstract_drafter(cfg: ModelConfig, dtype="float32", draft_vocab_size: int = 0) -> Drafter:
+    """The drafter's structure without memory; draft_vocab_size 0 means the full vocabulary."""
+    vocab = np.arange(draft_vocab_size) if draft_vocab_size else None
+    return nnx.eval_shape(lambda: Drafter(cfg, nnx.Rngs(0), dtype, draft_vocab=vocab))
+
+
+def load_drafter(path: str | Path, cfg: ModelConfig, dtype="float32") -> Drafter:
+    """Reads a drafter saved by save_drafter, or the final drafter of a train-drafter out_dir
+    (its drafter/), for a policy of config `cfg`."""
+    path = Path(path).expanduser().resolve()
+    if (path / "drafter").is_dir():
+        path = path / "drafter"
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"drafter checkpoint {path} not found (expected a directory written by save_drafter, or a train-drafter out_dir)"
+        )
+    with ocp.StandardCheckpointer() as ckptr:
+        try:
+            saved = ckptr.metadata(path).item_metadata
+            vocab = saved.get("draft_vocab")
+            abstract = abstract_drafter(cfg, dtype, vocab.shape[0] if vocab is not None else 0)
+            graphdef, state = nnx.split(abstract)
+            target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(state))
+            restored = ckptr.restore(path, target)
+        except (ValueError, KeyError, AttributeError) as e:
+            raise ValueError(f"{path} is not a drafter checkpoint for this policy ({e})") from e
+    nnx.replace_by_pure_dict(state, restored)
+    return nnx.merge(graphdef, state)
+
+
+def make_drafter(cfg: Config, model_cfg: ModelConfig, path: str | Path | None) -> Drafter:
+    """The drafter of a run: the checkpoint at `path`, or a randomly initialised one (seed cfg.seed)
+    when path is None or '' (lossless, since the policy verifies every token, but it accepts ~1
+    token per step until trained)."""
+    dtype = DTYPES[cfg.model.dtype]
+    if path:
+        return load_drafter(path, model_cfg, dtype)
+    log.warning("no drafter checkpoint (--drafter, rl.drafter_path): a randomly initialised drafter (lossless, "
+                "but it accepts ~1 token per step until trained)")
+    return Drafter(model_cfg, nnx.Rngs(cfg.seed), dtype)

@@ -1,0 +1,116 @@
+"""What a rollout did: token and step counters, seconds per phase, acceptance per draft-tree strategy,
+and a timeline of its program calls. `+` sums rollouts (replicas of one RL step, rounds of a benchmark).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+from typing import NamedTuple
+
+
+class Call(NamedTuple):
+    """One program call of a rollout's decode loop, as the timeline records it."""
+
+    end_s: float  # seconds since the rollout started, at the call's end
+    live: int  # live rows during the call
+    tokens: int  # tokens the call emitted
+    speculative: bool
+    strategy: str  # the draft tree as 'steps/topk/verify_tokens'; '' for plain decoding
+
+
+@dataclasses.dataclass
+class StrategyStats:
+    """Speculative steps of one draft-tree strategy."""
+
+    tokens: int = 0  # tokens its steps emitted
+    steps: int = 0  # row-steps (one live row, one speculative step)
+    seconds: float = 0.0  # its program calls' wall time
+
+    def __add__(self, other: StrategyStats) -> StrategyStats:
+        return StrategyStats(self.tokens + other.tokens, self.steps + other.steps, self.seconds + other.seconds)
+
+
+@dataclasses.dataclass
+class RolloutStats:
+    """Counters and seconds of one rollout (or the sum of several)."""
+
+    tokens: int = 0  # completion tokens of the finished requests
+    steps_plain: int = 0  # plain decode steps on device (each call counts its longest row's)
+    steps_sd: int = 0  # speculative steps on device (likewise)
+    sd_tokens: int = 0  # tokens emitted by speculative steps
+    sd_steps: int = 0  # speculative row-steps
+    calls: Counter = dataclasses.field(default_factory=Counter)  # program calls per phase
+    # Seconds per program phase (prefill, decode, sd, draft_prefill, resize), plus 'compile' (programs
+    # compiled during the rollout), 'host' (the rest of the loop) and 'total' (wall time).
+    seconds: Counter = dataclasses.field(default_factory=Counter)
+    strategies: dict[str, StrategyStats] = dataclasses.field(default_factory=dict)  # by strategy label
+
+    def __add__(self, other: RolloutStats) -> RolloutStats:
+        labels = self.strategies.keys() | other.strategies.keys()
+        return RolloutStats(
+            tokens=self.tokens + other.tokens, steps_plain=self.steps_plain + other.steps_plain,
+            steps_sd=self.steps_sd + other.steps_sd, sd_tokens=self.sd_tokens + other.sd_tokens,
+            sd_steps=self.sd_steps + other.sd_steps, calls=self.calls + other.calls, seconds=self.seconds + other.seconds,
+            strategies={k: self.strategies.get(k, StrategyStats()) + other.strategies.get(k, StrategyStats()) for k in labels},
+        )
+
+    def acceptance_length(self, label: str = "") -> float:
+        """Tokens per speculative row-step, of all strategies or of the one labelled `label`; NaN
+        without speculative steps."""
+        if label:
+            s = self.strategies.get(label, StrategyStats())
+            tokens, steps = s.tokens, s.steps
+        else:
+            tokens, steps = self.sd_tokens, self.sd_steps
+        return tokens / steps if steps else float("nan")
+
+    def acceptance_by_strategy(self) -> dict[str, float]:
+        return {label: self.acceptance_length(label) for label, s in self.strategies.items() if s.steps}
+
+    def as_dict(self) -> dict:
+        """Plain JSON-able values, acceptance lengths included."""
+        out = dataclasses.asdict(self)
+        out["calls"], out["seconds"] = dict(self.calls), dict(self.seconds)
+        out["acceptance_length"] = self.acceptance_length()
+        out["acceptance_by_strategy"] = self.acceptance_by_strategy()
+        return out
+
+
+class Recorder:
+    """Collects one rollout's stats and timeline while the engine runs it."""
+
+    def __init__(self, compile_seconds: float):
+        self.stats = RolloutStats()
+        self.timeline: list[Call] = []
+        self.start = time.perf_counter()
+        self._compile_seconds = compile_seconds
+
+    def timed(self, phase: str, seconds: float) -> None:
+        self.stats.calls[phase] += 1
+        self.stats.seconds[phase] += seconds
+
+    def decode_call(self, live: int, tokens: int, device_steps: int) -> None:
+        self.stats.steps_plain += device_steps
+        self.timeline.append(Call(self.elapsed(), live, tokens, False, ""))
+
+    def sd_call(self, label: str, live: int, tokens: int, row_steps: int, device_steps: int, seconds: float) -> None:
+        s = self.stats
+        s.steps_sd += device_steps
+        s.sd_tokens += tokens
+        s.sd_steps += row_steps
+        s.strategies[label] = s.strategies.get(label, StrategyStats()) + StrategyStats(tokens, row_steps, seconds)
+        self.timeline.append(Call(self.elapsed(), live, tokens, True, label))
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def finish(self, compile_seconds: float) -> RolloutStats:
+        """The stats, with the compile seconds since the start (pool total now - at the start)."""
+        s = self.stats
+        phases = sum(s.seconds.values())
+        s.seconds["compile"] = compile_seconds - self._compile_seconds
+        s.seconds["total"] = self.elapsed()
+        s.seconds["host"] = s.seconds["total"] - phases - s.seconds["compile"]
+        return s

@@ -1,0 +1,11 @@
+"""The `fastrl-jax` command in a subprocess, as a user runs it."""
+
+import os
+import subprocess
+import sys
+
+
+def fastrl_jax(*args):
+    """Runs the command in a fresh process on one CPU device (the tests' 8 fake devices stay here)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run([sys.executable, "-m", "fastrl_jax.cli", *args], capture_output=True, text=True, env=env)
