@@ -1,7 +1,7 @@
 """Reads a GGUF file (llama.cpp's format) as an HF config dict, float32 HF tensors and a tokenizer.
 
-Everything goes through the `gguf` package, never torch (a dev-only dependency): transformers'
-own GGUF reader imports torch at module top, so only its torch-free tokenizer conversion is reused.
+Everything goes through the `gguf` and `tokenizers` packages, never torch (a dev-only dependency):
+transformers' own GGUF code imports torch and is private, so only its public tokenizer class is used.
 Supported architectures are the decoder families: llama, qwen2, qwen3.
 """
 
@@ -14,6 +14,7 @@ from typing import Any
 
 import gguf
 import numpy as np
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -67,36 +68,165 @@ def read_gguf_tensors(path: str | Path) -> dict[str, np.ndarray]:
 
 
 def load_gguf_tokenizer(path: str | Path):
-    """A transformers `PreTrainedTokenizerFast` rebuilt from the vocabulary, merges and template in the GGUF."""
+    """A transformers `PreTrainedTokenizerFast` rebuilt from the vocabulary, merges and template in the GGUF.
+
+    The backend is built with the `tokenizers` library the way transformers 5.24 converts a GGUF
+    tokenizer: transformers' own GGUF code moves between 5.x releases and imports torch, so of
+    transformers only the public tokenizer class is used.
+    """
     from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-        _SPECIAL_TOKENS,
-        GGUF_TOKENIZER_MAPPING,
-        convert_gguf_tokenizer,
+
+    path = Path(path)
+    fields = _open(path).fields
+
+    def meta(key: str, default: Any = None) -> Any:
+        return fields[key].contents() if key in fields else default
+
+    kind, tokens, merges = meta("tokenizer.ggml.model"), meta("tokenizer.ggml.tokens"), meta("tokenizer.ggml.merges")
+    scores = meta("tokenizer.ggml.scores")
+    if tokens is None or kind not in ("gpt2", "llama") or (kind == "llama" and merges is None and scores is None):
+        raise ValueError(
+            f"{path} holds no usable tokenizer (tokenizer.ggml.model {kind!r}): GGUF tokenizers are built from "
+            f"a 'gpt2' (byte-level BPE) or 'llama' (sentencepiece BPE) vocabulary with its merges or scores"
+        )
+    if kind == "gpt2":
+        backend = _byte_level_bpe(tokens, merges, meta("tokenizer.ggml.pre"))
+    else:
+        backend = _sentencepiece_bpe(tokens, merges, scores)
+
+    # Control tokens (`<|im_end|>`) are matched whole and dropped by skip_special_tokens;
+    # user-defined ones (`<think>`) are matched whole and kept. In a byte-level vocabulary a control
+    # token spelled outside the byte alphabet is a llama.cpp mislabel, and adding it would grow the
+    # vocabulary past the model's embedding.
+    token_types = meta("tokenizer.ggml.token_type") or ()
+    backend.add_special_tokens([
+        AddedToken(token, normalized=False, special=True)
+        for token, token_type in zip(tokens, token_types)
+        if token_type == gguf.TokenType.CONTROL and (kind != "gpt2" or set(token) <= _BYTE_ALPHABET)
+    ])
+    vocab = backend.get_vocab()
+    backend.add_tokens([
+        AddedToken(token, normalized=False, special=False)
+        for token, token_type in zip(tokens, token_types)
+        if token_type == gguf.TokenType.USER_DEFINED and token in vocab
+    ])
+
+    special_tokens = {
+        name: tokens[token_id] if (token_id := meta(f"tokenizer.ggml.{key}")) is not None else None
+        for name, key in _SPECIAL_TOKEN_IDS.items()
+    }
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        chat_template=meta("tokenizer.chat_template"),
+        # llama.cpp adds BOS to a sentencepiece vocabulary unless told otherwise, and older files
+        # carry no flag.
+        add_bos_token=meta("tokenizer.ggml.add_bos_token", kind == "llama"),
+        add_eos_token=meta("tokenizer.ggml.add_eos_token", False),
+        **special_tokens,
     )
 
-    reader = _open(path)
-    fields = reader.fields
-    # Mirrors transformers' `get_gguf_tokenizer`, reading the metadata with `gguf` instead.
-    grouped = {
-        group: {
-            name: fields[f"tokenizer.{key}"].contents()
-            for key, name in renames.items()
-            if f"tokenizer.{key}" in fields
-        }
-        for group, renames in GGUF_TOKENIZER_MAPPING.items()
-    }
-    tokenizer_dict, tokenizer_config = grouped["tokenizer"], grouped["tokenizer_config"]
-    if tokenizer_dict.get("tokenizer_type") == "llama":
-        # Older sentencepiece files carry no flag, and llama.cpp adds BOS unless told otherwise.
-        tokenizer_config.setdefault("add_bos_token", True)
-    for name, key in _SPECIAL_TOKENS.items():
-        field = fields.get(f"tokenizer.ggml.{key}")
-        tokenizer_config[name] = tokenizer_dict["tokens"][field.contents()] if field is not None else None
 
-    architecture = fields["general.architecture"].contents()
-    backend, extra_kwargs = convert_gguf_tokenizer(architecture, tokenizer_dict)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra_kwargs)
+_SPECIAL_TOKEN_IDS = {
+    "bos_token": "bos_token_id",
+    "eos_token": "eos_token_id",
+    "unk_token": "unknown_token_id",
+    "pad_token": "padding_token_id",
+}
+
+
+def _gpt2_bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, the alphabet byte-level vocabularies are spelled in."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {b: chr(b) for b in printable} | {b: chr(256 + n) for n, b in enumerate(others)}
+
+
+_BYTE_TO_UNICODE = _gpt2_bytes_to_unicode()
+_BYTE_ALPHABET = frozenset(_BYTE_TO_UNICODE.values())
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str] | None, pre: str | None) -> Tokenizer:
+    """GPT-2-style byte-level BPE ('gpt2' files: SmolLM2, Qwen2/3, Llama 3), split as `pre` names."""
+    # A token llama.cpp stored in raw characters outside the byte alphabet (a space, say) is
+    # looked up by its byte spelling.
+    vocab = {
+        token if set(token) <= _BYTE_ALPHABET else "".join(_BYTE_TO_UNICODE[b] for b in token.encode()): index
+        for index, token in enumerate(tokens)
+    }
+    pairs = [tuple(merge.split(" ")) for merge in merges or ()]
+    backend = Tokenizer(models.BPE(vocab, pairs, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+    if (split := _PRE_TOKENIZER_SPLITS.get(pre)) is not None:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    else:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_bpe(tokens: list[str], merges: list[str] | None, scores: list[float] | None) -> Tokenizer:
+    """Sentencepiece-style BPE with byte fallback ('llama' files: Llama 2, Mistral, TinyLlama)."""
+    vocab = {token: index for index, token in enumerate(tokens)}
+    pairs = [tuple(merge.split(" ")) for merge in merges] if merges is not None else _merges_from_scores(vocab, scores)
+    backend = Tokenizer(models.BPE(vocab, pairs, fuse_unk=True, byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    backend.decoder = decoders.Sequence([
+        decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(content=" ", left=1),
+    ])
+    return backend
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: list[float]) -> list[tuple[str, str]]:
+    """The merges a sentencepiece vocabulary implies (older files store scores, not merges).
+
+    Every split of a token into two vocabulary tokens, ranked by the whole token's score; ties keep
+    vocabulary order.
+    """
+    merges = []
+    for token, score in zip(vocab, scores):
+        splits = [(token[:k], token[k:], score) for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab]
+        merges += sorted(splits, key=lambda split: (vocab[split[0]], vocab[split[1]]))
+    merges.sort(key=lambda merge: (merge[2], len(merge[0]), len(merge[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+# How byte-level text is split before BPE, by `tokenizer.ggml.pre`: the split the merges were
+# learned on (transformers 5.24's table). Names not listed (SmolLM2's "smollm") get GPT-2's split.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_TOKENIZER_SPLITS = {
+    **dict.fromkeys(
+        ["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano",
+         "dbrx", "smaug-bpe"],
+        _LLAMA3_SPLIT,
+    ),
+    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"], _QWEN2_SPLIT),
+    "qwen35": _QWEN35_SPLIT,
+    "tekken": _TEKKEN_SPLIT,
+    **dict.fromkeys(["gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"], _GPT4O_SPLIT),
+}
 
 
 def _open(path: str | Path) -> gguf.GGUFReader:
