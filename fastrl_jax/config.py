@@ -92,14 +92,77 @@ class RolloutConfig:
         _check_at_least("rollout", self, ("steps_per_call", "max_stop_ids"), 1)
 
 
+class StrategySpec(str):
+    """A draft strategy in config notation: 'S/K/V' (an EAGLE tree: S drafter steps, top-K branching,
+    V nodes verified, root included), 'hD' (a chain of up to D tokens drafted from history), or
+    'S/K/V+hD' (both merged into one tree). A list [S, K, V] reads as 'S/K/V'."""
+
+    @classmethod
+    def from_config(cls, value: Any, key: str) -> StrategySpec:
+        if isinstance(value, (list, tuple)) and len(value) == 3 and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            value = "/".join(map(str, value))
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a strategy like '6/4/16', 'h8' or '3/1/4+h8' (or [steps, topk, verify_tokens]), got {value!r}")
+        spec = cls(value.replace(" ", ""))
+        spec.parts(key)  # validates
+        return spec
+
+    def parts(self, key: str = "strategy") -> tuple[int, int, int, int]:
+        """(steps, topk, verify_tokens, history_tokens); steps 0 (topk 0, verify_tokens 1) without a tree."""
+        tree, _, chain = self.partition("+")
+        if tree.startswith("h") and not chain:
+            tree, chain = "", tree
+        try:
+            steps, topk, verify = (int(x) for x in tree.split("/")) if tree else (0, 0, 1)
+            history = int(chain[1:]) if chain else 0
+            if chain and not chain.startswith("h"):
+                raise ValueError
+        except ValueError:
+            raise ConfigError(f"{key}: {str(self)!r} is not 'S/K/V', 'hD' or 'S/K/V+hD' (e.g. '6/4/16', 'h8', '3/1/4+h8')") from None
+        if tree and (steps < 1 or topk < 1 or verify < 2):
+            raise ConfigError(f"{key}: {str(self)!r} needs steps >= 1, topk >= 1, verify_tokens >= 2")
+        if tree and verify > 1 + topk + (steps - 1) * topk**2:
+            raise ConfigError(f"{key}: verify_tokens={verify} exceeds the {1 + topk + (steps - 1) * topk**2} nodes "
+                              f"steps x topk can draft")
+        if chain and history < 1:
+            raise ConfigError(f"{key}: {str(self)!r} needs a history chain of at least 1 token")
+        return steps, topk, verify, history
+
+    def nodes(self) -> int:
+        """Tokens one step of this strategy verifies."""
+        _, _, verify, history = self.parts()
+        return verify + history
+
+
+@dataclasses.dataclass(frozen=True)
+class HistoryConfig:
+    """Drafting from history (rollout/history.py): earlier text of a row's prompt group."""
+
+    match_tokens: int = 8  # longest suffix of a row matched against its history
+    min_match: int = 2  # shorter matches draft nothing
+    spec_factor: float = 2.0  # a match of m tokens drafts up to spec_factor x m (at most the strategy's hD)
+    corpus_tokens: int = 4096  # per row: earlier completions of its prompt (and finished siblings') held on device
+    store_prompts: int = 4096  # prompts whose completions are kept across RL steps (least recently used dropped)
+
+    def __post_init__(self):
+        _check_at_least("sd.history", self, ("match_tokens", "min_match", "corpus_tokens", "store_prompts"), 1)
+        if self.spec_factor <= 0:
+            raise ConfigError(f"sd.history.spec_factor must be > 0, got {self.spec_factor}")
+        if self.corpus_tokens < 4 * self.match_tokens:
+            raise ConfigError(f"sd.history.corpus_tokens ({self.corpus_tokens}) must be >= 4 x sd.history.match_tokens")
+
+
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
-    """Speculative decoding: a draft tree of `steps` x `topk`, `verify_tokens` nodes verified (root included).
+    """Speculative decoding: which draft strategies run, and when.
 
-    mode 'on' always runs that one tree. mode 'adaptive' runs plain decoding while the live batch is
-    large and SD once it has stayed <= threshold_live_batch for patience_host_steps program calls,
-    choosing among `strategies` with a bandit; each verify_tokens group of strategies owns a live-batch
-    range in group_live_batch_ranges.
+    mode 'on' always runs one strategy: strategies[0], or the EAGLE tree steps / topk / verify_tokens
+    when no strategies are given. mode 'adaptive' runs plain decoding while the live batch is large and
+    speculates once it has stayed <= threshold_live_batch for patience_host_steps program calls; then a
+    bandit chooses among the strategies whose group covers the live batch, and plain decoding
+    (plain_arm), so adaptive decoding is never slower than plain beyond exploration. Strategies are
+    grouped by the tokens a step verifies (verify_tokens + history tokens); each group owns a
+    live-batch range in group_live_batch_ranges.
     """
 
     mode: str = "off"  # off | on | adaptive
@@ -109,58 +172,55 @@ class SpecConfig:
     accept: str = "coupled"  # coupled (bit-identical to plain sampling) | rejection (exact in distribution)
     threshold_live_batch: int = 8  # adaptive: SD only at live batch <= this
     patience_host_steps: int = 2  # adaptive: consecutive program calls at or below the threshold before SD turns on
-    strategies: tuple[tuple[int, ...], ...] = ()  # adaptive: [steps, topk, verify_tokens] each; empty = the one above
-    group_live_batch_ranges: tuple[tuple[int, ...], ...] = ()  # adaptive: [verify_tokens, min, max] per group; empty = [1, threshold] for a single group
+    strategies: tuple[StrategySpec, ...] = ()  # 'S/K/V', 'hD' or 'S/K/V+hD' each; empty = the tree above
+    group_live_batch_ranges: tuple[tuple[int, ...], ...] = ()  # adaptive: [nodes, min, max] per group; empty = [1, threshold] for a single group
+    plain_arm: bool = True  # adaptive: plain decoding is one of every group's arms
     bandit: str = "beg"  # adaptive: beg (bucketed epsilon-greedy) | ucb1 | fixed (each group's first strategy)
     epsilon: float = 0.1  # beg: exploration probability
     window_host_steps: int = 16  # bandit: rewards kept per strategy (sliding window)
     bandit_seed: int = 0
+    history: HistoryConfig = HistoryConfig()
 
     def __post_init__(self):
         _check_choice("sd.mode", self.mode, ("off", "on", "adaptive"))
         _check_choice("sd.accept", self.accept, ("coupled", "rejection"))
         _check_choice("sd.bandit", self.bandit, ("beg", "ucb1", "fixed"))
-        for key, tree in [("sd", (self.steps, self.topk, self.verify_tokens)),
-                          *((f"sd.strategies[{i}]", s) for i, s in enumerate(self.strategies))]:
-            if len(tree) != 3:
-                raise ConfigError(f"{key} must be [steps, topk, verify_tokens], got {list(tree)}")
-            steps, topk, verify = tree
-            if steps < 1 or topk < 1 or verify < 2:
-                raise ConfigError(f"{key} needs steps >= 1, topk >= 1, verify_tokens >= 2; got {list(tree)}")
-            most = 1 + topk + (steps - 1) * topk**2
-            if verify > most:
-                raise ConfigError(f"{key}: verify_tokens={verify} exceeds the {most} nodes steps x topk can draft")
+        if not self.strategies:
+            StrategySpec(f"{self.steps}/{self.topk}/{self.verify_tokens}").parts("sd")
+        object.__setattr__(self, "strategies", tuple(  # [S, K, V] tuples of Python callers read as 'S/K/V'
+            StrategySpec.from_config(spec, f"sd.strategies[{i}]") for i, spec in enumerate(self.strategies)))
         _check_at_least("sd", self, ("threshold_live_batch", "patience_host_steps", "window_host_steps"), 1)
         if not 0 <= self.epsilon <= 1:
             raise ConfigError(f"sd.epsilon must be in [0, 1], got {self.epsilon}")
         self.live_batch_ranges()  # validates the groups' ranges
 
-    def strategy_list(self) -> list[tuple[int, int, int]]:
-        """Adaptive mode's candidate trees (steps, topk, verify_tokens); mode 'on' uses the first."""
-        if self.mode == "adaptive" and self.strategies:
-            return [tuple(s) for s in self.strategies]
-        return [(self.steps, self.topk, self.verify_tokens)]
+    def strategy_list(self) -> list[StrategySpec]:
+        """The strategies that may run: adaptive mode's candidates; mode 'on' runs the first."""
+        if self.strategies:
+            return [StrategySpec(s) for s in (self.strategies if self.mode != "on" else self.strategies[:1])]
+        return [StrategySpec(f"{self.steps}/{self.topk}/{self.verify_tokens}")]
 
     def live_batch_ranges(self) -> dict[int, tuple[int, int]]:
-        """{verify_tokens: (min_live_batch, max_live_batch)}: disjoint, covering 1 .. threshold_live_batch."""
-        groups = sorted({s[2] for s in self.strategy_list()})
+        """{nodes: (min_live_batch, max_live_batch)}: disjoint, covering 1 .. threshold_live_batch."""
+        groups = sorted({s.nodes() for s in self.strategy_list()})
         key = "sd.group_live_batch_ranges"
         if not self.group_live_batch_ranges:
             if len(groups) > 1:
                 raise ConfigError(
-                    f"sd.strategies has {len(groups)} verify_tokens groups {groups}: give {key} as "
-                    "[verify_tokens, min_live_batch, max_live_batch] per group, e.g. [[16, 1, 2], [8, 3, 8]]"
+                    f"sd.strategies verify {len(groups)} different token counts {groups}: give {key} as "
+                    "[nodes, min_live_batch, max_live_batch] per group, e.g. [[16, 1, 2], [8, 3, 8]]"
                 )
             return {groups[0]: (1, self.threshold_live_batch)}
         ranges = {}
         for r in self.group_live_batch_ranges:
             if len(r) != 3 or r[1] < 1 or r[2] < r[1]:
-                raise ConfigError(f"{key} entries must be [verify_tokens, min, max] with 1 <= min <= max, got {list(r)}")
+                raise ConfigError(f"{key} entries must be [nodes, min, max] with 1 <= min <= max, got {list(r)}")
             if r[0] in ranges:
-                raise ConfigError(f"{key} gives verify_tokens={r[0]} twice")
+                raise ConfigError(f"{key} gives nodes={r[0]} twice")
             ranges[r[0]] = (r[1], r[2])
         if self.mode == "adaptive" and sorted(ranges) != groups:
-            raise ConfigError(f"{key} must give one range per verify_tokens group of sd.strategies {groups}, got {sorted(ranges)}")
+            raise ConfigError(f"{key} must give one range per verify_tokens group of sd.strategies (the tokens a step "
+                              f"verifies) {groups}, got {sorted(ranges)}")
         covered = sorted(ranges.values())
         if covered[0][0] != 1 or any(b[0] != a[1] + 1 for a, b in zip(covered, covered[1:])) \
                 or covered[-1][1] < self.threshold_live_batch:
@@ -343,8 +403,7 @@ class DrafterTrainConfig:
         if len(self.eval_strategy) != 3:
             raise ConfigError(f"{key}eval_strategy must be [steps, topk, verify_tokens], got {list(self.eval_strategy)}")
         try:
-            SpecConfig(mode="on", steps=self.eval_strategy[0], topk=self.eval_strategy[1],
-                       verify_tokens=self.eval_strategy[2])
+            SpecConfig(mode="on", steps=self.eval_strategy[0], topk=self.eval_strategy[1], verify_tokens=self.eval_strategy[2])
         except ConfigError as e:
             raise ConfigError(f"{key}eval_strategy: {e}") from None
 
@@ -445,6 +504,8 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key} must be a list, got {value!r}")
         return tuple(_convert(args[0], v, f"{key}[{i}]") for i, v in enumerate(value))
+    if hasattr(hint, "from_config"):  # a type with its own notation (StrategySpec)
+        return hint.from_config(value, key)
     if hint not in _TYPE_NAMES:
         raise TypeError(f"config field {key}: unsupported type {hint}")
     wrong = ConfigError(f"{key} must be {_TYPE_NAMES[hint]}, got {value!r}")

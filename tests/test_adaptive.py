@@ -12,7 +12,7 @@ from fastrl_jax.config import ConfigError, SpecConfig, load_config
 from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.rollout.controller import OnOff, StrategyChooser
 from fastrl_jax.rollout.engine import Request, RolloutEngine
-from fastrl_jax.rollout.speculative import Strategy
+from fastrl_jax.rollout.speculative import PLAIN, Strategy
 
 # ---- controller (pure) ------------------------------------------------------------------------
 
@@ -53,7 +53,7 @@ def _play(kind, means, rounds=300, seed=0, epsilon=0.1, chooser=None):
     noise = np.random.default_rng(seed + 1)
     for _ in range(rounds):
         s = chooser.choose(1)
-        chooser.record(s, means[s] * (1 + 0.3 * noise.standard_normal()))
+        chooser.record(s, 1, means[s] * (1 + 0.3 * noise.standard_normal()))
     return chooser
 
 
@@ -61,12 +61,22 @@ def _play(kind, means, rounds=300, seed=0, epsilon=0.1, chooser=None):
 def test_bandit_finds_the_better_strategy_and_keeps_exploring(kind):
     chooser = _play(kind, {A: 100.0, B: 160.0})
     pulls = dict(chooser.pulls)
-    assert pulls[C] == 0  # other bucket
-    assert pulls[B] > 0.7 * 300  # exploits the better arm
-    assert pulls[A] >= 5  # and still explores the worse one
+    assert pulls[6, C] == 0  # other bucket
+    assert pulls[16, B] > 0.7 * 300  # exploits the better arm
+    assert pulls[16, A] >= 5  # and still explores the worse one
     # The better arm changes (the policy drifts): the sliding window lets the bandit follow.
     _play(kind, {A: 160.0, B: 100.0}, chooser=chooser)
-    assert chooser.pulls[A] - pulls[A] > 0.7 * 300
+    assert chooser.pulls[16, A] - pulls[16, A] > 0.7 * 300
+
+
+@pytest.mark.parametrize("kind", ["beg", "ucb1"])
+def test_plain_decoding_wins_when_speculation_does_not_pay(kind):
+    """A random drafter: every strategy earns less than plain decoding, which the bandit then plays."""
+    chooser = StrategyChooser([A, B, C], RANGES, kind=kind, window=9, seed=0, plain_arm=True)
+    assert PLAIN in chooser.groups[16] and PLAIN in chooser.groups[6]
+    chooser = _play(kind, {A: 60.0, B: 70.0, PLAIN: 100.0}, chooser=chooser)
+    assert chooser.pulls[16, PLAIN] > 0.5 * 300  # more than both strategies together (UCB1 explores more)
+    assert chooser.pulls[6, PLAIN] == 0  # plain decoding's rewards are kept per group
 
 
 def test_bandit_is_deterministic_given_a_seed():
@@ -75,7 +85,7 @@ def test_bandit_is_deterministic_given_a_seed():
         return _play("beg", means, seed=seed, epsilon=0.3).pulls
 
     assert pulls(3) == pulls(3) != pulls(4)
-    assert _play("fixed", means).pulls[B] == 0
+    assert _play("fixed", means).pulls[16, B] == 0
 
 
 def test_adaptive_config_is_validated():
@@ -99,10 +109,11 @@ def test_adaptive_config_is_validated():
 # ---- engine -------------------------------------------------------------------------------------
 
 ADAPTIVE_CFG = dataclasses.replace(CFG, length_buckets=(64,))
-# SD at live batch <= 3: the 6-token tree alone at 1, a bandit over two 4-token trees at 2..3.
+# SD at live batch <= 3: the 6-token tree alone at 1, a bandit over two 4-token trees at 2..3 (no plain
+# arm, so that the random drafter's trees run).
 ADAPTIVE = SpecConfig(
     mode="adaptive", threshold_live_batch=3, patience_host_steps=1,
-    strategies=((3, 2, 6), (2, 2, 4), (3, 1, 4)), group_live_batch_ranges=((6, 1, 1), (4, 2, 3)),
+    strategies=((3, 2, 6), (2, 2, 4), (3, 1, 4)), group_live_batch_ranges=((6, 1, 1), (4, 2, 3)), plain_arm=False,
 )
 
 

@@ -99,8 +99,7 @@ def test_reduced_vocab_drafts_only_its_tokens(model):
     B, H = 2, TINY.hidden_size
     ds = speculative.DraftState(
         cache=drafter.empty_cache(B, 32 + st.scratch_slots), pending_tok=jnp.ones((B, st.pending), jnp.int32),
-        pending_h=jax.random.normal(jax.random.key(0), (B, st.pending, H)), n_pending=jnp.full((B,), 2, jnp.int32),
-        sd_steps=jnp.zeros(B, jnp.int32), sd_tokens=jnp.zeros(B, jnp.int32))
+        pending_h=jax.random.normal(jax.random.key(0), (B, st.pending, H)), n_pending=jnp.full((B,), 2, jnp.int32))
     tree, _ = speculative.draft_tree(model, drafter, ds, jnp.array([0, 2]), jnp.array([5, 9]), st, 32)
     assert np.isin(np.asarray(tree.tokens[:, 1:]), VOCAB).all()
 

@@ -60,8 +60,6 @@ def test_draft_tree_golden_topk2_steps3():
         pending_tok=jnp.zeros((B, P), jnp.int32),
         pending_h=jnp.zeros((B, P, H)),
         n_pending=jnp.ones(B, jnp.int32),
-        sd_steps=jnp.zeros(B, jnp.int32),
-        sd_tokens=jnp.zeros(B, jnp.int32),
     )
     strategy = speculative.Strategy(steps=3, topk=2, verify_tokens=6)
     tree, _ = speculative.draft_tree(None, table_drafter, ds, jnp.array([0]), jnp.array([10]), strategy, 32)
@@ -78,7 +76,7 @@ def test_chain_is_topk_one():
     ds = speculative.DraftState(
         cache=KVCache(k=jnp.zeros((1, 1, 1, 64, 4)), v=jnp.zeros((1, 1, 1, 64, 4))),
         pending_tok=jnp.zeros((1, 4), jnp.int32), pending_h=jnp.zeros((1, 4, 8)),
-        n_pending=jnp.ones(1, jnp.int32), sd_steps=jnp.zeros(1, jnp.int32), sd_tokens=jnp.zeros(1, jnp.int32),
+        n_pending=jnp.ones(1, jnp.int32),
     )
     tree, _ = speculative.draft_tree(None, table_drafter, ds, jnp.array([0]), jnp.array([10]), strategy, 32)
     assert tree.tokens.tolist() == [[0, 1, 3, 4]] and tree.parents.tolist() == [[-1, 0, 1, 2]]
@@ -126,13 +124,13 @@ def test_coupled_sampling_equals_plain_sampling(model, drafter, temperature):
         np.testing.assert_allclose(b.hidden_states, a.hidden_states, atol=1e-4 * scale)
 
 
-def oracle_draft_tree(policy, drafter, ds, root_token, root_pos, strategy, kv_len):
+def oracle_draft_tree(policy, drafter, ds, root_token, root_pos, strategy, kv_len, params=None):
     """A perfect drafter behind a decoy: node 1 is a wrong token, nodes 2.. the policy's greedy chain.
 
     Accepting the chain moves its cache entries one slot down, which the real drafter rarely
     exercises while untrained.
     """
-    del drafter
+    del drafter, params
     B, n = root_token.shape[0], strategy.verify_tokens
     cache, token, chain = ds.policy_cache, root_token, []
     for d in range(n - 2):
@@ -147,6 +145,7 @@ def oracle_draft_tree(policy, drafter, ds, root_token, root_pos, strategy, kv_le
         parents=jnp.broadcast_to(jnp.array([-1, 0, 0, *range(2, n - 1)], jnp.int32), (B, n)),
         depth=jnp.broadcast_to(jnp.array([0, 1, *range(1, n - 1)], jnp.int32), (B, n)),
         valid=jnp.ones((B, n), bool),
+        source=jnp.full((B, n), speculative.EAGLE, jnp.int32),
     )
     return tree, ds.cache
 
@@ -155,9 +154,9 @@ def test_accepted_paths_move_the_cache(model, drafter, monkeypatch):
     """With an oracle drafter nearly every draft is accepted, and outputs still equal plain decoding."""
     real_step = speculative.sd_step
 
-    def step_with_oracle(policy, drafter_, s, ds, strategy, kv_len, mode):
+    def step_with_oracle(policy, drafter_, s, ds, strategy, kv_len, mode, match):
         monkeypatch.setattr(speculative, "draft_tree", lambda *a: oracle_draft_tree(*a))
-        return real_step(policy, drafter_, s, _WithPolicyCache(ds, s.cache), strategy, kv_len, mode)
+        return real_step(policy, drafter_, s, _WithPolicyCache(ds, s.cache), strategy, kv_len, mode, match)
 
     monkeypatch.setattr(speculative, "sd_step", step_with_oracle)
     sd = SpecConfig(mode="on", steps=4, topk=1, verify_tokens=5)
@@ -223,3 +222,24 @@ def test_smollm2_speculative_greedy_equals_plain(smollm2):
     spec = RolloutEngine(model, cfg, sd=sd, drafter=Drafter(model_cfg, nnx.Rngs(0)), progress=False).generate(reqs)
     same = sum(a.tokens == b.tokens for a, b in zip(plain, spec))
     assert same >= 15, [(i, a.tokens, b.tokens) for i, (a, b) in enumerate(zip(plain, spec)) if a.tokens != b.tokens]
+
+
+def test_coupled_drafting_guesses_the_token_the_policy_will_sample():
+    """A drafter whose logits were the policy's would, perturbed with the position-keyed noise, draft
+    exactly the tokens coupled sampling emits; ranked by probability alone it drafts the mode."""
+    from fastrl_jax.rollout.sampling import SamplingParams, sample
+
+    B, V = 256, 50
+    logits = 2.0 * jax.random.normal(jax.random.key(0), (B, V))
+    temperature = jnp.where(jnp.arange(B) % 4 == 0, 0.0, 0.7)  # a quarter of the rows greedy
+    params = SamplingParams(temperature, jnp.zeros(B, jnp.int32), jnp.ones(B), jnp.arange(B, dtype=jnp.uint32))
+    positions = 10 + jnp.arange(B, dtype=jnp.int32)
+    sampled, _ = sample(logits, params, positions)
+    guess = jnp.argmax(speculative.coupled_logp(logits, params, positions, jnp.arange(V)), -1)
+    np.testing.assert_array_equal(guess, sampled)
+    mode = jnp.argmax(logits, -1)
+    hot = np.asarray(temperature > 0)
+    assert np.mean(np.asarray(mode == sampled)[hot]) < 0.8  # the mode misses many samples at T=0.7
+    # The frontier's nodes (a middle axis) share their row's noise.
+    both = speculative.coupled_logp(jnp.stack([logits, logits], 1), params, positions, jnp.arange(V))
+    np.testing.assert_array_equal(jnp.argmax(both, -1), jnp.stack([sampled, sampled], 1))

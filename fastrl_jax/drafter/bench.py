@@ -208,7 +208,8 @@ def profile_step(policy: Decoder, drafter: Drafter, strategy: tuple[int, int, in
         nnx.merge(pg, ps), nnx.merge(dg, dstate), ds, jnp.zeros(B, jnp.int32), L, st, kv_len)[0])
     parents = jnp.broadcast_to(jnp.arange(N) - 1, (B, N)).astype(jnp.int32)  # a chain: the costliest walk
     tree = speculative.Tree(tokens=jnp.ones(tree_shape.tokens.shape, jnp.int32), parents=parents,
-                            depth=jnp.broadcast_to(jnp.arange(N), (B, N)).astype(jnp.int32), valid=jnp.ones((B, N), bool))
+                            depth=jnp.broadcast_to(jnp.arange(N), (B, N)).astype(jnp.int32), valid=jnp.ones((B, N), bool),
+                            source=jnp.ones((B, N), jnp.int32))
 
     @jax.jit
     def decode(ps, cache):

@@ -28,8 +28,10 @@ from tqdm import tqdm
 from fastrl_jax.config import RolloutConfig, SpecConfig
 from fastrl_jax.models.decoder import Decoder
 from fastrl_jax.models.drafter import Drafter
+from fastrl_jax.rollout import history as history_lib
 from fastrl_jax.rollout import programs, speculative
 from fastrl_jax.rollout.controller import OnOff, StrategyChooser
+from fastrl_jax.rollout.history import HistoryStore
 from fastrl_jax.rollout.pool import ProgramPool
 from fastrl_jax.rollout.sampling import SamplingParams
 from fastrl_jax.rollout.stats import Call, Recorder, RolloutStats
@@ -91,24 +93,34 @@ class RolloutEngine:
         drafter: Drafter | None = None,
         keep_hidden: bool = False,
         progress: bool = True,
+        history: HistoryStore | None = None,
     ):
+        """history: earlier completions per prompt that history strategies draft from (the caller adds
+        to it, e.g. the trainer after each RL step); within a call, finished siblings count anyway."""
         self.cfg = cfg
         self.model_cfg = model.cfg
         self.graphdef, self.state = nnx.split(model)
         self.dtype = model.embed.get_value().dtype
         self.sd = sd
-        if sd.mode != "off" and drafter is None:
-            raise ValueError(f"speculative decoding needs a drafter (sd.mode is {sd.mode})")
-        self.strategies = [speculative.Strategy(*s) for s in sd.strategy_list()] if sd.mode != "off" else []
+        self.strategies = [speculative.Strategy(*spec.parts()) for spec in sd.strategy_list()] if sd.mode != "off" else []
+        self.uses_drafter = any(s.uses_drafter for s in self.strategies)
+        self.uses_history = any(s.history_tokens for s in self.strategies)
+        if self.uses_drafter and drafter is None:
+            raise ValueError(f"speculative decoding with an EAGLE tree needs a drafter (sd.mode is {sd.mode}, "
+                             f"strategies {[s.label for s in self.strategies]})")
+        h = sd.history
+        self.match = history_lib.MatchSettings(h.match_tokens, h.min_match, h.spec_factor)
+        self.history = history
         self.onoff = OnOff(sd.threshold_live_batch, sd.patience_host_steps)
         # The bandit outlives a rollout: what it learned carries over to the next RL step.
         ranges = sd.live_batch_ranges() if sd.mode == "adaptive" else {}
         self.chooser = StrategyChooser(
-            self.strategies, ranges, sd.bandit, sd.epsilon, sd.window_host_steps, sd.bandit_seed
+            self.strategies, ranges, sd.bandit, sd.epsilon, sd.window_host_steps, sd.bandit_seed, sd.plain_arm
         ) if ranges else None
-        self.drafter_graphdef, self.drafter_state = nnx.split(drafter) if drafter is not None else (None, None)
+        self.drafter_graphdef, self.drafter_state = (
+            nnx.split(drafter) if drafter is not None and self.uses_drafter else (None, None))
         # Speculation restarts the drafter from stored policy hidden states, so it keeps them.
-        self.keep_hidden = keep_hidden or sd.mode != "off"
+        self.keep_hidden = keep_hidden or self.uses_drafter
         self.progress = progress
         self.max_len = cfg.length_buckets[-1]
         weights = jax.tree.leaves(self.state)[0].sharding
@@ -135,7 +147,7 @@ class RolloutEngine:
             return {s: list(buckets) for s in self.strategies}
         out = {}
         for s in self.strategies:
-            lo, hi = self.chooser.ranges[s.verify_tokens]
+            lo, hi = self.chooser.ranges[s.num_nodes]
             hi = min(hi, self.sd.threshold_live_batch, buckets[-1])  # SD never runs above the threshold
             out[s] = [b for b in buckets if bucket_for(lo, buckets) <= b <= bucket_for(hi, buckets)] if lo <= hi else []
         return out
@@ -148,7 +160,7 @@ class RolloutEngine:
         sd_buckets = set()
         for s, buckets in self.strategy_buckets().items():
             keys += [("sd", b, n, s) for b in buckets for n in c.length_buckets]
-            sd_buckets.update(buckets)
+            sd_buckets.update(buckets if s.uses_drafter else ())
         keys += [("draft_prefill", b, n) for b in sorted(sd_buckets) for n in c.length_buckets]
         keys += [("prefill", b, b, t) for b in c.batch_buckets for t in c.prompt_buckets]
         keys += [("resize", b, s) for b in c.batch_buckets for s in c.batch_buckets if s < b]
@@ -163,13 +175,15 @@ class RolloutEngine:
 
     def _empty(self, batch: int) -> programs.Slots:
         slots = programs.Slots.empty(
-            self.model_cfg, batch, self.max_len, self.cfg.max_stop_ids, self.keep_hidden, self.dtype
+            self.model_cfg, batch, self.max_len, self.cfg.max_stop_ids, self.keep_hidden, self.dtype,
+            self.sd.history.corpus_tokens if self.uses_history else 0,
         )
-        if self.sd.mode == "off":
+        if not self.uses_drafter:
             return slots
-        # One draft state serves every strategy: sized for the deepest tree and the most scratch.
-        pending = max(s.pending for s in self.strategies)
-        scratch = max(s.scratch_slots for s in self.strategies)
+        # One draft state serves every strategy: sized for the most tokens a step emits and the most scratch.
+        eagle = [s for s in self.strategies if s.uses_drafter]
+        pending = max(s.pending for s in eagle)
+        scratch = max(s.scratch_slots for s in eagle)
         drafter = nnx.merge(self.drafter_graphdef, self.drafter_state)
         draft = speculative.DraftState.empty(
             drafter.empty_cache(batch, self.max_len + scratch, self.dtype), pending, self.model_cfg.hidden_size
@@ -193,10 +207,10 @@ class RolloutEngine:
             fn = jax.jit(programs.prefill, static_argnums=(0,), donate_argnums=(2,), out_shardings=out)
             return fn, (self.graphdef, self.state, slots, adm)
         if phase == "sd":
-            fn = jax.jit(speculative.sd_program, static_argnums=(0, 2, 6, 7, 8), donate_argnums=(4,), out_shardings=out)
+            fn = jax.jit(speculative.sd_program, static_argnums=(0, 2, 6, 7, 8, 9), donate_argnums=(4,), out_shardings=out)
             steps = jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated)
             args = (self.graphdef, self.state, self.drafter_graphdef, self.drafter_state, slots, steps)
-            return fn, (*args, key[3], key[2], self.sd.accept)
+            return fn, (*args, key[3], key[2], self.sd.accept, self.match)
         if phase == "draft_prefill":
             fn = jax.jit(speculative.drafter_prefill_program, static_argnums=(0, 2, 5), donate_argnums=(4,), out_shardings=out)
             return fn, (self.graphdef, self.state, self.drafter_graphdef, self.drafter_state, slots, key[2])
@@ -214,7 +228,7 @@ class RolloutEngine:
         return programs.Admission(
             rows=s((p,), i32), valid=s((p,), bool), tokens=s((p, t), i32), lengths=s((p,), i32),
             max_new=s((p,), i32), stop_ids=s((p, self.cfg.max_stop_ids), i32),
-            params=SamplingParams(s((p,), f32), s((p,), i32), s((p,), f32), s((p,), jnp.uint32)),
+            params=SamplingParams(s((p,), f32), s((p,), i32), s((p,), f32), s((p,), jnp.uint32)), group=s((p,), i32),
         )
 
     def update_drafter(self, drafter: Drafter) -> None:
@@ -242,7 +256,7 @@ class RolloutEngine:
         if r.max_new_tokens < 1:
             return f"max_new_tokens must be >= 1, got {r.max_new_tokens}"
         # A speculative step writes its whole draft tree after the last token.
-        margin = max((s.verify_tokens - 1 for s in self.strategies), default=0)
+        margin = max((s.num_nodes - 1 for s in self.strategies), default=0)
         if n + r.max_new_tokens + margin > self.max_len:
             extra = f" + {margin} draft-tree slots" if margin else ""
             return (
@@ -260,7 +274,7 @@ class RolloutEngine:
             return f"need temperature >= 0, top_k >= 0, 0 < top_p <= 1; got {r.temperature}, {r.top_k}, {r.top_p}"
         return None
 
-    def _admission(self, reqs: list[Request], rows: list[int]) -> tuple[programs.Admission, int, int]:
+    def _admission(self, reqs: list[Request], rows: list[int], groups: list[int]) -> tuple[programs.Admission, int, int]:
         c = self.cfg
         p = bucket_for(len(reqs), c.batch_buckets)
         t = bucket_for(max(len(r.prompt_ids) for r in reqs), c.prompt_buckets)
@@ -288,16 +302,20 @@ class RolloutEngine:
                 top_p=col([r.top_p for r in reqs], np.float32, 1.0),
                 seed=col([r.seed % 2**32 for r in reqs], np.uint32),
             ),
+            group=col(groups, np.int32),
         )
         return jax.device_put(adm, self._replicated), p, t
 
-    def _plan(self, live_batch: int) -> speculative.Strategy | None:
-        """The strategy of this host step's speculative steps, or None for plain decoding."""
+    def _plan(self, live_batch: int) -> tuple[speculative.Strategy, bool]:
+        """The strategy of this host step (speculative.PLAIN for plain decoding), and whether the bandit
+        chose it (its reward then goes back to the bandit)."""
         if self.sd.mode == "on":
-            return self.strategies[0]
+            return self.strategies[0], False
         if self.sd.mode == "adaptive" and self.onoff.update(live_batch):
-            return self.chooser.choose(live_batch)
-        return None
+            choice = self.chooser.choose(live_batch)
+            if choice is not None:
+                return choice, True
+        return speculative.PLAIN, False
 
     def generate(self, requests: Sequence[Request], between_steps: Callable[[int], None] | None = None) -> list[Completion]:
         """Completes every request; a request that cannot run gets finish_reason 'error', the rest still run.
@@ -316,6 +334,8 @@ class RolloutEngine:
             return results
         c = self.cfg
         table = _Table(self._placed_empty(bucket_for(min(len(queue), c.batch_buckets[-1]), c.batch_buckets)))
+        table.text = history_lib.GroupCorpus([r.prompt_ids for r in requests], self.history,
+                                             self.sd.history.corpus_tokens, self.sd.history.match_tokens)
         rec = Recorder(self.pool.compile_seconds())
         self.onoff.reset()
         with tqdm(total=len(queue), desc="rollout", unit="req", file=sys.stderr, disable=not self.progress) as bar:
@@ -327,7 +347,7 @@ class RolloutEngine:
                     continue
                 if not queue:
                     self._compact(table, rec)
-                self._advance(table, self._plan(live), rec)
+                self._advance(table, *self._plan(live), rec)
                 if between_steps is not None:
                     between_steps(live)
         self.stats, self.timeline = rec.finish(self.pool.compile_seconds()), rec.timeline
@@ -353,11 +373,12 @@ class RolloutEngine:
         if not queue or not free:
             return
         take = [queue.popleft() for _ in range(min(len(queue), len(free)))]
-        adm, p, t = self._admission([requests[i] for i in take], free[: len(take)])
+        adm, p, t = self._admission([requests[i] for i in take], free[: len(take)], [table.text.group_of[i] for i in take])
         table.slots, _ = self._run(rec, ("prefill", table.batch, p, t), self.state, table.slots, adm)
         for row, i in zip(free, take):
             table.row_req[row] = i
         table.draft_fresh = False
+        table.text.dirty = True
 
     def _collect_finished(self, table: _Table, requests, results: list, rec: Recorder) -> int:
         """Moves the finished rows' completions into results and frees the rows; returns how many."""
@@ -368,6 +389,7 @@ class RolloutEngine:
         for r, completion in zip(done, self._harvest(table.slots, done, [requests[table.row_req[r]] for r in done])):
             results[table.row_req[r]] = completion
             rec.stats.tokens += len(completion.tokens)
+            table.text.finished(table.row_req[r], completion.tokens)
             table.row_req[r] = -1
         return len(done)
 
@@ -383,35 +405,52 @@ class RolloutEngine:
                                    jax.device_put(index, self._replicated))
         table.row_req = [table.row_req[r] for r in live_rows] + [-1] * (target - len(live_rows))
 
-    def _advance(self, table: _Table, strategy: speculative.Strategy | None, rec: Recorder) -> None:
-        """One device call: plain decoding, or speculative steps of `strategy`, until a row finishes."""
+    def _advance(self, table: _Table, strategy: speculative.Strategy, pulled: bool, rec: Recorder) -> None:
+        """One device call: plain decoding, or speculative steps of `strategy`, until a row finishes.
+        pulled: the bandit chose the strategy; it gets the call's tokens per second back."""
         c, batch, live = self.cfg, table.batch, table.busy()
-        before = _counters(table.slots)  # [3, B]: tokens, speculative steps, length of every row
-        longest = int(max(before[2, r] for r in range(batch) if table.row_req[r] >= 0))
-        if strategy is None:
+        before = _counters(table.slots)  # [5, B]: tokens, speculative steps, EAGLE / history drafts, length
+        longest = int(max(before[4, r] for r in range(batch) if table.row_req[r] >= 0))
+        prefill_s = 0.0
+        if strategy.is_plain:
             kv_len = bucket_for(longest + 1, c.length_buckets)
             steps = min(c.steps_per_call, kv_len - longest)
             key, args = ("decode", batch, kv_len), (self.state, table.slots, jnp.int32(steps))
             table.draft_fresh = False  # plain steps leave the drafter behind
         else:
-            if not table.draft_fresh:
-                kv = bucket_for(longest + 1, c.length_buckets)
-                table.slots, _ = self._run(rec, ("draft_prefill", batch, kv), self.state, self.drafter_state, table.slots)
-                table.draft_fresh = True
-            n, depth = strategy.verify_tokens, strategy.steps
+            prefill_s = self._prepare_drafting(table, strategy, longest, rec)
+            n, depth = strategy.num_nodes, max(strategy.steps, strategy.history_tokens)
             kv_len = bucket_for(min(longest + n, self.max_len), c.length_buckets)
             steps = min(c.steps_per_call, (kv_len - longest - n) // (depth + 1) + 1)
             key = ("sd", batch, kv_len, strategy)
             args = (self.state, self.drafter_state, table.slots, jnp.int32(steps))
         table.slots, seconds = self._run(rec, key, *args)
-        diff = _counters(table.slots)[:2] - before[:2]  # [2, B] tokens and speculative steps per row
-        tokens, row_steps = (int(x) for x in diff.sum(1))
-        if strategy is None:
+        diff = _counters(table.slots)[:4] - before[:4]  # [4, B] per row
+        tokens, row_steps, eagle, hist = (int(x) for x in diff.sum(1))
+        if strategy.is_plain:
             rec.decode_call(live, tokens, int(diff[0].max()))
-            return
-        rec.sd_call(strategy.label, live, tokens, row_steps, int(diff[1].max()), seconds)
-        if self.chooser is not None:
-            self.chooser.record(strategy, tokens / seconds)  # accepted tokens x live rows / second
+        else:
+            rec.sd_call(strategy.label, live, tokens, row_steps, int(diff[1].max()), seconds, eagle, hist)
+        if pulled:  # the drafter prefill a switch to EAGLE needed is part of the arm's cost
+            self.chooser.record(strategy, live, tokens / (seconds + prefill_s))
+
+    def _prepare_drafting(self, table: _Table, strategy: speculative.Strategy, longest: int, rec: Recorder) -> float:
+        """Brings what `strategy` drafts from up to date: each row's history corpus, and the EAGLE
+        drafter's cache (rebuilt from the stored hidden states after steps that did not run it).
+        Returns the seconds of that drafter prefill (0 when none ran)."""
+        if strategy.history_tokens and table.text.dirty:
+            corpus = jax.device_put(table.text.rows(table.row_req), self._replicated)
+            table.slots = table.slots.replace(corpus=corpus)
+            table.text.dirty = False
+        if not strategy.uses_drafter:
+            table.draft_fresh = False  # history steps leave the drafter behind
+            return 0.0
+        if table.draft_fresh:
+            return 0.0
+        kv = bucket_for(longest + 1, self.cfg.length_buckets)
+        table.slots, seconds = self._run(rec, ("draft_prefill", table.batch, kv), self.state, self.drafter_state, table.slots)
+        table.draft_fresh = True
+        return seconds
 
     def _harvest(self, slots, rows: list[int], requests: list[Request]) -> list[Completion]:
         idx = np.asarray(rows)
@@ -436,6 +475,7 @@ class _Table:
     slots: programs.Slots
     row_req: list[int] = dataclasses.field(default_factory=list)  # request index per row, -1 when free
     draft_fresh: bool = False  # whether the drafter cache holds every row's prefix
+    text: history_lib.GroupCorpus | None = None  # what the rows' prompt groups wrote (history drafting)
 
     def __post_init__(self):
         self.row_req = self.row_req or [-1] * self.slots.batch
@@ -453,8 +493,7 @@ class _Table:
 
 
 def _counters(slots: programs.Slots) -> np.ndarray:
-    """[3, B] int64: completion tokens, speculative steps and cached length of every row so far."""
-    if slots.draft is None:
-        n_out, length = jax.device_get((slots.n_out, slots.length))
-        return np.stack([n_out, np.zeros_like(n_out), length]).astype(np.int64)
-    return np.stack(jax.device_get((slots.n_out, slots.draft.sd_steps, slots.length))).astype(np.int64)
+    """[5, B] int64 of every row so far: completion tokens, speculative steps, emitted drafts EAGLE
+    proposed, emitted drafts the history proposed, and its cached length."""
+    n_out, counts, length = jax.device_get((slots.n_out, slots.spec_counts, slots.length))
+    return np.concatenate([n_out[None], counts.T, length[None]]).astype(np.int64)

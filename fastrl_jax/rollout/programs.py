@@ -33,14 +33,18 @@ class Slots:
     params: SamplingParams  # each [B]
     hidden: jax.Array | None  # [B, S, H] last-layer hidden state of every cached position, or None
     history: jax.Array  # [B, S + 1] int32 token at every position up to and including `token`
-    draft: Any = None  # speculative.DraftState when speculative decoding is on
+    group: jax.Array  # [B] int32 prompt group (rows of one group draft from each other's text)
+    spec_counts: jax.Array  # [B, 3] int32 speculative steps, emitted drafts from EAGLE, from history
+    corpus: jax.Array | None = None  # [B, M] int32 earlier text of each row's group (history drafting)
+    draft: Any = None  # speculative.DraftState when an EAGLE drafter speculates
 
     @property
     def batch(self) -> int:
         return self.token.shape[0]
 
     @classmethod
-    def empty(cls, model_cfg, batch: int, max_len: int, num_stop_ids: int, with_hidden: bool, dtype) -> Slots:
+    def empty(cls, model_cfg, batch: int, max_len: int, num_stop_ids: int, with_hidden: bool, dtype,
+              corpus_tokens: int = 0) -> Slots:
         def zeros_i():  # a fresh buffer per field: donation rejects one buffer passed twice
             return jnp.zeros(batch, jnp.int32)
 
@@ -62,6 +66,9 @@ class Slots:
             ),
             hidden=jnp.zeros((batch, max_len, model_cfg.hidden_size), jnp.float32) if with_hidden else None,
             history=jnp.zeros((batch, max_len + 1), jnp.int32),
+            group=zeros_i(),
+            spec_counts=jnp.zeros((batch, 3), jnp.int32),
+            corpus=jnp.full((batch, corpus_tokens), -1, jnp.int32) if corpus_tokens else None,
         )
 
 
@@ -76,6 +83,7 @@ class Admission:
     max_new: jax.Array  # [P] int32
     stop_ids: jax.Array  # [P, NS] int32
     params: SamplingParams  # each [P]
+    group: jax.Array  # [P] int32
 
 
 def _finished(token: jax.Array, n_out: jax.Array, slots_or_adm) -> jax.Array:
@@ -127,6 +135,8 @@ def prefill(graphdef, state, slots: Slots, adm: Admission) -> Slots:
         n_out=set_rows(slots.n_out, jnp.ones(P, jnp.int32)),
         max_new=set_rows(slots.max_new, adm.max_new),
         stop_ids=set_rows(slots.stop_ids, adm.stop_ids),
+        group=set_rows(slots.group, adm.group),
+        spec_counts=set_rows(slots.spec_counts, jnp.zeros((P, 3), jnp.int32)),
         out_tokens=slots.out_tokens.at[rows, 0].set(token, mode="drop"),
         out_logprobs=slots.out_logprobs.at[rows, 0].set(logprob, mode="drop"),
         params=jax.tree.map(set_rows, slots.params, adm.params),

@@ -41,9 +41,15 @@ def position_gumbel(seed: jax.Array, position: jax.Array, vocab: int) -> jax.Arr
     it). It is several times cheaper than jax.random's threefry, which matters because every sampled
     row draws a whole vocabulary of noise per step (docs/measurements.md).
     """
+    return gumbel_at(seed, position, jnp.arange(vocab, dtype=jnp.uint32))
+
+
+def gumbel_at(seed: jax.Array, position: jax.Array, token_ids: jax.Array) -> jax.Array:
+    """position_gumbel's noise [..., K] for the token ids [K] only (a draft vocabulary): the same
+    value each of those tokens gets from position_gumbel."""
     a = _mix32(seed.astype(jnp.uint32) ^ jnp.uint32(0x3C6EF372))[..., None]
     b = _mix32(position.astype(jnp.uint32) ^ jnp.uint32(0xA54FF53A))[..., None]
-    bits = _mix32(_mix32(jnp.arange(vocab, dtype=jnp.uint32) * jnp.uint32(0x9E3779B9) ^ a) ^ b)
+    bits = _mix32(_mix32(token_ids.astype(jnp.uint32) * jnp.uint32(0x9E3779B9) ^ a) ^ b)
     u = ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / 2**24)  # 24 random bits, in (0, 1)
     return -jnp.log(-jnp.log(u))
 

@@ -41,6 +41,8 @@ class RolloutStats:
     steps_sd: int = 0  # speculative steps on device (likewise)
     sd_tokens: int = 0  # tokens emitted by speculative steps
     sd_steps: int = 0  # speculative row-steps
+    drafts_eagle: int = 0  # emitted tokens the EAGLE drafter had drafted
+    drafts_history: int = 0  # emitted tokens drafted from history (a draft both proposed counts twice)
     calls: Counter = dataclasses.field(default_factory=Counter)  # program calls per phase
     # Seconds per program phase (prefill, decode, sd, draft_prefill, resize), plus 'compile' (programs
     # compiled during the rollout), 'host' (the rest of the loop) and 'total' (wall time).
@@ -52,7 +54,9 @@ class RolloutStats:
         return RolloutStats(
             tokens=self.tokens + other.tokens, steps_plain=self.steps_plain + other.steps_plain,
             steps_sd=self.steps_sd + other.steps_sd, sd_tokens=self.sd_tokens + other.sd_tokens,
-            sd_steps=self.sd_steps + other.sd_steps, calls=self.calls + other.calls, seconds=self.seconds + other.seconds,
+            sd_steps=self.sd_steps + other.sd_steps, drafts_eagle=self.drafts_eagle + other.drafts_eagle,
+            drafts_history=self.drafts_history + other.drafts_history, calls=self.calls + other.calls,
+            seconds=self.seconds + other.seconds,
             strategies={k: self.strategies.get(k, StrategyStats()) + other.strategies.get(k, StrategyStats()) for k in labels},
         )
 
@@ -69,12 +73,19 @@ class RolloutStats:
     def acceptance_by_strategy(self) -> dict[str, float]:
         return {label: self.acceptance_length(label) for label, s in self.strategies.items() if s.steps}
 
+    def drafts_per_step(self) -> dict[str, float]:
+        """Emitted drafted tokens per speculative row-step, by the drafter that proposed them."""
+        if not self.sd_steps:
+            return {"eagle": float("nan"), "history": float("nan")}
+        return {"eagle": self.drafts_eagle / self.sd_steps, "history": self.drafts_history / self.sd_steps}
+
     def as_dict(self) -> dict:
         """Plain JSON-able values, acceptance lengths included."""
         out = dataclasses.asdict(self)
         out["calls"], out["seconds"] = dict(self.calls), dict(self.seconds)
         out["acceptance_length"] = self.acceptance_length()
         out["acceptance_by_strategy"] = self.acceptance_by_strategy()
+        out["drafts_per_step"] = self.drafts_per_step()
         return out
 
 
@@ -95,11 +106,14 @@ class Recorder:
         self.stats.steps_plain += device_steps
         self.timeline.append(Call(self.elapsed(), live, tokens, False, ""))
 
-    def sd_call(self, label: str, live: int, tokens: int, row_steps: int, device_steps: int, seconds: float) -> None:
+    def sd_call(self, label: str, live: int, tokens: int, row_steps: int, device_steps: int, seconds: float,
+                drafts_eagle: int, drafts_history: int) -> None:
         s = self.stats
         s.steps_sd += device_steps
         s.sd_tokens += tokens
         s.sd_steps += row_steps
+        s.drafts_eagle += drafts_eagle
+        s.drafts_history += drafts_history
         s.strategies[label] = s.strategies.get(label, StrategyStats()) + StrategyStats(tokens, row_steps, seconds)
         self.timeline.append(Call(self.elapsed(), live, tokens, True, label))
 

@@ -1,0 +1,205 @@
+"""Model-free drafting from history: a row's continuation proposed from text its prompt group wrote before.
+
+RL rollouts repeat themselves: the n samples of a prompt share phrasing, numbers and structure, and
+prompts come back in later RL steps. For each row the device matcher finds, among
+  - the row's corpus: earlier completions of its prompt (from earlier RL steps, and siblings of this
+    rollout that have finished), each behind the prompt's last tokens, and
+  - the live rows of its group in the table (siblings still generating, and the row itself),
+the longest match of the row's last `match_tokens` tokens (the latest one among equally long ones) and
+proposes what followed it as a chain of draft tokens, as many as spec_factor x the match length (at
+most max_draft). It is a few vectorised compares inside the compiled step: no host round trip.
+The policy verifies every drafted token, so drafting from history is as lossless as any drafter.
+
+`HistoryStore` keeps the earlier completions on the host, per prompt, bounded, and round-trips through
+JSON for checkpoints; the engine writes each row's corpus into the row table at host visits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SEPARATOR = -1  # between corpus entries and as padding: never equal to a token id
+
+
+@dataclasses.dataclass(frozen=True)
+class MatchSettings:
+    """Static settings of the device matcher (part of the compiled program's key)."""
+
+    match_tokens: int = 8  # longest suffix compared (K)
+    min_match: int = 2  # shorter matches propose nothing
+    spec_factor: float = 2.0  # draft length = spec_factor x match length, at most the strategy's chain
+
+
+def propose(history: jax.Array, length: jax.Array, group: jax.Array, corpus: jax.Array, max_draft: int,
+            settings: MatchSettings) -> tuple[jax.Array, jax.Array]:
+    """Draft chains from history for every row of the table.
+
+    Args:
+      history: [B, S1] int32 token at every position of each row; history[b, length[b]] is the row's
+        last token (the root of its next draft).
+      length: [B] int32.
+      group: [B] int32 prompt group of each row (rows of one group see each other's text).
+      corpus: [B, M] int32 each row's earlier text (prompt tails and completions), SEPARATOR-delimited.
+      max_draft: static length D of the chains.
+
+    Returns:
+      tokens [B, D] int32 (-1 past each row's draft) and n [B] int32, each row's draft length.
+    """
+    B, S1 = history.shape
+    K = settings.match_tokens
+    pos = length[:, None] - jnp.arange(K)[None, :]  # [B, K]: the query, newest token first
+    query = jnp.where(pos >= 0, jnp.take_along_axis(history, jnp.maximum(pos, 0), 1), -3)
+
+    # Match lengths ending at each corpus position and at each position of each table row.
+    in_corpus = _run_lengths(corpus[:, :, None], query, corpus[:, :, None] != SEPARATOR)[:, :, 0]  # [B, M]
+    rows_text = jnp.broadcast_to(history.T[None], (B, S1, B))  # [B, S1, Bt]: row r's text at p
+    table_ok = (group[None, :] == group[:, None])[:, None, :] & (jnp.arange(S1)[None, :, None] < length[None, None, :])
+    in_table = _run_lengths(rows_text, query, table_ok)  # [B, S1, Bt]
+
+    # The longest match wins; among equal ones, the latest (the table after the corpus, later after earlier).
+    M = corpus.shape[1]
+    order = jnp.concatenate([jnp.arange(M), M + jnp.arange(S1 * B)])
+    runs = jnp.concatenate([in_corpus, in_table.reshape(B, S1 * B)], axis=1)
+    best = jnp.argmax(runs * (M + S1 * B) + order[None, :], axis=1)
+    run = jnp.take_along_axis(runs, best[:, None], 1)[:, 0]
+
+    # What followed the match: D tokens after it in the corpus, or in the table row up to its length.
+    after = best[:, None] + 1 + jnp.arange(max_draft)[None, :]  # [B, D] in the corpus' index space
+    from_corpus = jnp.take_along_axis(corpus, jnp.minimum(after, M - 1), 1)
+    corpus_ok = (after < M) & (from_corpus != SEPARATOR)
+    cell = jnp.maximum(best - M, 0)
+    r, p = cell % B, cell // B  # the table row and position of a table match
+    tpos = p[:, None] + 1 + jnp.arange(max_draft)[None, :]
+    from_table = history[r[:, None], jnp.minimum(tpos, S1 - 1)]
+    table_ok = tpos <= length[r][:, None]
+    is_corpus = (best < M)[:, None]
+    tokens = jnp.where(is_corpus, from_corpus, from_table)
+    available = jnp.sum(jnp.cumprod(jnp.where(is_corpus, corpus_ok, table_ok), axis=1), axis=1)
+    wanted = jnp.floor(settings.spec_factor * run).astype(jnp.int32)
+    n = jnp.where(run >= settings.min_match, jnp.minimum(jnp.minimum(wanted, max_draft), available), 0)
+    return jnp.where(jnp.arange(max_draft)[None, :] < n[:, None], tokens, -1), n.astype(jnp.int32)
+
+
+def _run_lengths(text: jax.Array, query: jax.Array, end_ok: jax.Array) -> jax.Array:
+    """For text [B, P, X] (X texts of P positions per row b) and query [B, K] (newest first): how many
+    of the query's tokens match, newest first, ending at each position: [B, P, X] int32, 0 where
+    end_ok is False."""
+    K = query.shape[1]
+    run = jnp.ones(text.shape, jnp.int32)
+    total = jnp.zeros(text.shape, jnp.int32)
+    for j in range(K):  # text[p - j] against query[j]
+        shifted = jnp.pad(text, ((0, 0), (j, 0), (0, 0)), constant_values=-2)[:, : text.shape[1]]
+        run = run * (shifted == query[:, j][:, None, None])
+        total = total + run
+    return jnp.where(end_ok, total, 0)
+
+
+def prompt_key(prompt_ids: Sequence[int]) -> str:
+    """A stable key of a prompt (the same ids give the same key in every process and run)."""
+    return hashlib.blake2b(np.asarray(prompt_ids, np.int64).tobytes(), digest_size=12).hexdigest()
+
+
+class HistoryStore:
+    """Earlier completions per prompt on the host: the newest first out of its corpus, bounded.
+
+    Per prompt at most `tokens_per_prompt` tokens of completions (oldest dropped first); at most
+    `max_prompts` prompts (the least recently used dropped first).
+    """
+
+    def __init__(self, tokens_per_prompt: int, max_prompts: int):
+        if tokens_per_prompt < 1 or max_prompts < 1:
+            raise ValueError(f"need tokens_per_prompt >= 1 and max_prompts >= 1, got {tokens_per_prompt}, {max_prompts}")
+        self.tokens_per_prompt, self.max_prompts = tokens_per_prompt, max_prompts
+        self._entries: OrderedDict[str, deque[list[int]]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def completions(self, prompt_ids: Sequence[int]) -> list[list[int]]:
+        """The prompt's stored completions, oldest first (marks the prompt as used)."""
+        key = prompt_key(prompt_ids)
+        if key not in self._entries:
+            return []
+        self._entries.move_to_end(key)
+        return list(self._entries[key])
+
+    def add(self, prompt_ids: Sequence[int], completion: Sequence[int]) -> None:
+        if not completion:
+            return
+        key = prompt_key(prompt_ids)
+        kept = self._entries.setdefault(key, deque())
+        self._entries.move_to_end(key)
+        kept.append([int(t) for t in completion][-self.tokens_per_prompt:])
+        while sum(len(c) for c in kept) > self.tokens_per_prompt:
+            kept.popleft()
+        while len(self._entries) > self.max_prompts:
+            self._entries.popitem(last=False)
+
+    def add_all(self, pairs: Iterable[tuple[Sequence[int], Sequence[int]]]) -> None:
+        """(prompt ids, completion ids) pairs, in order."""
+        for prompt, completion in pairs:
+            self.add(prompt, completion)
+
+    def state(self) -> dict:
+        """JSON-able contents, oldest prompt first (restore(state) gives the same store)."""
+        return {"tokens_per_prompt": self.tokens_per_prompt, "max_prompts": self.max_prompts,
+                "entries": [[key, list(kept)] for key, kept in self._entries.items()]}
+
+    def restore(self, state: dict) -> None:
+        self._entries = OrderedDict((key, deque(kept)) for key, kept in state["entries"])
+        while len(self._entries) > self.max_prompts:  # a checkpoint of a larger store
+            self._entries.popitem(last=False)
+
+
+def build_corpus(prompt_ids: Sequence[int], completions: Sequence[Sequence[int]], size: int, prompt_tail: int) -> np.ndarray:
+    """A row's corpus [size] int32: each completion behind the prompt's last `prompt_tail` tokens (so a
+    row that has just read its prompt matches the start of earlier answers), SEPARATOR-delimited; the
+    newest entries when they do not all fit."""
+    tail = list(prompt_ids[-prompt_tail:])
+    out: list[int] = []
+    for completion in reversed(completions):
+        entry = [*tail, *completion, SEPARATOR]
+        if len(out) + len(entry) > size:
+            break
+        out = entry + out
+    return np.asarray(out + [SEPARATOR] * (size - len(out)), np.int32)
+
+
+class GroupCorpus:
+    """The text each prompt group of one generate call has written, for the row table's corpus: the
+    group's earlier completions (from a HistoryStore) and the ones finished in this call. Requests
+    with the same prompt ids form a group."""
+
+    def __init__(self, prompts: Sequence[Sequence[int]], store: HistoryStore | None, size: int, prompt_tail: int):
+        self.size, self.prompt_tail = size, prompt_tail
+        index: dict[str, int] = {}
+        self.group_of = [index.setdefault(prompt_key(p), len(index)) for p in prompts]
+        self.prompts: dict[int, Sequence[int]] = {g: p for g, p in zip(self.group_of, prompts)}
+        self.texts = {g: store.completions(p) if store is not None else [] for g, p in self.prompts.items()}
+        self._rows: dict[int, np.ndarray] = {}  # built corpus per group
+        self.dirty = True  # rows changed since the table last received them
+
+    def finished(self, request: int, tokens: Sequence[int]) -> None:
+        """A request of this call finished: its siblings may draft from its text."""
+        g = self.group_of[request]
+        self.texts[g].append(list(tokens))
+        self._rows.pop(g, None)
+        self.dirty = True
+
+    def rows(self, row_req: Sequence[int]) -> np.ndarray:
+        """[B, M] int32 the corpus of each table row (row_req[r]: the request it serves, -1 free)."""
+        out = np.full((len(row_req), self.size), SEPARATOR, np.int32)
+        for r, i in enumerate(row_req):
+            if i >= 0:
+                g = self.group_of[i]
+                if g not in self._rows:
+                    self._rows[g] = build_corpus(self.prompts[g], self.texts[g], self.size, self.prompt_tail)
+                out[r] = self._rows[g]
+        return out

@@ -1,0 +1,191 @@
+"""Drafting from history: the device matcher, the host store, trie merging, and lossless engines."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers.greedy import greedy_generate
+from helpers.tiny import CFG, TINY, prompts, tiny_model
+
+from fastrl_jax.config import ConfigError, SpecConfig, load_config
+from fastrl_jax.models.drafter import Drafter
+from fastrl_jax.rollout import speculative
+from fastrl_jax.rollout.engine import Request, RolloutEngine
+from fastrl_jax.rollout.history import SEPARATOR, GroupCorpus, HistoryStore, MatchSettings, build_corpus, propose
+
+S1 = 24
+EMPTY = [SEPARATOR] * 16
+
+
+def table(rows, groups, corpora=None, settings=MatchSettings(match_tokens=4, min_match=2, spec_factor=2.0), draft=6):
+    """propose() on rows given as token lists (each row's last token is its current one)."""
+    history = np.zeros((len(rows), S1), np.int32)
+    for b, r in enumerate(rows):
+        history[b, : len(r)] = r
+    length = np.array([len(r) - 1 for r in rows], np.int32)
+    corpus = np.array(corpora or [EMPTY] * len(rows), np.int32)
+    tokens, n = propose(jnp.asarray(history), jnp.asarray(length), jnp.asarray(groups, jnp.int32),
+                        jnp.asarray(corpus), draft, settings)
+    return [t[: int(k)] for t, k in zip(np.asarray(tokens).tolist(), np.asarray(n))], np.asarray(tokens)
+
+
+def test_a_row_drafts_what_followed_its_suffix_in_a_siblings_text():
+    sibling = [5, 6, 7, 8, 9, 10, 11, 12]
+    row = [1, 2, 7, 8]  # ends with "7 8": the sibling continued with 9 10 11 12
+    drafts, raw = table([row, sibling], groups=[0, 0])
+    assert drafts[0] == [9, 10, 11, 12]  # match of 2 tokens x spec_factor 2 = 4 drafts
+    assert (raw[0, 4:] == -1).all()  # past the draft: -1
+    # Other groups are invisible; a row never drafts its own current suffix.
+    drafts, _ = table([row, sibling], groups=[0, 1])
+    assert drafts[0] == []
+
+
+def test_the_longest_match_wins_and_the_draft_grows_with_it():
+    row = [3, 4, 5, 6]
+    short = [9, 6, 20, 21, 22, 23, 24, 25, 26, 27]  # "6" then 20...: a 1-token match
+    long = [4, 5, 6, 30, 31, 32, 33, 34, 35, 36]  # "4 5 6" then 30...: a 3-token match
+    drafts, _ = table([row, short, long], groups=[0, 0, 0])
+    assert drafts[0] == [30, 31, 32, 33, 34, 35]  # 3 x 2 = 6 drafts, all the chain holds
+    drafts, _ = table([row, short], groups=[0, 0])
+    assert drafts[0] == []  # a single-token match is below min_match
+
+
+def test_among_equal_matches_the_latest_wins_and_drafts_stop_at_what_is_known():
+    row = [7, 8]
+    older = [7, 8, 1, 1, 1, 1, 7, 8, 2, 3]  # two matches of "7 8": the later one continues with 2 3
+    drafts, _ = table([row, older], groups=[0, 0])
+    assert drafts[0] == [2, 3]  # only what the sibling has written so far
+
+
+def test_the_corpus_holds_earlier_completions_behind_the_prompt_tail():
+    prompt = [40, 41, 42]
+    corpus = build_corpus(prompt, [[50, 51, 52, 53], [60, 61, 62, 63]], size=16, prompt_tail=2)
+    assert corpus.tolist() == [41, 42, 50, 51, 52, 53, -1, 41, 42, 60, 61, 62, 63, -1, -1, -1]
+    assert build_corpus(prompt, [[50] * 5, [60] * 6], size=10, prompt_tail=2).tolist()[:8] == [41, 42] + [60] * 6
+    # A row that has just read its prompt and sampled 60 drafts the newest earlier completion's next tokens.
+    drafts, _ = table([[40, 41, 42, 60]], groups=[0], corpora=[corpus])
+    assert drafts[0] == [61, 62, 63]  # "41 42 60" matched: up to 6 drafts, the entry ends after 3
+
+
+def test_store_bounds_tokens_per_prompt_and_prompts_and_round_trips():
+    store = HistoryStore(tokens_per_prompt=10, max_prompts=2)
+    store.add([1], [1, 2, 3, 4])
+    store.add([1], [5, 6, 7, 8])
+    store.add([1], [9, 9, 9])  # 11 tokens: the oldest completion leaves
+    assert store.completions([1]) == [[5, 6, 7, 8], [9, 9, 9]]
+    store.add([2], [7])
+    store.completions([1])  # prompt 1 used last: prompt 2 is the least recently used
+    store.add([3], [8])
+    assert store.completions([2]) == [] and len(store) == 2
+    back = HistoryStore(10, 2)
+    back.restore(store.state())
+    assert back.state() == store.state() and back.completions([3]) == [[8]]
+
+
+def test_group_corpus_collects_finished_siblings():
+    text = GroupCorpus([[1, 2], [3], [1, 2]], None, size=12, prompt_tail=2)
+    assert text.group_of == [0, 1, 0]
+    assert (text.rows([0, 1]) == SEPARATOR).all()
+    text.dirty = False
+    text.finished(2, [7, 8, 9])
+    assert text.dirty
+    rows = text.rows([0, -1, 1])
+    assert rows[0, :6].tolist() == [1, 2, 7, 8, 9, -1] and (rows[1:] == SEPARATOR).all()
+
+
+def test_merged_trie_drops_repeated_nodes_and_keeps_every_path():
+    # EAGLE tree a: root -> 5 -> 6, root -> 9. History chain b: root -> 5 -> 7 -> 8.
+    a = speculative.Tree(tokens=jnp.array([[1, 5, 9, 6]]), parents=jnp.array([[-1, 0, 0, 1]]),
+                         depth=jnp.array([[0, 1, 1, 2]]), valid=jnp.ones((1, 4), bool),
+                         source=jnp.array([[0, 1, 1, 1]]))
+    b = speculative.chain_tree(jnp.array([1]), jnp.array([[5, 7, 8]]), jnp.array([3]))
+    t = speculative.merge_trees(a, b)
+    assert t.tokens.tolist() == [[1, 5, 9, 6, 5, 7, 8]]
+    assert t.valid.tolist() == [[True, True, True, True, False, True, True]]  # b's 5 repeats a's
+    assert t.parents.tolist()[0][5:] == [1, 5]  # 7 hangs under a's 5
+    assert t.depth.tolist() == [[0, 1, 1, 2, 1, 2, 3]]
+    assert t.source.tolist()[0][:2] == [0, speculative.EAGLE | speculative.HISTORY]
+    assert t.source.tolist()[0][5:] == [speculative.HISTORY] * 2
+
+
+def test_strategy_notation():
+    assert speculative.Strategy.parse("h8") == speculative.Strategy(0, 0, 1, 8)
+    fused = speculative.Strategy.parse("3/1/4+h8")
+    assert fused.label == "3/1/4+h8" and fused.num_nodes == 12 and fused.pending == 9 and fused.uses_drafter
+    assert speculative.Strategy.parse("plain") is speculative.PLAIN and speculative.PLAIN.is_plain
+    cfg = load_config(None, ["sd.mode=adaptive", "sd.strategies=['h6', [3, 1, 4], '3/1/4+h6']",
+                             "sd.group_live_batch_ranges=[[7, 1, 2], [4, 3, 5], [10, 6, 8]]"])
+    assert list(cfg.sd.strategies) == ["h6", "3/1/4", "3/1/4+h6"]
+    with pytest.raises(ConfigError, match=r"sd.strategies\[0\]: 'x6' is not"):
+        load_config(None, ["sd.strategies=['x6']"])
+    with pytest.raises(ConfigError, match="sd.history.spec_factor must be > 0"):
+        load_config(None, ["sd.history.spec_factor=0"])
+
+
+# ---- engines ---------------------------------------------------------------------------------
+
+SD_CFG = dataclasses.replace(CFG, length_buckets=(48, 96))
+TWO_ROWS = dataclasses.replace(SD_CFG, batch_buckets=(1, 2))  # siblings run one after another
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def repeated_requests(n_prompts, samples, temperature=0.0, max_new=24, seed=7):
+    """Several samples per prompt: the siblings the history drafter feeds on."""
+    return [Request(p, max_new_tokens=max_new - 2 * (i % 3), temperature=temperature, top_p=0.95, seed=100 * i + j)
+            for i, p in enumerate(prompts(n_prompts, seed=seed)) for j in range(samples)]
+
+
+@pytest.mark.parametrize("spec", ["h6", "3/2/6+h4"])
+def test_history_and_fused_greedy_equal_plain_decoding(model, spec):
+    drafter = Drafter(TINY, nnx.Rngs(5)) if "/" in spec else None
+    engine = RolloutEngine(model, TWO_ROWS, sd=SpecConfig(mode="on", strategies=(spec,)), drafter=drafter, progress=False)
+    reqs = repeated_requests(3, 3)
+    out = engine.generate(reqs)
+    for r, o in zip(reqs, out):
+        assert o.tokens == greedy_generate(model, r.prompt_ids, r.max_new_tokens)
+    # Greedy siblings repeat each other: the later ones are drafted from the earlier ones' text.
+    assert engine.stats.drafts_history > 0 and engine.stats.acceptance_length() > 1.5
+
+
+@pytest.mark.parametrize("spec", ["h6", "3/2/6+h4"])
+def test_history_coupled_sampling_equals_plain_sampling(model, spec):
+    drafter = Drafter(TINY, nnx.Rngs(5)) if "/" in spec else None
+    reqs = repeated_requests(3, 4, temperature=0.8)
+    plain = RolloutEngine(model, SD_CFG, progress=False).generate(reqs)
+    engine = RolloutEngine(model, SD_CFG, sd=SpecConfig(mode="on", strategies=(spec,)), drafter=drafter, progress=False)
+    out = engine.generate(reqs)
+    assert [a.tokens for a in plain] == [b.tokens for b in out]
+    np.testing.assert_allclose([x for a in plain for x in a.logprobs], [x for b in out for x in b.logprobs], atol=1e-4)
+    assert engine.stats.sd_steps > 0
+
+
+def test_fused_rejection_sampling_runs_and_is_greedy_at_temperature_zero(model):
+    sd = SpecConfig(mode="on", strategies=("3/2/6+h4",), accept="rejection")
+    engine = RolloutEngine(model, TWO_ROWS, sd=sd, drafter=Drafter(TINY, nnx.Rngs(5)), progress=False)
+    greedy = repeated_requests(2, 3)
+    for r, o in zip(greedy, engine.generate(greedy)):
+        assert o.tokens == greedy_generate(model, r.prompt_ids, r.max_new_tokens)
+    assert engine.stats.drafts_history > 0  # the later siblings' drafts were accepted
+    sampled = repeated_requests(2, 3, temperature=0.8)
+    out = engine.generate(sampled)
+    assert all(len(o.tokens) == r.max_new_tokens and max(o.tokens) < TINY.vocab_size for r, o in zip(sampled, out))
+
+
+def test_earlier_rollouts_feed_the_next_one(model):
+    """The same prompts again (a later RL step): the store's completions are drafted from at once."""
+    store = HistoryStore(tokens_per_prompt=512, max_prompts=16)
+    sd = SpecConfig(mode="on", strategies=("h8",))
+    engine = RolloutEngine(model, SD_CFG, sd=sd, progress=False, history=store)
+    reqs = repeated_requests(4, 1)  # one sample per prompt: no sibling to draft from
+    first = engine.generate(reqs)
+    before = engine.stats.drafts_history
+    store.add_all((r.prompt_ids, c.tokens) for r, c in zip(reqs, first))
+    again = engine.generate(reqs)
+    assert [c.tokens for c in again] == [c.tokens for c in first]
+    assert engine.stats.drafts_history > before + 20  # greedy repeats itself: most tokens drafted
