@@ -50,9 +50,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from fastrl_jax.rollout.engine import Request, RolloutEngine
 
     # A one-off generation compiles only the programs it reaches.
-    spec = [f"sd.{key}={value!r}" for key, value in (
-        ("mode", args.sd), ("steps", args.spec_steps), ("topk", args.spec_topk),
-        ("verify_tokens", args.spec_verify_tokens), ("accept", args.spec_accept)) if value is not None]
+    tree = [(key, value) for key, value in (("steps", args.spec_steps), ("topk", args.spec_topk),
+                                            ("verify_tokens", args.spec_verify_tokens)) if value is not None]
+    spec = [f"sd.{key}={value!r}" for key, value in [("mode", args.sd), ("accept", args.spec_accept), *tree] if value is not None]
+    if args.spec_strategy:
+        spec.append(f"sd.strategies=[{args.spec_strategy!r}]")
+    elif tree:  # the tree flags name the strategy: the config's list must not take precedence
+        spec.append("sd.strategies=[]")
     cfg = _config(args, ["rollout.warm_up=false", *spec])
     policy = _policy(cfg)
     prompts = _read_prompts(args, policy.tokenizer)
@@ -60,7 +64,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         Request(p, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed + i, policy.stop_ids)
         for i, p in enumerate(prompts)
     ]
-    drafter = make_drafter(cfg, policy.cfg, args.drafter) if cfg.sd.mode != "off" else None
+    drafter = make_drafter(cfg, policy.cfg, args.drafter) if cfg.sd.uses_drafter() else None
     engine = RolloutEngine(policy.model, cfg.rollout, sd=cfg.sd, drafter=drafter)
     t0 = time.perf_counter()
     results = engine.generate(requests)
@@ -142,6 +146,7 @@ def cmd_export_drafter(args: argparse.Namespace) -> None:
 def cmd_bench_sd(args: argparse.Namespace) -> None:
     import jax
 
+    from fastrl_jax.config import StrategySpec
     from fastrl_jax.data.prompts import held_out_sets, read_jsonl_prompts
     from fastrl_jax.drafter import bench
     from fastrl_jax.models.drafter_io import make_drafter
@@ -151,10 +156,12 @@ def cmd_bench_sd(args: argparse.Namespace) -> None:
         raise ConfigError("bench-sd needs prompts: --prompt-sets math chat, and/or --prompt-file FILE.jsonl")
     if len(set(names)) < len(names):
         raise ConfigError(f"bench-sd prompt sets need distinct names (a file's is its stem), got {names}")
+    strategies = [StrategySpec.from_config(s, "--strategies") for s in args.strategies]
+    if any(s.parts()[0] for s in strategies) and not args.drafter:
+        raise ConfigError("bench-sd: EAGLE strategies (S/K/V) need --drafter DIR; history ones (hD) do not")
     cfg = _config(args, ["rollout.warm_up=false"])
     policy = _policy(cfg)
-    drafter = make_drafter(cfg, policy.cfg, args.drafter)
-    strategies = [tuple(int(x) for x in s.split("/")) for s in args.strategies]
+    drafter = make_drafter(cfg, policy.cfg, args.drafter) if args.drafter else None
     held_out = held_out_sets(cfg, policy.tokenizer, args.prompts) if args.prompt_sets else {}
     prompt_sets = {name: held_out[name] for name in args.prompt_sets}
     for path in args.prompt_file:
@@ -162,6 +169,8 @@ def cmd_bench_sd(args: argparse.Namespace) -> None:
     result = {"model": cfg.model.path, "dtype": cfg.model.dtype, "drafter": str(args.drafter),
               "new_tokens": args.new_tokens, "repeats": args.repeats, "backend": jax.default_backend()}
     if args.profile:
+        if drafter is None:
+            raise ConfigError("bench-sd --profile times an EAGLE step's phases: give --drafter DIR")
         prof = bench.profile_step(policy.model, drafter, strategies[0], temperature=args.temperatures[-1])
         result["profile_ms"] = prof
         print("[bench-sd] one speculative step at batch 1, strategy " + args.strategies[0] + " (ms): "
@@ -169,7 +178,8 @@ def cmd_bench_sd(args: argparse.Namespace) -> None:
     rows = bench.run_bench(
         policy.model, drafter, prompt_sets, policy.stop_ids, base_cfg=cfg.rollout, batch_sizes=args.batch_sizes,
         strategies=strategies, temperatures=args.temperatures, vocabs=args.vocab, new_tokens=args.new_tokens,
-        repeats=args.repeats, log=lambda line: print(f"[bench-sd] {line}", file=sys.stderr, flush=True))
+        repeats=args.repeats, samples_per_prompt=args.samples_per_prompt,
+        log=lambda line: print(f"[bench-sd] {line}", file=sys.stderr, flush=True))
     result["rows"] = rows
     result["stops_paying_at_batch"] = bench.stop_paying(rows)
     print(bench.HEADER)
@@ -207,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="speculative decoding: off (default, whatever the config's sd.mode), on (always), "
                           "adaptive (at small live batch)")
     gen.add_argument("--drafter", help="drafter checkpoint directory; a random drafter when omitted")
+    gen.add_argument("--spec-strategy", help="the strategy --sd on runs: S/K/V (EAGLE tree), hD (history chain) or S/K/V+hD")
     gen.add_argument("--spec-steps", type=int, help="draft tree depth (sd.steps)")
     gen.add_argument("--spec-topk", type=int, help="branching per step (sd.topk)")
     gen.add_argument("--spec-verify-tokens", type=int, help="tree nodes verified, root included (sd.verify_tokens)")
@@ -238,10 +249,12 @@ def build_parser() -> argparse.ArgumentParser:
     ex.set_defaults(func=cmd_export_drafter)
     bs = sub.add_parser("bench-sd", help="plain vs speculative decoding tokens/s per batch size, strategy, temperature")
     _common(bs)
-    bs.add_argument("--drafter", required=True, help="train-drafter out_dir, or a drafter checkpoint directory")
+    bs.add_argument("--drafter", help="train-drafter out_dir, or a drafter checkpoint directory (EAGLE strategies)")
     bs.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     bs.add_argument("--strategies", nargs="+", default=["6/4/16", "5/4/8", "4/2/6"],
-                    help="draft trees as steps/topk/verify_tokens")
+                    help="steps/topk/verify_tokens (EAGLE tree), hD (history chain) or S/K/V+hD (both)")
+    bs.add_argument("--samples-per-prompt", type=int, default=1,
+                    help="ask each prompt this many times in a row (other seeds), as an RL group: hD drafts from the earlier ones")
     bs.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     bs.add_argument("--vocab", nargs="+", choices=["reduced", "full"], default=["reduced", "full"],
                     help="the drafter's reduced draft vocabulary and/or the same weights over the full vocabulary")

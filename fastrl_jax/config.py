@@ -162,7 +162,8 @@ class SpecConfig:
     bandit chooses among the strategies whose group covers the live batch, and plain decoding
     (plain_arm), so adaptive decoding is never slower than plain beyond exploration. Strategies are
     grouped by the tokens a step verifies (verify_tokens + history tokens); each group owns a
-    live-batch range in group_live_batch_ranges.
+    live-batch range in group_live_batch_ranges (ranges may overlap: the arms of every group
+    covering a live batch compete there).
     """
 
     mode: str = "off"  # off | on | adaptive
@@ -173,8 +174,9 @@ class SpecConfig:
     threshold_live_batch: int = 8  # adaptive: SD only at live batch <= this
     patience_host_steps: int = 2  # adaptive: consecutive program calls at or below the threshold before SD turns on
     strategies: tuple[StrategySpec, ...] = ()  # 'S/K/V', 'hD' or 'S/K/V+hD' each; empty = the tree above
-    group_live_batch_ranges: tuple[tuple[int, ...], ...] = ()  # adaptive: [nodes, min, max] per group; empty = [1, threshold] for a single group
+    group_live_batch_ranges: tuple[tuple[int, ...], ...] = ()  # adaptive: [nodes, min, max] per group; empty = [1, threshold] for one group
     plain_arm: bool = True  # adaptive: plain decoding is one of every group's arms
+    explore_steps: int = 8  # adaptive: device steps of a bandit pull that explores (an untried or random arm)
     bandit: str = "beg"  # adaptive: beg (bucketed epsilon-greedy) | ucb1 | fixed (each group's first strategy)
     epsilon: float = 0.1  # beg: exploration probability
     window_host_steps: int = 16  # bandit: rewards kept per strategy (sliding window)
@@ -189,10 +191,18 @@ class SpecConfig:
             StrategySpec(f"{self.steps}/{self.topk}/{self.verify_tokens}").parts("sd")
         object.__setattr__(self, "strategies", tuple(  # [S, K, V] tuples of Python callers read as 'S/K/V'
             StrategySpec.from_config(spec, f"sd.strategies[{i}]") for i, spec in enumerate(self.strategies)))
-        _check_at_least("sd", self, ("threshold_live_batch", "patience_host_steps", "window_host_steps"), 1)
+        _check_at_least("sd", self, ("threshold_live_batch", "patience_host_steps", "window_host_steps", "explore_steps"), 1)
         if not 0 <= self.epsilon <= 1:
             raise ConfigError(f"sd.epsilon must be in [0, 1], got {self.epsilon}")
         self.live_batch_ranges()  # validates the groups' ranges
+
+    def uses_drafter(self) -> bool:
+        """Whether a strategy that may run drafts with the EAGLE drafter (one must then be loaded or made)."""
+        return self.mode != "off" and any(s.parts()[0] for s in self.strategy_list())
+
+    def uses_history(self) -> bool:
+        """Whether a strategy that may run drafts from history (a HistoryStore is then worth keeping)."""
+        return self.mode != "off" and any(s.parts()[3] for s in self.strategy_list())
 
     def strategy_list(self) -> list[StrategySpec]:
         """The strategies that may run: adaptive mode's candidates; mode 'on' runs the first."""
@@ -221,12 +231,11 @@ class SpecConfig:
         if self.mode == "adaptive" and sorted(ranges) != groups:
             raise ConfigError(f"{key} must give one range per verify_tokens group of sd.strategies (the tokens a step "
                               f"verifies) {groups}, got {sorted(ranges)}")
-        covered = sorted(ranges.values())
-        if covered[0][0] != 1 or any(b[0] != a[1] + 1 for a, b in zip(covered, covered[1:])) \
-                or covered[-1][1] < self.threshold_live_batch:
+        covered = {b for lo, hi in ranges.values() for b in range(lo, hi + 1)}
+        if not covered >= set(range(1, self.threshold_live_batch + 1)):
             raise ConfigError(
-                f"{key} must tile live batches 1 .. sd.threshold_live_batch ({self.threshold_live_batch}) "
-                f"without gaps or overlaps, got {[list(r) for r in self.group_live_batch_ranges]}"
+                f"{key} must cover live batches 1 .. sd.threshold_live_batch ({self.threshold_live_batch}) "
+                f"without gaps (ranges may overlap: their arms then compete), got {[list(r) for r in self.group_live_batch_ranges]}"
             )
         return ranges
 

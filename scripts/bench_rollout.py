@@ -8,12 +8,14 @@ sizes 1, 16, 64.
 
 --workload longtail: a realistic RL rollout, 16 math word problems x 4 samples at temperature 0.7,
 up to 512 new tokens, run as plain decoding (with compaction), always-on speculative decoding (each
-strategy given; the best is the comparison) and adaptive SD (the config's sd section), with the same
-seeds, so all produce the same tokens (checked). Reports wall time, tokens/s, speedups, the share of
-plain time spent at live batch <= the SD threshold and adaptive's speedup inside it, and writes a PNG
-timeline (live batch, tokens/s, SD on/off and strategy over time).
+strategy given, e.g. 3/1/4 h8 3/1/4+h8; the best is the comparison) and adaptive SD (the config's sd
+section), with the same seeds, so all produce the same tokens (checked; exit 1 otherwise). Reports the
+median of --repeats rollouts: wall time, tokens/s, speedups, the share of plain time spent at live
+batch <= the SD threshold and adaptive's speedup inside it, acceptance and the drafted tokens per step
+by source (EAGLE / history), the machine's facts, and a PNG timeline (live batch, tokens/s, SD on/off
+and strategy over time).
 
-    python scripts/bench_rollout.py --workload longtail --drafter DRAFTER_DIR --out longtail.json
+    python scripts/bench_rollout.py --workload longtail --drafter DRAFTER_DIR --repeats 3 --out longtail.json
 """
 
 from __future__ import annotations
@@ -41,18 +43,6 @@ def make_prompts(n: int) -> list[str]:
         QUESTIONS[i % len(QUESTIONS)].format(a=rng.integers(20, 99), b=rng.integers(2, 9), c=rng.integers(2, 9))
         for i in range(n)
     ]
-
-
-def copy_bandwidth_gbs(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
-    """Measured memory copy bandwidth (read + write counted once, as a decode step reads weights once)."""
-    src = np.ones(nbytes // 4, np.float32)
-    dst = np.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * nbytes / best / 1e9
 
 
 def bench_engine(model, prompt_ids, batch_sizes, new_tokens, repeats):
@@ -166,12 +156,14 @@ def time_at_or_below(timeline, live_batch: int) -> float:
     return total
 
 
-def run_longtail(name, model, drafter, rollout_cfg, sd, requests):
+def run_longtail(name, model, drafter, rollout_cfg, sd, requests, repeats: int):
+    """`repeats` rollouts of the requests on one engine, compiled before the clock starts, each with a
+    fresh adaptive controller (a cold rollout, the conservative case). Returns the median run, with
+    every run's seconds."""
     from fastrl_jax.rollout.engine import RolloutEngine, bucket_for
 
     engine = RolloutEngine(model, rollout_cfg, sd=sd, drafter=drafter if sd.mode != "off" else None, progress=False)
-    # Every program the rollout can reach, compiled before the clock starts: all requests fit in
-    # the first table, which only shrinks.
+    # Every program the rollout can reach: all requests fit in the first table, which only shrinks.
     buckets = rollout_cfg.batch_buckets
     first = bucket_for(min(len(requests), buckets[-1]), buckets)
     keys = [k for k in engine.warm_up_keys() if k[1] <= first and (k[0] != "prefill" or k[1] == first)]
@@ -179,15 +171,20 @@ def run_longtail(name, model, drafter, rollout_cfg, sd, requests):
     engine.pool.warm_up(keys, progress=False)
     compile_s = time.perf_counter() - t0
     print(f"[{name}] {engine.pool_report()}; {compile_s:.0f}s", file=sys.stderr)
-    out = engine.generate(requests)
-    s = engine.stats
-    seconds = s.seconds["total"]
-    print(f"[{name}] {s.tokens} tokens in {seconds:.1f}s", file=sys.stderr)
-    return {
-        "name": name, "sd": dataclasses.asdict(sd), "seconds": seconds, "tokens": s.tokens,
-        "tok_s": s.tokens / seconds, "start_seconds": compile_s, "programs": engine.pool_report(),
-        "stats": s.as_dict(), "timeline": [c._asdict() for c in engine.timeline], "outputs": [o.tokens for o in out],
-    }
+    runs = []
+    for _ in range(repeats):
+        engine.reset_controller()
+        out = engine.generate(requests)
+        s = engine.stats
+        runs.append({
+            "seconds": s.seconds["total"], "tokens": s.tokens, "stats": s.as_dict(),
+            "timeline": [c._asdict() for c in engine.timeline], "outputs": [o.tokens for o in out],
+        })
+        print(f"[{name}] {s.tokens} tokens in {s.seconds['total']:.1f}s", file=sys.stderr)
+    median = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
+    return {"name": name, "sd": dataclasses.asdict(sd), **median, "tok_s": median["tokens"] / median["seconds"],
+            "all_seconds": [r["seconds"] for r in runs], "start_seconds": compile_s, "programs": engine.pool_report(),
+            "identical_across_repeats": all(r["outputs"] == runs[0]["outputs"] for r in runs)}
 
 
 def plot_timelines(runs, threshold: int, title: str, path: str) -> bool:
@@ -234,79 +231,96 @@ def plot_timelines(runs, threshold: int, title: str, path: str) -> bool:
 def bench_longtail(args) -> int:
     import jax
 
-    from fastrl_jax.config import SpecConfig, load_config
+    from fastrl_jax.config import SpecConfig, StrategySpec, load_config
+    from fastrl_jax.machine import machine_facts
     from fastrl_jax.models.drafter_io import make_drafter
 
     cfg = load_config(args.config, args.set)
     policy = load_smollm2(cfg)
-    model = policy.model
     drafter, drafter_name = make_drafter(cfg, policy.cfg, args.drafter), args.drafter or "random"
     requests = longtail_requests(policy, args)
     adaptive_sd = dataclasses.replace(cfg.sd, mode="adaptive")
-    on_strategies = [tuple(s) for s in args.on_strategies] if args.on_strategies else adaptive_sd.strategy_list()
-    margin = max(s[2] for s in [*adaptive_sd.strategy_list(), *on_strategies]) - 1
+    on_specs = [StrategySpec.from_config(s, "--on-strategies") for s in args.on_strategies or adaptive_sd.strategy_list()]
+    margin = max(s.nodes() for s in [*adaptive_sd.strategy_list(), *on_specs]) - 1
     rollout_cfg = longtail_rollout_config(cfg, requests, margin)
     print(f"{len(requests)} requests, T={args.temperature}, max {args.max_new_tokens} new tokens; "
           f"batch buckets {rollout_cfg.batch_buckets}, length buckets {rollout_cfg.length_buckets}; "
-          f"drafter {drafter_name}", file=sys.stderr)
+          f"drafter {drafter_name}; {args.repeats} runs each", file=sys.stderr)
 
-    plain = run_longtail("plain", model, drafter, rollout_cfg, SpecConfig(), requests)
-    on_runs = [
-        run_longtail(f"on {s[0]}/{s[1]}/{s[2]}", model, drafter, rollout_cfg,
-                     SpecConfig(mode="on", steps=s[0], topk=s[1], verify_tokens=s[2], accept=cfg.sd.accept), requests)
-        for s in on_strategies
-    ]
-    best_on = min(on_runs, key=lambda r: r["seconds"])
-    adaptive = run_longtail("adaptive", model, drafter, rollout_cfg, adaptive_sd, requests)
+    def run(name, sd):
+        return run_longtail(name, policy.model, drafter, rollout_cfg, sd, requests, args.repeats)
+
+    plain = run("plain", SpecConfig())
+    on_runs = [run(f"on {spec}", dataclasses.replace(cfg.sd, mode="on", strategies=(spec,))) for spec in on_specs]
+    adaptive = run("adaptive", adaptive_sd)
+    runs = [plain, *on_runs, adaptive]
+    summary = longtail_summary(args, runs, adaptive_sd.threshold_live_batch, drafter_name)
+    summary["machine"] = machine_facts()
+    summary["backend"] = jax.default_backend()
+    summary |= {"rollout": dataclasses.asdict(rollout_cfg), "sd": dataclasses.asdict(adaptive_sd)}
+    print_longtail(summary, runs)
+    plot = args.plot or str(Path(args.out).with_suffix(".png"))
+    # Two lines: a drafter path after the workload ran past the figure's edge.
+    title = f"SmolLM2-135M rollout on {summary['backend']}: {summary['workload']}\ndrafter {drafter_name}"
+    best_on = min(on_runs, key=lambda r: r["seconds"]) if on_runs else None
+    if plot_timelines([r for r in (plain, best_on, adaptive) if r is not None], adaptive_sd.threshold_live_batch, title, plot):
+        print(f"timeline plot: {plot}")
+    with open(args.out, "w") as f:
+        json.dump({"summary": summary, "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs]}, f, indent=1)
+    return 0 if all(r["identical_to_plain"] == len(requests) for r in runs) else 1
+
+
+def longtail_summary(args, runs, k: int, drafter_name: str) -> dict:
+    """Speedups, tail shares and acceptance by source of the runs (plain first, adaptive last); adds
+    each run's comparison with plain to the run."""
+    plain, adaptive = runs[0], runs[-1]
 
     def ratio(a: float, b: float) -> float:
         return a / b if b else float("nan")  # a rollout may never get down to the threshold
 
-    k = adaptive_sd.threshold_live_batch
     plain_tail = time_at_or_below(plain["timeline"], k)
-    for run in [plain, *on_runs, adaptive]:
+    for run in runs:
         run["speedup"] = plain["seconds"] / run["seconds"]
         run["identical_to_plain"] = sum(a == b for a, b in zip(run["outputs"], plain["outputs"]))
         run[f"seconds_at_live_batch_le_{k}"] = time_at_or_below(run["timeline"], k)
         run[f"speedup_at_live_batch_le_{k}"] = ratio(plain_tail, run[f"seconds_at_live_batch_le_{k}"])
     lengths = np.array([len(o) for o in plain["outputs"]])
-    summary = {
+    best_on = min(runs[1:-1], key=lambda r: r["seconds"]) if len(runs) > 2 else None
+    return {
         "workload": f"{args.problems} math word problems x {args.samples} samples, T={args.temperature}, "
                     f"max {args.max_new_tokens} new tokens",
-        "drafter": drafter_name, "backend": jax.default_backend(),
+        "drafter": drafter_name, "repeats": args.repeats,
         "response_tokens": {"p50": float(np.percentile(lengths, 50)), "p90": float(np.percentile(lengths, 90)),
                             "max": int(lengths.max()), "at_limit": int((lengths >= args.max_new_tokens).sum())},
         "threshold_live_batch": k, f"plain_share_at_live_batch_le_{k}": ratio(plain_tail, plain["seconds"]),
-        "best_on": best_on["name"], "adaptive_vs_plain": adaptive["speedup"],
-        "adaptive_vs_best_on": best_on["seconds"] / adaptive["seconds"],
+        "best_on": best_on["name"] if best_on else None, "adaptive_vs_plain": adaptive["speedup"],
+        "adaptive_vs_best_on": best_on["seconds"] / adaptive["seconds"] if best_on else None,
         f"adaptive_speedup_at_live_batch_le_{k}": adaptive[f"speedup_at_live_batch_le_{k}"],
-        "rollout": dataclasses.asdict(rollout_cfg), "sd": dataclasses.asdict(adaptive_sd),
+        "acceptance": {r["name"]: r["stats"]["acceptance_length"] for r in runs[1:]},
+        "drafts_per_step": {r["name"]: r["stats"]["drafts_per_step"] for r in runs[1:]},
     }
-    print(f"\n{summary['workload']}; drafter {drafter_name}; response tokens p50 {summary['response_tokens']['p50']:.0f}"
-          f" p90 {summary['response_tokens']['p90']:.0f} max {summary['response_tokens']['max']}")
-    print(f"{'run':>14} {'seconds':>8} {'tok/s':>7} {'speedup':>8} {'s@<=' + str(k):>7} {'x@<=' + str(k):>7}"
-          f" {'accept':>7} {'identical':>10}")
-    for run in [plain, *on_runs, adaptive]:
-        acc = run["stats"]["acceptance_length"]
-        print(f"{run['name']:>14} {run['seconds']:>8.1f} {run['tok_s']:>7.1f} {run['speedup']:>7.2f}x "
-              f"{run[f'seconds_at_live_batch_le_{k}']:>7.1f} {run[f'speedup_at_live_batch_le_{k}']:>6.2f}x {acc:>7.2f} "
-              f"{run['identical_to_plain']:>4}/{len(requests)}")
+
+
+def print_longtail(summary: dict, runs: list[dict]) -> None:
+    k = summary["threshold_live_batch"]
+    n = len(runs[0]["outputs"])
+    print(f"\n{summary['workload']}; drafter {summary['drafter']}; response tokens p50 {summary['response_tokens']['p50']:.0f}"
+          f" p90 {summary['response_tokens']['p90']:.0f} max {summary['response_tokens']['max']}; median of {summary['repeats']}")
+    print(f"{'run':>16} {'seconds':>8} {'tok/s':>7} {'speedup':>8} {'s@<=' + str(k):>7} {'x@<=' + str(k):>7}"
+          f" {'accept':>7} {'eagle':>6} {'hist':>6} {'identical':>10}")
+    for run in runs:
+        st = run["stats"]
+        src = st["drafts_per_step"]
+        print(f"{run['name']:>16} {run['seconds']:>8.1f} {run['tok_s']:>7.1f} {run['speedup']:>7.2f}x "
+              f"{run[f'seconds_at_live_batch_le_{k}']:>7.1f} {run[f'speedup_at_live_batch_le_{k}']:>6.2f}x "
+              f"{st['acceptance_length']:>7.2f} {src['eagle']:>6.2f} {src['history']:>6.2f} {run['identical_to_plain']:>4}/{n}")
     print(f"plain spends {summary[f'plain_share_at_live_batch_le_{k}']:.0%} of its time at live batch <= {k}; "
-          f"adaptive is {summary['adaptive_vs_plain']:.2f}x plain ({summary[f'adaptive_speedup_at_live_batch_le_{k}']:.2f}x "
-          f"inside that share) and {summary['adaptive_vs_best_on']:.2f}x the best always-on ({best_on['name']})")
-    s = adaptive["stats"]
+          f"adaptive is {summary['adaptive_vs_plain']:.2f}x plain "
+          f"({summary[f'adaptive_speedup_at_live_batch_le_{k}']:.2f}x inside that share)")
+    s = runs[-1]["stats"]
     print("adaptive: steps plain {}, SD {}; acceptance by strategy {}; seconds {}".format(
         s["steps_plain"], s["steps_sd"], {k2: round(v, 2) for k2, v in s["acceptance_by_strategy"].items()},
         {k2: round(v, 1) for k2, v in s["seconds"].items()}))
-    plot = args.plot or str(Path(args.out).with_suffix(".png"))
-    # Two lines: a drafter path after the workload ran past the figure's edge.
-    title = f"SmolLM2-135M rollout on {summary['backend']}: {summary['workload']}\ndrafter {drafter_name}"
-    if plot_timelines([plain, best_on, adaptive], k, title, plot):
-        print(f"timeline plot: {plot}")
-    with open(args.out, "w") as f:
-        json.dump({"summary": summary, "runs": [{k2: v for k2, v in r.items() if k2 != "outputs"}
-                                                for r in [plain, *on_runs, adaptive]]}, f, indent=1)
-    return 0
 
 
 def main(argv=None) -> int:
@@ -314,7 +328,8 @@ def main(argv=None) -> int:
     parser.add_argument("--workload", choices=["throughput", "longtail"], default="throughput")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="timed runs of each cell (throughput: the best is kept; longtail: the median is reported)")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--out", default="bench_rollout.json")
     parser.add_argument("--config", default="configs/smollm2_cpu.yaml",
@@ -322,8 +337,8 @@ def main(argv=None) -> int:
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides, e.g. sd.threshold_live_batch=4")
     longtail = parser.add_argument_group("longtail")
     longtail.add_argument("--drafter", help="drafter checkpoint directory (save_drafter); a random drafter when omitted")
-    longtail.add_argument("--on-strategies", type=int, nargs=3, action="append", metavar=("STEPS", "TOPK", "VERIFY"),
-                          help="always-on strategies to run (repeatable); default: the config's sd strategies")
+    longtail.add_argument("--on-strategies", nargs="*", metavar="SPEC",
+                          help="always-on strategies to run, e.g. 3/1/4 h8 3/1/4+h8 (default: the config's sd strategies)")
     longtail.add_argument("--problems", type=int, default=16)
     longtail.add_argument("--samples", type=int, default=4)
     longtail.add_argument("--temperature", type=float, default=0.7)
@@ -335,15 +350,18 @@ def main(argv=None) -> int:
         return bench_longtail(args)
 
     import jax
+    from flax import nnx
 
     from fastrl_jax.config import load_config
     from fastrl_jax.data.prompts import chat_prompt_ids
+    from fastrl_jax.machine import machine_facts
 
     policy = load_smollm2(load_config(args.config, args.set))
     model, tokenizer = policy.model, policy.tokenizer
     prompt_ids = [chat_prompt_ids(tokenizer, q) for q in make_prompts(64)]
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(__import__("flax").nnx.state(model)))
-    bandwidth = copy_bandwidth_gbs()
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+    facts = machine_facts()
+    bandwidth = facts["copy_bandwidth_gbs"]
     floor = bandwidth * 1e9 / weight_bytes
 
     print(f"SmolLM2-135M float32 ({weight_bytes / 1e6:.0f} MB), {args.new_tokens} new tokens, greedy", file=sys.stderr)
@@ -363,7 +381,7 @@ def main(argv=None) -> int:
     result = {
         "model": "SmolLM2-135M-Instruct float32", "new_tokens": args.new_tokens, "backend": jax.default_backend(),
         "weight_bytes": weight_bytes, "copy_bandwidth_gbs": bandwidth, "batch1_floor_tok_s": floor,
-        "engine_start_seconds": compile_s, "programs": pool_report, "rows": rows,
+        "engine_start_seconds": compile_s, "programs": pool_report, "rows": rows, "machine": facts,
     }
     print(f"{'batch':>6} {'fastrl tok/s':>13} {'HF tok/s':>9} {'ratio':>6} {'same':>5}")
     for r in rows:

@@ -6,6 +6,7 @@ import numpy as np
 from flax import nnx
 from helpers.tiny import CFG, TINY, prompts, tiny_model
 
+from fastrl_jax.config import StrategySpec
 from fastrl_jax.drafter.bench import run_bench, stop_paying
 from fastrl_jax.models.drafter import Drafter
 
@@ -15,7 +16,7 @@ def test_each_set_and_batch_size_runs_every_prompt_and_matches_plain_decoding():
     sets = {"a": prompts(3, seed=2, hi=8), "b": prompts(1, seed=3, hi=8)}
     rows = run_bench(
         tiny_model(), drafter, sets, stop_ids=[], base_cfg=CFG, batch_sizes=[1, 2],
-        strategies=[(3, 1, 4)], temperatures=[0.0, 0.7], vocabs=["reduced"], new_tokens=6, repeats=1,
+        strategies=[StrategySpec("3/1/4")], temperatures=[0.0, 0.7], vocabs=["reduced"], new_tokens=6, repeats=1,
         log=lambda line: None,
     )
     assert sorted((r["prompts"], r["temperature"], r["batch"], r["requests"]) for r in rows) == [
@@ -24,3 +25,15 @@ def test_each_set_and_batch_size_runs_every_prompt_and_matches_plain_decoding():
     assert all(r["same_tokens"] == r["requests"] for r in rows)
     assert all(1.0 <= r["acceptance_length"] <= 4.0 for r in rows)
     assert set(stop_paying(rows)) == {f"T={t} {s} 3/1/4 reduced" for t in ("0", "0.7") for s in "ab"}
+
+
+def test_history_strategies_draft_from_earlier_samples_of_a_prompt():
+    """Several samples per prompt, greedy (so they repeat each other), no drafter: the history chain
+    drafts the later samples from the earlier ones, and every cell still matches plain decoding."""
+    rows = run_bench(
+        tiny_model(), None, {"a": prompts(2, seed=2, hi=8)}, stop_ids=[], base_cfg=CFG, batch_sizes=[1],
+        strategies=[StrategySpec("h4")], temperatures=[0.0], vocabs=["reduced", "full"], new_tokens=12, repeats=1,
+        samples_per_prompt=3, log=lambda line: None,
+    )
+    assert [(r["strategy"], r["vocab"], r["requests"]) for r in rows] == [("h4", "-", 6)]
+    assert rows[0]["same_tokens"] == 6 and rows[0]["drafts_per_step"]["history"] > 1.0

@@ -78,6 +78,23 @@ def test_lossless_sd_adaptive_matches_plain_decoding(tmp_path):
     assert max(moved) > 1e-4, "training did not change the parameters"
 
 
+def test_history_drafting_in_grpo_is_lossless_and_survives_resume(tmp_path):
+    """Drafting from history alone (no drafter is made): the same rollouts as SD off, and the store of
+    earlier completions comes back from the checkpoint."""
+    common = ["rl.checkpoint_every_steps=2", "rollout.steps_per_call=2", "rl.temperature=0.3"]
+    off = run_recording(make_trainer(tmp_path / "off", *common, steps=2))
+    on = [*common, "sd.mode=on", "sd.strategies=['h4']"]
+    trainer = make_trainer(tmp_path / "on", *on, steps=2)
+    assert trainer.drafter is None and trainer.spot is None
+    history = run_recording(trainer)
+    assert off[0] == history[0]
+    assert sum(m["sd_share"] for m in history[1]) == 2  # every decode step drafted from history
+    assert [m["rollout_digest"] for m in off[1]] == [m["rollout_digest"] for m in history[1]]
+    assert len(trainer.history) == 8  # the 2 x 4 prompts of the two steps
+    resumed = make_trainer(tmp_path / "on", *on, steps=2, resume=True)
+    assert resumed.history.state() == trainer.history.state()
+
+
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
     trainer = make_trainer(tmp_path, steps=4)
     original = trainer.build_batch

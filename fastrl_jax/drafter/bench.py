@@ -20,12 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fastrl_jax.config import RolloutConfig, SpecConfig
+from fastrl_jax.config import RolloutConfig, SpecConfig, StrategySpec
 from fastrl_jax.models.decoder import Decoder, KVCache
 from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.rollout import accept as accept_lib
 from fastrl_jax.rollout import speculative
 from fastrl_jax.rollout.engine import Request, RolloutEngine
+from fastrl_jax.rollout.history import HistoryStore
 from fastrl_jax.rollout.programs import Slots
 from fastrl_jax.rollout.sampling import SamplingParams
 from fastrl_jax.rollout.stats import RolloutStats
@@ -52,12 +53,18 @@ def _bench_cfg(base: RolloutConfig, batch_sizes, prompt_len: int, new_tokens: in
 
 def _timed(engine: RolloutEngine, rounds: list[list[Request]], repeats: int) -> tuple[float, list, RolloutStats]:
     """Tokens/s over the rounds (one generate call each), their completions, and their summed
-    stats, from the fastest of `repeats` runs after a compiling one."""
+    stats, from the fastest of `repeats` runs after a compiling one. Each run starts with an empty
+    history that every round's completions join (as an RL step's would), when the engine keeps one."""
 
     def run():
+        if engine.history is not None:
+            engine.history = HistoryStore(engine.history.tokens_per_prompt, engine.history.max_prompts)
         t0, out, totals = time.perf_counter(), [], RolloutStats()
         for reqs in rounds:
-            out += engine.generate(reqs)
+            done = engine.generate(reqs)
+            if engine.history is not None:
+                engine.history.add_all((r.prompt_ids, c.tokens) for r, c in zip(reqs, done))
+            out += done
             totals += engine.stats
         return time.perf_counter() - t0, out, totals
 
@@ -71,24 +78,30 @@ def _timed(engine: RolloutEngine, rounds: list[list[Request]], repeats: int) -> 
     return tokens / best, out, stats
 
 
-def run_bench(policy: Decoder, drafter: Drafter, prompt_sets: dict[str, Sequence[Sequence[int]]], stop_ids: Sequence[int], *,
-              base_cfg: RolloutConfig, batch_sizes: Sequence[int], strategies: Sequence[tuple[int, int, int]],
+def run_bench(policy: Decoder, drafter: Drafter | None, prompt_sets: dict[str, Sequence[Sequence[int]]], stop_ids: Sequence[int], *,
+              base_cfg: RolloutConfig, batch_sizes: Sequence[int], strategies: Sequence[StrategySpec],
               temperatures: Sequence[float], vocabs: Sequence[str], new_tokens: int, repeats: int,
-              log=print) -> list[dict]:
+              samples_per_prompt: int = 1, log=print) -> list[dict]:
     """Rows {prompts, temperature, batch, strategy, vocab, plain_tok_s, sd_tok_s, acceptance_length,
-    speedup, same_tokens, requests}: one per prompt set and cell. Sets are timed apart because the
-    drafter's acceptance, and so the speedup, depends on the kind of text (math answers vs chat)."""
-    margin = max(s[2] for s in strategies)
+    drafts_per_step, speedup, same_tokens, requests}: one per prompt set and cell. Sets are timed apart
+    because the drafter's acceptance, and so the speedup, depends on the kind of text (math answers vs
+    chat). samples_per_prompt > 1 asks each prompt that many times (other seeds) one after another, as
+    an RL group: history strategies ('hD') draft from the earlier samples."""
+    margin = max(s.nodes() for s in strategies)
     longest = max(len(p) for prompts in prompt_sets.values() for p in prompts)
     cfg = _bench_cfg(base_cfg, batch_sizes, longest, new_tokens, margin)
-    drafters = {"reduced": drafter, "full": with_full_vocab(drafter)}
-    if "reduced" in vocabs and drafter.draft_vocab is None:
+    if any(s.parts()[0] for s in strategies) and drafter is None:
+        raise ValueError("EAGLE strategies (S/K/V) need a drafter: --drafter DIR")
+    drafters = {"reduced": drafter, "full": with_full_vocab(drafter) if drafter is not None else None}
+    if "reduced" in vocabs and drafter is not None and drafter.draft_vocab is None:
         raise ValueError("--vocab reduced needs a drafter trained with a draft vocabulary (drafter_train.draft_vocab_size > 0)")
 
     def requests(prompts, b: int, t: float) -> list[list[Request]]:
-        """Every prompt (at least b requests), b at a time: batch 1 over one prompt would time one answer's length."""
-        n = -(-max(len(prompts), b) // b) * b
-        reqs = [Request(prompts[i % len(prompts)], new_tokens, t, seed=i, stop_ids=tuple(stop_ids)) for i in range(n)]
+        """Every prompt's samples in a row (at least b requests), b at a time: batch 1 over one prompt
+        would time one answer's length."""
+        asked = [p for p in prompts for _ in range(samples_per_prompt)]
+        n = -(-max(len(asked), b) // b) * b
+        reqs = [Request(asked[i % len(asked)], new_tokens, t, seed=i, stop_ids=tuple(stop_ids)) for i in range(n)]
         return [reqs[i : i + b] for i in range(0, n, b)]
 
     plain_engine = RolloutEngine(policy, cfg, progress=False)
@@ -99,30 +112,31 @@ def run_bench(policy: Decoder, drafter: Drafter, prompt_sets: dict[str, Sequence
                 plain[name, t, b] = _timed(plain_engine, requests(prompts, b, t), repeats)
                 log(f"plain {name} T={t:g} batch {b}: {plain[name, t, b][0]:.1f} tok/s")
     rows = []
-    for vocab in vocabs:
-        for strat in strategies:
-            sd = SpecConfig(mode="on", steps=strat[0], topk=strat[1], verify_tokens=strat[2])
-            engine = RolloutEngine(policy, cfg, sd=sd, drafter=drafters[vocab], progress=False)
-            for name, prompts in prompt_sets.items():
-                for t in temperatures:
-                    for b in batch_sizes:
-                        tok_s, out, stats = _timed(engine, requests(prompts, b, t), repeats)
-                        base_tok_s, base_out, _ = plain[name, t, b]
-                        row = {
-                            "prompts": name, "temperature": t, "batch": b, "strategy": list(strat), "vocab": vocab,
-                            "plain_tok_s": base_tok_s, "sd_tok_s": tok_s,
-                            "acceptance_length": stats.acceptance_length(),
-                            "speedup": tok_s / base_tok_s,
-                            "same_tokens": sum(a.tokens == c.tokens for a, c in zip(out, base_out)),
-                            "requests": len(out),
-                        }
-                        rows.append(row)
-                        log(format_row(row))
+    cells = [(vocab, spec) for spec in strategies for vocab in (vocabs if spec.parts()[0] else vocabs[:1])]
+    for vocab, spec in cells:  # a strategy without an EAGLE tree has no vocabulary to vary
+        sd = SpecConfig(mode="on", strategies=(spec,))
+        history = HistoryStore(sd.history.corpus_tokens, sd.history.store_prompts) if sd.uses_history() else None
+        engine = RolloutEngine(policy, cfg, sd=sd, drafter=drafters[vocab], progress=False, history=history)
+        for name, prompts in prompt_sets.items():
+            for t in temperatures:
+                for b in batch_sizes:
+                    tok_s, out, stats = _timed(engine, requests(prompts, b, t), repeats)
+                    base_tok_s, base_out, _ = plain[name, t, b]
+                    row = {
+                        "prompts": name, "temperature": t, "batch": b, "strategy": str(spec),
+                        "vocab": vocab if spec.parts()[0] else "-", "plain_tok_s": base_tok_s, "sd_tok_s": tok_s,
+                        "acceptance_length": stats.acceptance_length(), "drafts_per_step": stats.drafts_per_step(),
+                        "speedup": tok_s / base_tok_s,
+                        "same_tokens": sum(a.tokens == c.tokens for a, c in zip(out, base_out)),
+                        "requests": len(out),
+                    }
+                    rows.append(row)
+                    log(format_row(row))
     return rows
 
 
 def _label(r: dict) -> str:
-    return f"{r['prompts']} {'/'.join(map(str, r['strategy']))} {r['vocab']}"
+    return f"{r['prompts']} {r['strategy']} {r['vocab']}"
 
 
 def stop_paying(rows: list[dict]) -> dict[str, int | None]:
@@ -136,13 +150,15 @@ def stop_paying(rows: list[dict]) -> dict[str, int | None]:
     return out
 
 
-HEADER = f"{'prompts':>8} {'T':>4} {'batch':>5} {'strategy':>9} {'vocab':>7} {'plain tok/s':>11} {'SD tok/s':>9} {'accept':>6} {'speedup':>7} {'same':>6}"
+HEADER = (f"{'prompts':>8} {'T':>4} {'batch':>5} {'strategy':>10} {'vocab':>7} {'plain tok/s':>11} {'SD tok/s':>9} "
+          f"{'accept':>6} {'eagle':>5} {'hist':>5} {'speedup':>7} {'same':>6}")
 
 
 def format_row(r: dict) -> str:
-    return (f"{r['prompts']:>8} {r['temperature']:>4g} {r['batch']:>5} {'/'.join(map(str, r['strategy'])):>9} {r['vocab']:>7} "
-            f"{r['plain_tok_s']:>11.1f} {r['sd_tok_s']:>9.1f} {r['acceptance_length']:>6.2f} {r['speedup']:>6.2f}x "
-            f"{str(r['same_tokens']) + '/' + str(r['requests']):>6}")
+    src = r["drafts_per_step"]
+    return (f"{r['prompts']:>8} {r['temperature']:>4g} {r['batch']:>5} {r['strategy']:>10} {r['vocab']:>7} "
+            f"{r['plain_tok_s']:>11.1f} {r['sd_tok_s']:>9.1f} {r['acceptance_length']:>6.2f} {src['eagle']:>5.2f} "
+            f"{src['history']:>5.2f} {r['speedup']:>6.2f}x {str(r['same_tokens']) + '/' + str(r['requests']):>6}")
 
 
 def plot(rows: list[dict], path: str | Path) -> bool:
@@ -188,12 +204,14 @@ def _median_ms(fn, *args, repeats: int) -> float:
     return 1000 * float(np.median(times))
 
 
-def profile_step(policy: Decoder, drafter: Drafter, strategy: tuple[int, int, int], *, batch: int = 1,
+def profile_step(policy: Decoder, drafter: Drafter, strategy: StrategySpec, *, batch: int = 1,
                  prefix_len: int = 160, kv_len: int = 320, temperature: float = 0.0, repeats: int = 10) -> dict[str, float]:
     """Median milliseconds of each phase of one speculative step (each jitted alone, same shapes as
     the engine's), of the whole sd_step, and of one plain decode step. Random prefix contents: the
     cost does not depend on them."""
-    st = speculative.Strategy(*strategy)
+    st = speculative.Strategy(*strategy.parts())
+    if st.steps == 0:
+        raise ValueError(f"--profile times an EAGLE tree's phases; {strategy} has none")
     cfg = policy.cfg
     B, N, H = batch, st.verify_tokens, cfg.hidden_size
     pg, ps = nnx.split(policy)

@@ -9,6 +9,7 @@ uninterrupted one exactly.
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 import math
 import sys
@@ -35,6 +36,7 @@ from fastrl_jax.rl import grpo, rewards, update
 from fastrl_jax.rl.step_metrics import MetricsLog, rollout_summary
 from fastrl_jax.rl.workers import RolloutWorkers
 from fastrl_jax.rollout.engine import Completion, Request
+from fastrl_jax.rollout.history import HistoryStore
 from fastrl_jax.sharding import make_mesh, shardings_for
 
 log = logging.getLogger(__name__)
@@ -49,6 +51,14 @@ class NonFiniteLoss(RuntimeError):
 
 def _round_up(n: int, quantum: int) -> int:
     return -(-n // quantum) * quantum
+
+
+def token_digest(sequences) -> str:
+    """A short hash of token id sequences: equal rollouts, equal digests (benchmarks compare runs by it)."""
+    h = hashlib.blake2b(digest_size=8)
+    for tokens in sequences:
+        h.update(np.asarray(tokens, np.int64).tobytes() + b"|")
+    return h.hexdigest()
 
 
 def request_seed(seed: int, step: int, index: int) -> int:
@@ -80,8 +90,11 @@ class Trainer:
         self._logp_fn = update.jit_logprobs(self.graphdef, rl.temperature, self.param_shardings, self.mesh,
                                             rl.micro_batch_size)
 
-        self.drafter = make_drafter(cfg, model.cfg, rl.drafter_path) if cfg.sd.mode != "off" else None
-        self.workers = RolloutWorkers(cfg, self.graphdef, self.params, self.mesh, self.drafter)
+        self.drafter = make_drafter(cfg, model.cfg, rl.drafter_path) if cfg.sd.uses_drafter() else None
+        # Earlier steps' completions per prompt, drafted from when a prompt comes back (checkpointed).
+        h = cfg.sd.history
+        self.history = HistoryStore(h.corpus_tokens, h.store_prompts) if cfg.sd.uses_history() else None
+        self.workers = RolloutWorkers(cfg, self.graphdef, self.params, self.mesh, self.drafter, self.history)
         self.spot = None
         if self.drafter is not None and cfg.drafter_online.enabled:
             if jax.process_count() > 1:
@@ -147,6 +160,8 @@ class Trainer:
         for c in completions:
             if c.finish_reason == "error":
                 raise ValueError(f"rollout request failed: {c.error}")
+        if self.history is not None:
+            self.history.add_all((r.prompt_ids, c.tokens) for r, c in zip(requests, completions))
         return requests, completions, stats, report
 
     def track_drafter(self, requests: list[Request], completions: list[Completion], step: int) -> dict[str, float]:
@@ -272,6 +287,7 @@ class Trainer:
         metrics: dict[str, Any] = {"step": step}
         metrics |= rollout_summary(reward, correct, [len(c.tokens) for c in completions],
                                    [c.finish_reason for c in completions], stats)
+        metrics["rollout_digest"] = token_digest(c.tokens for c in completions)
         metrics |= spot_report  # the online drafter trainer's steps during the rollout
         metrics |= {"rollout_s": rollout_s, "train_s": train_s,
                     "tokens_per_s": metrics["tokens"] / (rollout_s + train_s),
@@ -316,6 +332,8 @@ class Trainer:
         meta = {"data": self.data.state(),
                 "run": {"step": self.step, "seed": self.cfg.seed, "config": to_dict(self.cfg),
                         "rng": "request seeds derive from (seed, step, request index)"}}
+        if self.history is not None:
+            meta["history"] = self.history.state()
         try:
             self.checkpointer.save(self.step, self._arrays(), meta)
         except OSError as e:
@@ -336,7 +354,8 @@ class Trainer:
         if self.checkpointer is None or self.checkpointer.latest_step() is None:
             where = self.out_dir / "checkpoints"
             raise FileNotFoundError(f"--resume: no checkpoint in {where} (rl.out_dir={self.cfg.rl.out_dir})")
-        step, arrays, meta = self.checkpointer.restore(None, self._arrays(), meta=("data", "run"))
+        names = ("data", "run", "history") if self.history is not None else ("data", "run")
+        step, arrays, meta = self.checkpointer.restore(None, self._arrays(), meta=names)
         self.params, self.opt_state = arrays["policy"], arrays["optimizer"]
         self.ref_params = arrays.get("reference", self.ref_params)
         if self.drafter is not None:
@@ -346,6 +365,8 @@ class Trainer:
             self.spot.restore(self.drafter, arrays["drafter_optimizer"])
         self.workers.update_weights(self.params)
         self.data.restore(meta["data"])
+        if self.history is not None:
+            self.history.restore(meta["history"])
         self.step = int(meta["run"]["step"])
         print(f"[fastrl-jax] resumed from step {step} in {self.checkpointer.directory}", file=sys.stderr)
 

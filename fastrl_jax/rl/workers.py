@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 from fastrl_jax.config import Config, ConfigError
 from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.rollout.engine import Completion, Request, RolloutEngine
+from fastrl_jax.rollout.history import HistoryStore
 from fastrl_jax.rollout.stats import RolloutStats
 from fastrl_jax.sharding import replica_meshes, reshard, shardings_for
 
@@ -40,7 +41,8 @@ class Replica:
 class RolloutWorkers:
     """The local replicas' engines; `generate` runs this process's share and returns every completion."""
 
-    def __init__(self, cfg: Config, graphdef, params: dict, mesh: Mesh, drafter: Drafter | None):
+    def __init__(self, cfg: Config, graphdef, params: dict, mesh: Mesh, drafter: Drafter | None,
+                 history: HistoryStore | None = None):
         self.graphdef = graphdef
         self.num_replicas = mesh.shape["data"]
         me = jax.process_index()
@@ -61,7 +63,7 @@ class RolloutWorkers:
             if drafter is not None:
                 d_graph, d_state = nnx.split(drafter)
                 local_drafter = nnx.merge(d_graph, jax.device_put(d_state, shardings_for(d_state, sub)))
-            engine = RolloutEngine(model, cfg.rollout, sd=cfg.sd, drafter=local_drafter, progress=False)
+            engine = RolloutEngine(model, cfg.rollout, sd=cfg.sd, drafter=local_drafter, progress=False, history=history)
             self.replicas.append(Replica(i, sub, shardings, engine))
 
     def update_weights(self, params: dict) -> None:

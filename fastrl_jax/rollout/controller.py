@@ -10,13 +10,14 @@ Pure host-side logic, no JAX. The engine asks it once per host step (one program
   speculation that does not pay (a random drafter, text unlike any history) loses to it. Inside the
   group: 'beg' (bucketed epsilon-greedy on the median reward over a sliding window, TLT's BEG),
   'ucb1' (UCB1 on the windowed mean), or 'fixed' (the group's first strategy). Reward = tokens
-  emitted / seconds, i.e. tokens per second, the drafter prefill a switch needed included.
+  emitted per second per live row (comparable across the live batches of a bucket), the drafter
+  prefill a switch needed included.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Sequence
 
 import numpy as np
@@ -45,15 +46,17 @@ class OnOff:
 
 
 class StrategyChooser:
-    """Bucketed bandit over draft-tree strategies.
+    """Bucketed bandit over draft strategies (and plain decoding).
 
     Args:
       strategies: the candidate strategies (PLAIN excluded).
-      ranges: {verified tokens: (min_live_batch, max_live_batch)}, one disjoint range per group.
+      ranges: {verified tokens: (min_live_batch, max_live_batch)}, one range per group; ranges may
+        overlap, and a live batch's arms are those of every group whose range holds it.
       kind: 'beg', 'ucb1' or 'fixed'.
       epsilon: exploration probability of 'beg'.
       window: rewards per strategy kept (the sliding window).
       seed: the exploration RNG's seed; the same seed and rewards give the same choices.
+      plain_arm: plain decoding is an arm wherever a group's range holds the live batch.
     """
 
     def __init__(
@@ -73,50 +76,54 @@ class StrategyChooser:
             groups.setdefault(s.num_nodes, []).append(s)
         if set(groups) != set(ranges):
             raise ValueError(f"need one live-batch range per verify_tokens group {sorted(groups)}, got {sorted(ranges)}")
-        spans = sorted(ranges.values())
-        if any(lo < 1 or hi < lo for lo, hi in spans) or any(a[1] >= b[0] for a, b in zip(spans, spans[1:])):
-            raise ValueError(f"live-batch ranges must be disjoint [min, max] with 1 <= min <= max, got {ranges}")
-        if plain_arm:
-            groups = {n: [*arms, PLAIN] for n, arms in groups.items()}
-        self.groups, self.ranges, self.kind, self.epsilon = groups, ranges, kind, epsilon
-        # PLAIN's rewards are kept per group: what plain decoding earns depends on the live batch.
-        self.rewards: dict[tuple[int, Strategy], deque[float]] = {
-            (n, s): deque(maxlen=window) for n, arms in groups.items() for s in arms}
-        self.pulls: dict[tuple[int, Strategy], int] = {key: 0 for key in self.rewards}
+        if any(lo < 1 or hi < lo for lo, hi in ranges.values()):
+            raise ValueError(f"live-batch ranges must be [min, max] with 1 <= min <= max, got {ranges}")
+        self.strategies, self.ranges, self.kind, self.epsilon, self.plain_arm = list(strategies), ranges, kind, epsilon, plain_arm
+        # Rewards per bucket (the groups covering a live batch): what an arm earns depends on the live batch.
+        self.rewards: dict[tuple[tuple[int, ...], Strategy], deque[float]] = defaultdict(lambda: deque(maxlen=window))
+        self.pulls: Counter = Counter()
         self.rng = np.random.default_rng(seed)
+        self.exploring = False  # whether the last choice was exploration (untried or random), not the best arm
 
-    def group(self, live_batch: int) -> int | None:
-        """The group (its verified tokens) whose range holds live_batch, or None when none covers it."""
-        for nodes, (lo, hi) in self.ranges.items():
-            if lo <= live_batch <= hi:
-                return nodes
-        return None
+    def bucket(self, live_batch: int) -> tuple[int, ...]:
+        """The groups (by verified tokens) whose range holds live_batch; () when none does."""
+        return tuple(sorted(n for n, (lo, hi) in self.ranges.items() if lo <= live_batch <= hi))
+
+    def arms(self, bucket: tuple[int, ...]) -> list[Strategy]:
+        """The bucket's arms in the order the strategies were given, then plain decoding."""
+        arms = [s for s in self.strategies if s.num_nodes in bucket]
+        return [*arms, PLAIN] if arms and self.plain_arm else arms
 
     def choose(self, live_batch: int) -> Strategy | None:
-        n = self.group(live_batch)
-        if n is None:
+        b = self.bucket(live_batch)
+        arms = self.arms(b)
+        self.exploring = False
+        if not arms:
             return None
-        arms = self.groups[n]
         if self.kind == "fixed" or len(arms) == 1:
             return arms[0]
-        untried = [s for s in arms if not self.rewards[n, s]]
+        untried = [s for s in arms if not self.rewards[b, s]]
         if untried:
+            self.exploring = True
             return untried[0]
         if self.kind == "beg":
+            best = max(arms, key=lambda s: float(np.median(self.rewards[b, s])))
             if self.rng.random() < self.epsilon:
-                return arms[int(self.rng.integers(len(arms)))]
-            return max(arms, key=lambda s: float(np.median(self.rewards[n, s])))
-        total = sum(self.pulls[n, s] for s in arms)
-        scale = max(max(self.rewards[n, s]) for s in arms) or 1.0  # UCB1 wants rewards in [0, 1]
+                choice = arms[int(self.rng.integers(len(arms)))]
+                self.exploring = choice != best
+                return choice
+            return best
+        total = sum(self.pulls[b, s] for s in arms)
+        scale = max(max(self.rewards[b, s]) for s in arms) or 1.0  # UCB1 wants rewards in [0, 1]
 
         def ucb(s: Strategy) -> float:
-            return float(np.mean(self.rewards[n, s])) / scale + math.sqrt(2 * math.log(total) / self.pulls[n, s])
+            return float(np.mean(self.rewards[b, s])) / scale + math.sqrt(2 * math.log(total) / self.pulls[b, s])
 
         return max(arms, key=ucb)
 
     def record(self, strategy: Strategy, live_batch: int, reward: float) -> None:
-        """reward: tokens per second of one host step run with `strategy` at `live_batch` live rows."""
-        n = self.group(live_batch)
-        if n is not None and (n, strategy) in self.rewards:
-            self.rewards[n, strategy].append(reward)
-            self.pulls[n, strategy] += 1
+        """reward: tokens per second per live row of one host step run with `strategy` at `live_batch`."""
+        b = self.bucket(live_batch)
+        if strategy in self.arms(b):
+            self.rewards[b, strategy].append(reward)
+            self.pulls[b, strategy] += 1

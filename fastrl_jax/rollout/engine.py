@@ -231,6 +231,14 @@ class RolloutEngine:
             params=SamplingParams(s((p,), f32), s((p,), i32), s((p,), f32), s((p,), jnp.uint32)), group=s((p,), i32),
         )
 
+    def reset_controller(self) -> None:
+        """Forgets what the adaptive controller learned (benchmarks time cold rollouts with it)."""
+        self.onoff.reset()
+        if self.chooser is not None:
+            c = self.chooser
+            self.chooser = StrategyChooser(c.strategies, c.ranges, c.kind, c.epsilon, self.sd.window_host_steps,
+                                           self.sd.bandit_seed, c.plain_arm)
+
     def update_drafter(self, drafter: Drafter) -> None:
         """Swaps in new drafter weights; every compiled program is reused."""
         graphdef, state = nnx.split(drafter)
@@ -415,15 +423,17 @@ class RolloutEngine:
         if strategy.is_plain:
             kv_len = bucket_for(longest + 1, c.length_buckets)
             steps = min(c.steps_per_call, kv_len - longest)
-            key, args = ("decode", batch, kv_len), (self.state, table.slots, jnp.int32(steps))
+            key, args = ("decode", batch, kv_len), (self.state, table.slots)
             table.draft_fresh = False  # plain steps leave the drafter behind
         else:
             prefill_s = self._prepare_drafting(table, strategy, longest, rec)
             n, depth = strategy.num_nodes, max(strategy.steps, strategy.history_tokens)
             kv_len = bucket_for(min(longest + n, self.max_len), c.length_buckets)
             steps = min(c.steps_per_call, (kv_len - longest - n) // (depth + 1) + 1)
-            key = ("sd", batch, kv_len, strategy)
-            args = (self.state, self.drafter_state, table.slots, jnp.int32(steps))
+            key, args = ("sd", batch, kv_len, strategy), (self.state, self.drafter_state, table.slots)
+        if pulled and self.chooser.exploring:  # a short call: an arm that loses costs little to try
+            steps = min(steps, self.sd.explore_steps)
+        args = (*args, jnp.int32(steps))
         table.slots, seconds = self._run(rec, key, *args)
         diff = _counters(table.slots)[:4] - before[:4]  # [4, B] per row
         tokens, row_steps, eagle, hist = (int(x) for x in diff.sum(1))
@@ -432,7 +442,7 @@ class RolloutEngine:
         else:
             rec.sd_call(strategy.label, live, tokens, row_steps, int(diff[1].max()), seconds, eagle, hist)
         if pulled:  # the drafter prefill a switch to EAGLE needed is part of the arm's cost
-            self.chooser.record(strategy, live, tokens / (seconds + prefill_s))
+            self.chooser.record(strategy, live, tokens / (seconds + prefill_s) / live)
 
     def _prepare_drafting(self, table: _Table, strategy: speculative.Strategy, longest: int, rec: Recorder) -> float:
         """Brings what `strategy` drafts from up to date: each row's history corpus, and the EAGLE

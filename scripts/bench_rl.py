@@ -1,0 +1,147 @@
+"""K GRPO steps with speculative decoding off and adaptive (+ the online drafter), from the same seeds.
+
+Both runs must produce the same rollouts (token ids, by digest) and rewards at every step: lossless
+SD changes the time, not the training. Reports the time of each step split into rollout, policy
+update and drafter work (online training in the tail is part of the rollout's wall time on one
+device; the per-step acceptance estimate is drafter work), the step-time ratio over all steps and
+over steps 2.. (step 1 compiles), the median of --repeats runs, the machine's facts; JSON + PNG.
+
+    python scripts/bench_rl.py --config configs/smollm2_cpu.yaml --steps 5 --repeats 3 --out bench_rl.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def run(cfg, policy, mode: str, out_dir: Path) -> dict:
+    """One GRPO run with sd.mode `mode`; per-step metrics and seconds."""
+    from fastrl_jax.rl.trainer import Trainer
+
+    rl = dataclasses.replace(cfg.rl, out_dir=str(out_dir), checkpoint_every_steps=0, eval_every_steps=0, tensorboard=False)
+    cfg = dataclasses.replace(cfg, sd=dataclasses.replace(cfg.sd, mode=mode), rl=rl)
+    t0 = time.perf_counter()
+    with open(out_dir / "table.txt", "w") as table:
+        steps = Trainer(cfg, policy.model, policy.tokenizer, stream=table).run()
+    rows = []
+    for m in steps:
+        drafter = m.get("drafter_eval_s", 0.0)
+        rows.append({"step": m["step"], "rollout_s": m["rollout_s"], "update_s": m["train_s"], "drafter_s": drafter,
+                     "drafter_spot_s": m.get("drafter_spot_s", 0.0), "step_s": m["rollout_s"] + m["train_s"] + drafter,
+                     "reward_mean": m["reward_mean"], "digest": m["rollout_digest"], "tokens": m["tokens"],
+                     "sd_share": m["sd_share"], "acceptance_length": m["acceptance_length"]})
+    return {"mode": mode, "wall_s": time.perf_counter() - t0, "steps": rows}
+
+
+def median_run(runs: list[dict]) -> dict:
+    return sorted(runs, key=lambda r: sum(s["step_s"] for s in r["steps"]))[len(runs) // 2]
+
+
+def summary(off: dict, adaptive: dict, all_off: list[dict], all_on: list[dict]) -> dict:
+    def total(run, key, first=0):
+        return sum(s[key] for s in run["steps"][first:])
+
+    identical = all(a["digest"] == b["digest"] and a["reward_mean"] == b["reward_mean"]
+                    for r in all_on for a, b in zip(all_off[0]["steps"], r["steps"]))
+    out = {"identical_rollouts_and_rewards": identical, "steps": len(off["steps"])}
+    for label, first in (("all_steps", 0), ("steps_2_on", 1)):
+        out[label] = {
+            "step_time_ratio": total(off, "step_s", first) / total(adaptive, "step_s", first),
+            "rollout_ratio": total(off, "rollout_s", first) / total(adaptive, "rollout_s", first),
+            "off": {k: total(off, k, first) for k in ("rollout_s", "update_s", "drafter_s", "step_s")},
+            "adaptive": {k: total(adaptive, k, first) for k in ("rollout_s", "update_s", "drafter_s", "drafter_spot_s", "step_s")},
+        }
+    out["runs_step_s"] = {"off": [total(r, "step_s") for r in all_off], "adaptive": [total(r, "step_s") for r in all_on]}
+    out["acceptance_by_step"] = [s["acceptance_length"] for s in adaptive["steps"]]
+    out["sd_share_by_step"] = [s["sd_share"] for s in adaptive["steps"]]
+    return out
+
+
+def plot(off: dict, adaptive: dict, path: str) -> bool:
+    try:
+        import matplotlib
+    except ImportError:
+        print("no matplotlib: no plot (pip install 'fastrl-jax[plot]')", file=sys.stderr)
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.38
+    for i, (run, label) in enumerate(((off, "SD off"), (adaptive, "adaptive SD"))):
+        steps = [s["step"] + (i - 0.5) * width for s in run["steps"]]
+        bottom = [0.0] * len(steps)
+        for key, color in (("rollout_s", "tab:blue"), ("update_s", "tab:orange"), ("drafter_s", "tab:green")):
+            values = [s[key] for s in run["steps"]]
+            ax.bar(steps, values, width, bottom=bottom, color=color, alpha=0.55 if i == 0 else 0.95,
+                   label=f"{label}: {key[:-2]}")
+            bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("seconds")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/smollm2_cpu.yaml")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides")
+    parser.add_argument("--steps", type=int, default=5, help="GRPO steps per run")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per mode; the median is reported")
+    parser.add_argument("--out", default="bench_rl.json")
+    parser.add_argument("--plot", help="PNG (default: --out with .png)")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.repeats < 1:
+        parser.error("--steps and --repeats must be >= 1")
+
+    import jax
+
+    from fastrl_jax.config import load_config
+    from fastrl_jax.machine import machine_facts
+    from fastrl_jax.models.loading import load_policy
+    from fastrl_jax.rollout.pool import enable_persistent_cache
+    from fastrl_jax.sharding import make_mesh
+
+    cfg = load_config(args.config or None, [*args.set, f"rl.steps={args.steps}"])
+    if cfg.rollout.compile_cache_dir:
+        enable_persistent_cache(cfg.rollout.compile_cache_dir)
+    policy = load_policy(cfg.model, make_mesh(cfg.mesh))
+    runs: dict[str, list[dict]] = {"off": [], "adaptive": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.repeats):
+            for mode in ("off", "adaptive"):
+                out_dir = Path(tmp) / f"{mode}{r}"
+                out_dir.mkdir()
+                runs[mode].append(run(cfg, policy, mode, out_dir))
+                total = sum(s["step_s"] for s in runs[mode][-1]["steps"])
+                print(f"[bench-rl] run {r + 1}/{args.repeats} {mode}: {total:.1f}s over {args.steps} steps", file=sys.stderr)
+    off, adaptive = median_run(runs["off"]), median_run(runs["adaptive"])
+    result = {"summary": summary(off, adaptive, runs["off"], runs["adaptive"]), "machine": machine_facts(),
+              "backend": jax.default_backend(), "config": args.config, "overrides": args.set, "runs": runs}
+    s = result["summary"]
+    print(f"{'step':>4} {'off s':>7} {'adapt s':>7} {'rollout':>8} {'update':>7} {'drafter':>7} {'sd':>5} {'accept':>6} {'same':>5}")
+    for a, b in zip(off["steps"], adaptive["steps"]):
+        print(f"{a['step']:>4} {a['step_s']:>7.1f} {b['step_s']:>7.1f} {b['rollout_s']:>8.1f} {b['update_s']:>7.1f} "
+              f"{b['drafter_s']:>7.1f} {b['sd_share']:>5.2f} {b['acceptance_length']:>6.2f} {str(a['digest'] == b['digest']):>5}")
+    for label in ("all_steps", "steps_2_on"):
+        print(f"{label}: step time {s[label]['step_time_ratio']:.2f}x SD off, rollout {s[label]['rollout_ratio']:.2f}x")
+    print(f"identical rollouts and rewards: {s['identical_rollouts_and_rewards']}; median of {args.repeats} "
+          f"(step seconds off {[round(x, 1) for x in s['runs_step_s']['off']]}, adaptive {[round(x, 1) for x in s['runs_step_s']['adaptive']]})")
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    png = args.plot or str(Path(args.out).with_suffix(".png"))
+    if plot(off, adaptive, png):
+        print(f"[bench-rl] wrote {args.out} and {png}", file=sys.stderr)
+    return 0 if s["identical_rollouts_and_rewards"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

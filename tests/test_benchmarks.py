@@ -1,0 +1,35 @@
+"""The benchmark scripts run end to end on a tiny model, so they cannot rot between real runs."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+from helpers.tiny_run import tiny_overrides
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow  # four short GRPO runs: about a minute on a quiet 2-core machine
+def test_bench_rl_compares_sd_off_and_adaptive_from_the_same_seeds(tmp_path):
+    bench_rl = load_script("bench_rl")
+    overrides = [o for o in tiny_overrides(tmp_path) if not o.startswith("rl.steps=")] + ["mesh.fsdp=-1"]
+    out = tmp_path / "bench_rl.json"
+    sd = ["sd.threshold_live_batch=16", "sd.patience_host_steps=1", "sd.strategies=['2/2/4', 'h3']",
+          "sd.group_live_batch_ranges=[[4, 1, 16]]"]
+    code = bench_rl.main(["--config", "", "--steps", "2", "--out", str(out), "--set", *overrides, *sd,
+                          "drafter_online.min_buffer_tokens=16", "drafter_online.batch_rows=2",
+                          "drafter_online.seq_len_tokens=32", "drafter_online.eval_rows=2", "drafter_train.unroll_steps=1"])
+    result = json.loads(out.read_text())
+    assert code == 0 and result["summary"]["identical_rollouts_and_rewards"]
+    assert [len(r["steps"]) for r in result["runs"]["adaptive"]] == [2]
+    assert result["summary"]["all_steps"]["step_time_ratio"] > 0 and result["machine"]["cores"] >= 1
+    assert max(result["summary"]["sd_share_by_step"]) > 0  # speculation ran
+    assert out.with_suffix(".png").is_file()
