@@ -243,3 +243,14 @@ def test_coupled_drafting_guesses_the_token_the_policy_will_sample():
     # The frontier's nodes (a middle axis) share their row's noise.
     both = speculative.coupled_logp(jnp.stack([logits, logits], 1), params, positions, jnp.arange(V))
     np.testing.assert_array_equal(jnp.argmax(both, -1), jnp.stack([sampled, sampled], 1))
+
+
+def test_a_fresh_drafter_scores_a_reduced_vocabulary():
+    from fastrl_jax.config import load_config
+    from fastrl_jax.models.drafter_io import fresh_draft_vocab, make_drafter
+
+    cfg = load_config(None, ["drafter_train.draft_vocab_size=32"])
+    tiny = dataclasses.replace(TINY, eos_token_ids=(100,))
+    drafter = make_drafter(cfg, tiny, None)
+    assert drafter.draft_vocab_size == 32 and drafter.draft_vocab[...].tolist() == [*range(31), 100]
+    assert fresh_draft_vocab(tiny, 0) is None and fresh_draft_vocab(tiny, TINY.vocab_size) is None

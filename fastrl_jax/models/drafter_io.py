@@ -60,10 +60,25 @@ def load_drafter(path: str | Path, cfg: ModelConfig, dtype="float32") -> Drafter
 def make_drafter(cfg: Config, model_cfg: ModelConfig, path: str | Path | None) -> Drafter:
     """The drafter of a run: the checkpoint at `path`, or a randomly initialised one (seed cfg.seed)
     when path is None or '' (lossless, since the policy verifies every token, but it accepts ~1
-    token per step until trained)."""
+    token per step until trained). A fresh drafter scores a reduced draft vocabulary of
+    drafter_train.draft_vocab_size tokens too (fresh_draft_vocab), so its steps cost what a trained
+    one's do."""
     dtype = DTYPES[cfg.model.dtype]
     if path:
         return load_drafter(path, model_cfg, dtype)
     log.warning("no drafter checkpoint (--drafter, rl.drafter_path): a randomly initialised drafter (lossless, "
                 "but it accepts ~1 token per step until trained)")
-    return Drafter(model_cfg, nnx.Rngs(cfg.seed), dtype)
+    vocab = fresh_draft_vocab(model_cfg, cfg.drafter_train.draft_vocab_size)
+    return Drafter(model_cfg, nnx.Rngs(cfg.seed), dtype, draft_vocab=vocab)
+
+
+def fresh_draft_vocab(model_cfg: ModelConfig, size: int) -> np.ndarray | None:
+    """A draft vocabulary before any text was seen: the lowest `size` token ids (a BPE vocabulary's
+    bytes and earliest merges, its most frequent pieces) with the end-of-sequence ids in place of the
+    last ones; None when size is 0 or covers the whole vocabulary. The trained drafter's vocabulary
+    comes from token counts instead (drafter/vocab.py)."""
+    if not 0 < size < model_cfg.vocab_size:
+        return None
+    eos = sorted({t for t in model_cfg.eos_token_ids if 0 <= t < model_cfg.vocab_size})[:size]
+    low = [t for t in range(size) if t not in eos][: size - len(eos)]
+    return np.asarray(sorted([*low, *eos]), np.int32)
