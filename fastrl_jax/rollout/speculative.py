@@ -61,19 +61,20 @@ class DraftState:
 
     cache: KVCache  # [1, B, KV, S + scratch, D]
     pending_tok: jax.Array  # [B, P] x_{t+1} of entries not yet fed to the drafter
-    pending_h: jax.Array  # [B, P, H] f_t (policy_features of h_t) of those entries
+    pending_h: jax.Array  # [B, P, H] f_t (policy_features of h_t) of those entries, in the policy's dtype
     n_pending: jax.Array  # [B]
     sd_steps: jax.Array  # [B] speculative steps taken (acceptance length = tokens / steps)
     sd_tokens: jax.Array  # [B] tokens those steps emitted
 
     @classmethod
-    def empty(cls, cache: KVCache, pending: int, hidden_size: int) -> DraftState:
-        """No pending entries and no steps taken, over the drafter cache [1, B, KV, S, D]."""
+    def empty(cls, cache: KVCache, pending: int, hidden_size: int, dtype=jnp.float32) -> DraftState:
+        """No pending entries and no steps taken, over the drafter cache [1, B, KV, S, D]. dtype: the
+        policy's (its features are computed in it; a while_loop carry must keep its dtype)."""
         B = cache.k.shape[1]
         return cls(  # separate arrays: the engine donates every leaf of the row table
             cache=cache,
             pending_tok=jnp.zeros((B, pending), jnp.int32),
-            pending_h=jnp.zeros((B, pending, hidden_size), jnp.float32),
+            pending_h=jnp.zeros((B, pending, hidden_size), dtype),
             n_pending=jnp.zeros((B,), jnp.int32),
             sd_steps=jnp.zeros((B,), jnp.int32),
             sd_tokens=jnp.zeros((B,), jnp.int32),
@@ -248,7 +249,8 @@ def sd_step(policy, drafter, s: Slots, ds: DraftState, strategy: Strategy, kv_le
     new_ds = ds.replace(
         cache=dcache,
         pending_tok=jnp.pad(jnp.maximum(acc.tokens, 0), ((0, 0), (0, max(0, P - N))))[:, :P],
-        pending_h=jnp.pad(policy_features(policy, path_hidden), ((0, 0), (0, max(0, P - N)), (0, 0)))[:, :P],
+        pending_h=jnp.pad(policy_features(policy, path_hidden).astype(ds.pending_h.dtype),
+                          ((0, 0), (0, max(0, P - N)), (0, 0)))[:, :P],
         n_pending=jnp.where(s.live, n_emit, ds.n_pending),
         sd_steps=ds.sd_steps + s.live,
         sd_tokens=ds.sd_tokens + n_emit,
