@@ -197,10 +197,12 @@ def device_tests(ctx: Ctx) -> dict:
 
 def _bench_rollout():
     """scripts/bench_rollout.py as a module (importable whether or not scripts/ is on sys.path)."""
-    spec = importlib.util.spec_from_file_location("bench_rollout", Path(__file__).with_name("bench_rollout.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    if "bench_rollout" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("bench_rollout", Path(__file__).with_name("bench_rollout.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["bench_rollout"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["bench_rollout"]
 
 
 def _check_prompts(ctx: Ctx, tokenizer) -> list[list[int]]:
@@ -495,6 +497,14 @@ def _fmt(x, spec: str = ".1f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _table(title: str, header: list[str], rows: list[list]) -> list[str]:
+    """A markdown section with one table; nothing when there are no rows."""
+    if not rows:
+        return []
+    return ["", f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)]
+
+
 def markdown(results: dict) -> str:
     env = results.get("environment", {})
     lines = [f"# gpu_check {env.get('date', '')}: {env.get('device_kind', '?')} ({env.get('backend', '?')})", "",
@@ -505,28 +515,21 @@ def markdown(results: dict) -> str:
             r = results[name]
             lines.append(f"| {name} | {r['status']} | {_fmt(r.get('seconds'), '.0f')} | {r.get('summary', '')} |")
     decode = [r for r in results.get("plain_decode", {}).get("rows", []) if "batch" in r]
-    if decode:
-        lines += ["", "## Plain decode", "", "| model | dtype | batch | tok/s | HF tok/s | floor tok/s | of floor |",
-                  "|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['model']} | {r['dtype']} | {r['batch']} | {r['tok_s']:.0f} | {_fmt(r['hf_tok_s'], '.0f')} | "
-                  f"{r['floor_tok_s']:.0f} | {r['floor_fraction']:.0%} |" for r in decode]
+    lines += _table("Plain decode", ["model", "dtype", "batch", "tok/s", "HF tok/s", "floor tok/s", "of floor"], [
+        [r["model"], r["dtype"], r["batch"], f"{r['tok_s']:.0f}", _fmt(r["hf_tok_s"], ".0f"), f"{r['floor_tok_s']:.0f}",
+         f"{r['floor_fraction']:.0%}"] for r in decode])
     prof = [r for r in results.get("sd_step_profile", {}).get("rows", []) if "sd_step" in r]
-    if prof:
-        lines += ["", "## SD step by phase (ms)", "",
-                  "| model | strategy | batch | plain step | draft tree | verify | accept | cache move | other | SD step | SD / plain |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['model']} | {r['strategy']} | {r['batch']} | {r['plain_decode_step']:.2f} | {r['draft_tree']:.2f} | "
-                  f"{r['verify_forward']:.2f} | {r['accept']:.2f} | {r['cache_move']:.2f} | {r['other']:.2f} | "
-                  f"{r['sd_step']:.2f} | {r['sd_over_plain']:.2f}x |" for r in prof]
+    phases = ("plain_decode_step", "draft_tree", "verify_forward", "accept", "cache_move", "other", "sd_step")
+    lines += _table("SD step by phase (ms)", ["model", "strategy", "batch", "plain step", "draft tree", "verify", "accept",
+                                              "cache move", "other", "SD step", "SD / plain"], [
+        [r["model"], r["strategy"], r["batch"], *(f"{r[k]:.2f}" for k in phases), f"{r['sd_over_plain']:.2f}x"]
+        for r in prof])
     bench_rows = [*results.get("sd_lossless", {}).get("rows", []), *results.get("trained_drafter", {}).get("rows", [])]
-    if bench_rows:
-        lines += ["", "## Plain vs speculative (bench-sd rows)", "",
-                  "| dtype | prompts | T | batch | strategy | vocab | plain tok/s | SD tok/s | accept | speedup | same |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r.get('dtype', '')} | {r['prompts']} | {r['temperature']:g} | {r['batch']} | "
-                  f"{'/'.join(map(str, r['strategy']))} | {r['vocab']} | {r['plain_tok_s']:.0f} | {r['sd_tok_s']:.0f} | "
-                  f"{r['acceptance_length']:.2f} | {r['speedup']:.2f}x | {r['same_tokens']}/{r['requests']} |"
-                  for r in bench_rows]
+    lines += _table("Plain vs speculative (bench-sd rows)", ["dtype", "prompts", "T", "batch", "strategy", "vocab",
+                                                             "plain tok/s", "SD tok/s", "accept", "speedup", "same"], [
+        [r.get("dtype", ""), r["prompts"], f"{r['temperature']:g}", r["batch"], "/".join(map(str, r["strategy"])),
+         r["vocab"], f"{r['plain_tok_s']:.0f}", f"{r['sd_tok_s']:.0f}", f"{r['acceptance_length']:.2f}",
+         f"{r['speedup']:.2f}x", f"{r['same_tokens']}/{r['requests']}"] for r in bench_rows])
     return "\n".join(lines) + "\n"
 
 

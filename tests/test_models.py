@@ -78,7 +78,7 @@ def test_prefill_matches_transformers(tiny):
         ref_hidden = hf(torch.tensor(tokens), output_hidden_states=True).hidden_states[-1].numpy()
     # HF's last hidden_states entry is after the final norm; ours is before it (the drafter's input).
     normed = np.asarray(hidden) / np.sqrt(np.mean(np.asarray(hidden) ** 2, -1, keepdims=True) + cfg.rms_norm_eps)
-    w = np.asarray(model.final_norm.value)
+    w = np.asarray(model.final_norm[...])
     assert relative_error(normed * w, ref_hidden) < model_rtol()
 
 
