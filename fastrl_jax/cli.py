@@ -27,10 +27,12 @@ def _config(args: argparse.Namespace, defaults: Sequence[str] = ()):
 
 
 def _policy(cfg):
+    """The policy in the engines' dtype (model.rollout_dtype, else model.dtype): every command but
+    `train` uses it for inference (train-drafter reads its features, never updates it)."""
     from fastrl_jax.models.loading import load_policy
     from fastrl_jax.sharding import make_mesh
 
-    return load_policy(cfg.model, make_mesh(cfg.mesh))
+    return load_policy(cfg.model, make_mesh(cfg.mesh), cfg.model.engine_dtype)
 
 
 def _read_prompts(args, tokenizer) -> list[list[int]]:
@@ -64,7 +66,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         Request(p, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed + i, policy.stop_ids)
         for i, p in enumerate(prompts)
     ]
-    drafter = make_drafter(cfg, policy.cfg, args.drafter) if cfg.sd.uses_drafter() else None
+    drafter = make_drafter(cfg, policy.cfg, args.drafter, cfg.model.engine_dtype) if cfg.sd.uses_drafter() else None
     engine = RolloutEngine(policy.model, cfg.rollout, sd=cfg.sd, drafter=drafter)
     t0 = time.perf_counter()
     results = engine.generate(requests)
@@ -95,7 +97,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
+    from fastrl_jax.config import check_trainable
+
     cfg = _config(args)
+    check_trainable(cfg, "train")
     if args.dry_run:
         from fastrl_jax.rl.dry_run import plan
 
@@ -114,9 +119,11 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> None:
+    from fastrl_jax.config import check_trainable
     from fastrl_jax.drafter.warmup import train_drafter
 
     cfg = _config(args, ["rollout.warm_up=false"])
+    check_trainable(cfg, "train-drafter")
     policy = _policy(cfg)
     summary = train_drafter(cfg, policy.model, policy.tokenizer, resume=not args.restart)
     final = summary.get("final_eval", {})
@@ -161,12 +168,12 @@ def cmd_bench_sd(args: argparse.Namespace) -> None:
         raise ConfigError("bench-sd: EAGLE strategies (S/K/V) need --drafter DIR; history ones (hD) do not")
     cfg = _config(args, ["rollout.warm_up=false"])
     policy = _policy(cfg)
-    drafter = make_drafter(cfg, policy.cfg, args.drafter) if args.drafter else None
+    drafter = make_drafter(cfg, policy.cfg, args.drafter, cfg.model.engine_dtype) if args.drafter else None
     held_out = held_out_sets(cfg, policy.tokenizer, args.prompts) if args.prompt_sets else {}
     prompt_sets = {name: held_out[name] for name in args.prompt_sets}
     for path in args.prompt_file:
         prompt_sets[Path(path).stem] = read_jsonl_prompts(path, policy.tokenizer)[: args.prompts]
-    result = {"model": cfg.model.path, "dtype": cfg.model.dtype, "drafter": str(args.drafter),
+    result = {"model": cfg.model.path, "dtype": cfg.model.engine_dtype, "drafter": str(args.drafter),
               "new_tokens": args.new_tokens, "repeats": args.repeats, "backend": jax.default_backend()}
     if args.profile:
         if drafter is None:

@@ -37,15 +37,45 @@ def _check_at_least(section: str, cfg: Any, names: Sequence[str], least: int) ->
             raise ConfigError(f"{section}.{name} must be >= {least}, got {value}")
 
 
+DTYPE_NAMES = ("float32", "bfloat16")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """Which policy checkpoint to load and in which dtype."""
+    """Which policy checkpoint to load, the dtype its weights train in, and the dtype the engines run.
+
+    Mixed precision (GPU/TPU): dtype float32 (the master weights and AdamW state of `train`, the
+    drafter's in drafter training) and rollout_dtype bfloat16 (every rollout engine's copy of the
+    policy and drafter, cast at each weight hand-off; also what generate / bench-sd run).
+    """
 
     path: str = "smollm2"  # 'smollm2', a local HF checkpoint directory, or a local .gguf file
-    dtype: str = "float32"  # float32 on CPU (XLA CPU runs bfloat16 slower), bfloat16 on GPU/TPU
+    dtype: str = "float32"  # trained weights and optimizer state; float32 (bfloat16 only for inference)
+    rollout_dtype: str = ""  # '' (= dtype) | float32 | bfloat16: the engines' weights; bfloat16 on GPU/TPU, float32 on CPU
 
     def __post_init__(self):
-        _check_choice("model.dtype", self.dtype, ("float32", "bfloat16"))
+        _check_choice("model.dtype", self.dtype, DTYPE_NAMES)
+        _check_choice("model.rollout_dtype", self.rollout_dtype, ("", *DTYPE_NAMES))
+        if self.dtype == "bfloat16" and self.rollout_dtype == "float32":
+            raise ConfigError("model.rollout_dtype=float32 with model.dtype=bfloat16 is not supported: float32 copies "
+                              "of bfloat16 weights hold no more precision at twice the memory; set model.rollout_dtype "
+                              "to '' or bfloat16 (or model.dtype=float32)")
+
+    @property
+    def engine_dtype(self) -> str:
+        """The dtype rollout engines run the policy and drafter in."""
+        return self.rollout_dtype or self.dtype
+
+
+def check_trainable(cfg: Config, command: str) -> None:
+    """Raises ConfigError when `command` (train, train-drafter) would train weights in bfloat16: AdamW
+    updates below about 1/256 of a weight round away (at learning rate 1e-6 ~98% of them,
+    docs/measurements.md), so the run would silently barely train."""
+    if cfg.model.dtype != "float32":
+        raise ConfigError(
+            f"{command} trains weights in model.dtype, which must be float32 (got {cfg.model.dtype}): bfloat16 master "
+            "weights round away most AdamW updates; for bfloat16 rollouts set model.dtype=float32 and "
+            "model.rollout_dtype=bfloat16 (float32 master weights and optimizer state, bfloat16 engines)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Rollout benchmarks on SmolLM2-135M float32, side by side in one run. Prints a table, writes JSON.
+"""Rollout benchmarks on SmolLM2-135M (the config's model.rollout_dtype, float32 on CPU), side by side in
+one run. Prints a table, writes JSON.
 
 --workload throughput (default): fastrl-jax's engine vs HF transformers `generate`: the same chat
 prompts, greedy, a fixed number of new tokens (no early stop, so both do the same work), batch
@@ -74,19 +75,17 @@ def bench_engine(model, prompt_ids, batch_sizes, new_tokens, repeats):
     return out, compile_s, engine.pool.report()
 
 
-def bench_hf(gguf_path, prompt_ids, batch_sizes, new_tokens, repeats, pad_id):
+def bench_hf(hf, prompt_ids, batch_sizes, new_tokens, repeats, pad_id):
+    """HF transformers `generate` tok/s per batch size for a loaded CausalLM (on any torch device)."""
     import torch
 
-    from fastrl_jax.models.torch_reference import torch_model
-
-    hf = torch_model(gguf_path)
     hf.generation_config.eos_token_id = None  # never stop early: the engine runs without stop ids too
     out = {}
     for b in batch_sizes:
         rows = [prompt_ids[i % len(prompt_ids)] for i in range(b)]
         width = max(len(r) for r in rows)
-        ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows])
-        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], device=hf.device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=hf.device)
         kwargs = dict(
             attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
             pad_token_id=pad_id,
@@ -95,15 +94,25 @@ def bench_hf(gguf_path, prompt_ids, batch_sizes, new_tokens, repeats, pad_id):
             hf.generate(ids, **kwargs)
             times = []
             for _ in range(repeats):
+                _sync(hf.device)
                 t0 = time.perf_counter()
                 gen = hf.generate(ids, **kwargs)
+                _sync(hf.device)
                 times.append(time.perf_counter() - t0)
         out[b] = (b * new_tokens / min(times), gen[:, width:].tolist())
     return out
 
 
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def load_smollm2(cfg):
-    """The config's policy (SmolLM2 float32 by default) on one device, with the compilation cache on."""
+    """The config's policy (SmolLM2 float32 by default) on one device in the engines' dtype
+    (model.rollout_dtype), with the compilation cache on."""
     import jax
 
     from fastrl_jax.config import MeshConfig
@@ -113,7 +122,7 @@ def load_smollm2(cfg):
 
     if cfg.rollout.compile_cache_dir:
         enable_persistent_cache(cfg.rollout.compile_cache_dir)
-    return load_policy(cfg.model, make_mesh(MeshConfig(), jax.devices()[:1]))
+    return load_policy(cfg.model, make_mesh(MeshConfig(), jax.devices()[:1]), cfg.model.engine_dtype)
 
 
 # ---- long-tail workload -----------------------------------------------------------------------
@@ -237,7 +246,8 @@ def bench_longtail(args) -> int:
 
     cfg = load_config(args.config, args.set)
     policy = load_smollm2(cfg)
-    drafter, drafter_name = make_drafter(cfg, policy.cfg, args.drafter), args.drafter or "random"
+    drafter = make_drafter(cfg, policy.cfg, args.drafter, cfg.model.engine_dtype)
+    drafter_name = args.drafter or "random"
     requests = longtail_requests(policy, args)
     adaptive_sd = dataclasses.replace(cfg.sd, mode="adaptive")
     on_specs = [StrategySpec.from_config(s, "--on-strategies") for s in args.on_strategies or adaptive_sd.strategy_list()]
@@ -356,18 +366,25 @@ def main(argv=None) -> int:
     from fastrl_jax.data.prompts import chat_prompt_ids
     from fastrl_jax.machine import machine_facts
 
-    policy = load_smollm2(load_config(args.config, args.set))
+    cfg = load_config(args.config, args.set)
+    policy = load_smollm2(cfg)
     model, tokenizer = policy.model, policy.tokenizer
+    dtype = cfg.model.engine_dtype
     prompt_ids = [chat_prompt_ids(tokenizer, q) for q in make_prompts(64)]
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
     facts = machine_facts()
     bandwidth = facts["copy_bandwidth_gbs"]
     floor = bandwidth * 1e9 / weight_bytes
 
-    print(f"SmolLM2-135M float32 ({weight_bytes / 1e6:.0f} MB), {args.new_tokens} new tokens, greedy", file=sys.stderr)
+    print(f"SmolLM2-135M {dtype} ({weight_bytes / 1e6:.0f} MB), {args.new_tokens} new tokens, greedy", file=sys.stderr)
     ours, compile_s, pool_report = bench_engine(model, prompt_ids, args.batch_sizes, args.new_tokens, args.repeats)
-    hf = {} if args.skip_hf else bench_hf(policy.path, prompt_ids, args.batch_sizes, args.new_tokens, args.repeats,
-                                          tokenizer.pad_token_id or 0)
+    if args.skip_hf:
+        hf = {}
+    else:
+        from fastrl_jax.models.torch_reference import torch_model
+
+        hf = bench_hf(torch_model(policy.path), prompt_ids, args.batch_sizes, args.new_tokens, args.repeats,
+                      tokenizer.pad_token_id or 0)
     rows = []
     for b in args.batch_sizes:
         row = {"batch": b, "fastrl_tok_s": ours[b][0]}
@@ -379,7 +396,7 @@ def main(argv=None) -> int:
             row["floor_fraction"] = ours[b][0] / floor
         rows.append(row)
     result = {
-        "model": "SmolLM2-135M-Instruct float32", "new_tokens": args.new_tokens, "backend": jax.default_backend(),
+        "model": f"SmolLM2-135M-Instruct {dtype}", "new_tokens": args.new_tokens, "backend": jax.default_backend(),
         "weight_bytes": weight_bytes, "copy_bandwidth_gbs": bandwidth, "batch1_floor_tok_s": floor,
         "engine_start_seconds": compile_s, "programs": pool_report, "rows": rows, "machine": facts,
     }

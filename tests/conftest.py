@@ -14,6 +14,27 @@ import gc  # noqa: E402
 
 import jax  # noqa: E402  (after XLA_FLAGS is set)
 import pytest  # noqa: E402
+from helpers.precision import highest  # noqa: E402
+
+# The device subset: device-side math a GPU or TPU session repeats (`pytest -m "device and not slow"`,
+# docs/gpu.md). Each file runs on one device of any platform, under highest matmul precision.
+DEVICE_SUBSET = ("test_kernels.py", "test_accept.py", "test_speculative.py", "test_models.py", "test_bf16.py")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.path.name in DEVICE_SUBSET:
+            item.add_marker(pytest.mark.device)
+
+
+@pytest.fixture(autouse=True)
+def _highest_precision_in_the_device_subset(request):
+    """Parity claims hold at a precision we choose: float32 matmuls default to TF32 on a GPU."""
+    if request.node.get_closest_marker("device") is None:
+        yield
+        return
+    with highest():
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -351,12 +351,25 @@ def test_pallas_walk_matches_reference(B, N, block_rows):
     y, tokens, parents, valid = random_trees(np.random.default_rng(B * N), B, N, V=6, match=0.7)
     y, tokens, parents, valid = (jnp.asarray(a) for a in (y, tokens, parents, valid))
     acceptable = tree_accept.acceptable_children(y, tokens, parents, valid)
-    (ref_path, ref_n), used = tree_accept.walk(acceptable, parents, with_backend=True)
+    (ref_path, ref_n), used = tree_accept.walk(acceptable, parents, backend="reference", with_backend=True)
     assert used == "reference"
-    path, n = walk_pallas.walk(acceptable, parents, block_rows=block_rows, interpret=True)
+    # the compiled kernel where there is a GPU or TPU, else the interpreter (with the GPU's padding)
+    path, n = walk_pallas.walk(acceptable, parents, block_rows=block_rows, interpret=jax.default_backend() == "cpu")
     np.testing.assert_array_equal(path, ref_path)
     np.testing.assert_array_equal(n, ref_n)
     np_path, np_n = numpy_walk(y, tokens, parents, valid)
     np.testing.assert_array_equal(ref_path, np_path)
     np.testing.assert_array_equal(ref_n, np_n)
     assert np_n.max() >= 3
+
+
+@pytest.mark.parametrize("target", ["cuda", "tpu"])
+@pytest.mark.parametrize("B,N", [(16, 8), (5, 48), (13, 7), (64, 17)])
+def test_pallas_walk_lowers_for_gpu_and_tpu(target, B, N):
+    """Cross-lowered from this CPU: through Triton on a GPU (without Triton's compiler parameters Pallas
+    took the Mosaic GPU lowering, which rejected the kernel, and Triton takes power-of-two blocks only,
+    so verify_tokens 7 or 48 are padded) and through Mosaic on a TPU."""
+    args = [jax.ShapeDtypeStruct((B, N), jnp.bool_), jax.ShapeDtypeStruct((B, N), jnp.int32)]
+    fn = lambda a, p: walk_pallas.walk(a, p, platform={"cuda": "gpu", "tpu": "tpu"}[target])  # noqa: E731
+    hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=(target,)).as_text()
+    assert {"cuda": "custom_call @__gpu$xla.gpu.triton", "tpu": "custom_call @tpu_custom_call"}[target] in hlo

@@ -19,6 +19,35 @@ def test_shipped_config_loads():
     assert cfg.rollout.batch_buckets == (1, 4, 16, 64)
 
 
+SHIPPED = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
+
+
+def test_the_gpu_configs_are_shipped():
+    assert {"smollm2_cpu.yaml", "smollm2_gpu.yaml", "qwen2.5_7b_1node.yaml", "qwen2.5_32b_multinode.yaml"} <= set(SHIPPED)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_shipped_config_trains_and_plans(name):
+    """Each config passes validation, may train (float32 master weights), and dry-runs: its engine
+    programs build on the abstract model and its memory plan adds up."""
+    from fastrl_jax.config import check_trainable
+    from fastrl_jax.rl import dry_run
+
+    cfg = load_config(ROOT / "configs" / name)
+    check_trainable(cfg, "train")
+    plan = dry_run.memory_plan(cfg)
+    assert plan["total"] > plan["params"] > 0
+    assert "programs:" in dry_run.plan(cfg)
+    if name != "smollm2_cpu.yaml":  # the accelerator configs: bfloat16 engines over float32 master weights
+        assert (cfg.model.dtype, cfg.model.engine_dtype) == ("float32", "bfloat16") and plan["rollout_params"] > 0
+
+
+def test_gpu_config_uses_several_verify_groups():
+    cfg = load_config(ROOT / "configs/smollm2_gpu.yaml")
+    assert cfg.sd.mode == "adaptive" and len(cfg.sd.live_batch_ranges()) > 1
+    assert cfg.rollout.batch_buckets[-1] >= 64 and cfg.mesh == MeshConfig(1, 1, 1)
+
+
 def test_defaults_and_round_trip():
     assert load_config(None, []) == Config()
     cfg = load_config(None, ["mesh.fsdp=-1", "seed=7"])

@@ -185,30 +185,37 @@ def test_resume_after_sigkill_repeats_the_uninterrupted_run(tmp_path):
             assert got[step][key] == pytest.approx(want[step][key], rel=1e-6, abs=1e-9), (step, key)
 
 
-def _qwen7b_hand_calculation(tensor: int, fsdp: int) -> int:
-    """Bytes per device of Qwen2.5-7B's bfloat16 parameters: every matrix has a hidden (fsdp) dim and a
+def _qwen7b_hand_calculation(tensor: int, fsdp: int, itemsize: int) -> int:
+    """Bytes per device of Qwen2.5-7B's parameters: every matrix has a hidden (fsdp) dim and a
     heads / kv heads / mlp / vocab (tensor) dim; norms and biases' head dims as noted."""
     V, H, F, L, nh, kv, D = 152064, 3584, 18944, 28, 28, 4, 128
     matrices = V * H * 2 + L * (H * nh * D * 2 + H * kv * D * 2 + 3 * H * F)  # embed, head, q, o, k, v, mlp
     biases = L * (nh * D + 2 * kv * D)  # sharded over heads (tensor) only
     norms = L * 2 * H + H  # replicated
-    return 2 * (matrices // (fsdp * tensor) + biases // tensor + norms)
+    return itemsize * (matrices // (fsdp * tensor) + biases // tensor + norms)
 
 
 def test_dry_run_matches_hand_calculation():
     cfg = load_config(ROOT / "configs" / "qwen2.5_7b_1node.yaml")
+    assert (cfg.model.dtype, cfg.model.rollout_dtype) == ("float32", "bfloat16")
     plan = dry_run.memory_plan(cfg)
     assert plan["devices"] == 8 and plan["param_count"] == 7_615_616_512  # Qwen2.5-7B's published size
-    assert plan["params"] == _qwen7b_hand_calculation(tensor=4, fsdp=1)
+    # float32 master weights split over fsdp x data (data=2, fsdp=1); the engines' bfloat16 copy replicated
+    # along data
+    assert plan["params"] == _qwen7b_hand_calculation(tensor=4, fsdp=2, itemsize=4)
+    assert plan["rollout_params"] == _qwen7b_hand_calculation(tensor=4, fsdp=1, itemsize=2)
     assert plan["optimizer"] == 2 * plan["params"] and plan["grads"] == plan["params"]
     # KV cache of one replica (kept whole on each of its devices): 2 x layers x rows x kv heads x slots x head dim x 2 B
     assert plan["kv_cache"] == 2 * 28 * 64 * 4 * 4096 * 128 * 2
-    assert plan["hidden_states"] == 64 * 4096 * 3584 * 4  # float32, sd on
+    assert plan["hidden_states"] == 64 * 4096 * 3584 * 2  # in the engines' bfloat16, sd on
     other = load_config(ROOT / "configs" / "qwen2.5_7b_1node.yaml", ["mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1",
                                                                       "sd.mode='off'", "rl.kl_coef=0.01"])
     p = dry_run.memory_plan(other)
-    assert p["params"] == _qwen7b_hand_calculation(tensor=1, fsdp=8)
+    assert p["params"] == _qwen7b_hand_calculation(tensor=1, fsdp=8, itemsize=4)
     assert p["reference"] == p["params"] and p["hidden_states"] == 0
+    same = dry_run.memory_plan(load_config(ROOT / "configs" / "qwen2.5_7b_1node.yaml", ["model.rollout_dtype="]))
+    # One dtype: the engines share the trainer's buffers, so the master weights stay whole along data.
+    assert same["params"] == _qwen7b_hand_calculation(tensor=4, fsdp=1, itemsize=4) and same["rollout_params"] == 0
     text = dry_run.plan(load_config(ROOT / "configs" / "qwen2.5_32b_multinode.yaml"))
     assert "32 devices" in text and "32.76B parameters" in text and "programs:" in text
 

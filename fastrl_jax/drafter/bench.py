@@ -206,20 +206,21 @@ def _median_ms(fn, *args, repeats: int) -> float:
 
 def profile_step(policy: Decoder, drafter: Drafter, strategy: StrategySpec, *, batch: int = 1,
                  prefix_len: int = 160, kv_len: int = 320, temperature: float = 0.0, repeats: int = 10) -> dict[str, float]:
-    """Median milliseconds of each phase of one speculative step (each jitted alone, same shapes as
-    the engine's), of the whole sd_step, and of one plain decode step. Random prefix contents: the
-    cost does not depend on them."""
+    """Median milliseconds of each phase of one speculative step (each jitted alone, same shapes and
+    dtypes as the engine's: the policy's), of the whole sd_step, and of one plain decode step. Random
+    prefix contents: the cost does not depend on them."""
     st = speculative.Strategy(*strategy.parts())
     if st.steps == 0:
         raise ValueError(f"--profile times an EAGLE tree's phases; {strategy} has none")
     cfg = policy.cfg
     B, N, H = batch, st.verify_tokens, cfg.hidden_size
+    dtype = policy.embed[...].dtype
     pg, ps = nnx.split(policy)
     dg, dstate = nnx.split(drafter)
     L = jnp.full((B,), prefix_len, jnp.int32)
-    cache = KVCache.zeros(cfg, B, kv_len)
-    ds = speculative.DraftState.empty(drafter.empty_cache(B, kv_len + st.scratch_slots), st.pending, H).replace(
-        n_pending=jnp.full((B,), 2, jnp.int32))
+    cache = KVCache.zeros(cfg, B, kv_len, dtype)
+    ds = speculative.DraftState.empty(drafter.empty_cache(B, kv_len + st.scratch_slots, dtype), st.pending, H,
+                                      dtype).replace(n_pending=jnp.full((B,), 2, jnp.int32))
     params = SamplingParams(jnp.full((B,), temperature, jnp.float32), jnp.zeros(B, jnp.int32),
                             jnp.ones(B, jnp.float32), jnp.arange(B, dtype=jnp.uint32))
     tree_shape = jax.eval_shape(lambda: speculative.draft_tree(
@@ -252,7 +253,7 @@ def profile_step(policy: Decoder, drafter: Drafter, strategy: StrategySpec, *, b
     def move(cache):
         return speculative._move_path(cache, L, jnp.broadcast_to(jnp.arange(N), (B, N)).astype(jnp.int32))
 
-    slots = Slots.empty(cfg, B, kv_len, 4, True, jnp.float32).replace(
+    slots = Slots.empty(cfg, B, kv_len, 4, True, dtype).replace(
         length=L, live=jnp.ones(B, bool), max_new=jnp.full((B,), 10_000, jnp.int32), params=params)
 
     @jax.jit

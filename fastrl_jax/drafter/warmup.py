@@ -33,7 +33,7 @@ from fastrl_jax.drafter.buffer import SampleBuffer
 from fastrl_jax.drafter.train import LossSettings, drafter_optimizer, make_train_step
 from fastrl_jax.drafter.vocab import coverage, select_draft_vocab
 from fastrl_jax.metric_sink import MetricsSink
-from fastrl_jax.models.decoder import DTYPES, Decoder
+from fastrl_jax.models.decoder import DTYPES, Decoder, cast_floating
 from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.models.drafter_io import save_drafter
 from fastrl_jax.models.tokenizer import stop_ids
@@ -70,7 +70,10 @@ def acceptance(engine: RolloutEngine, prompts: list[list[int]], max_new_tokens: 
 
 
 def train_drafter(cfg: Config, policy: Decoder, tokenizer, *, resume: bool = True, progress: bool = True) -> dict:
-    """Runs the whole warm-up (collect, choose the draft vocabulary, train, evaluate, save); returns the summary."""
+    """Runs the whole warm-up (collect, choose the draft vocabulary, train, evaluate, save); returns the summary.
+
+    policy: in the engines' dtype (model.rollout_dtype); it generates the data and its features train
+    the drafter, whose own weights train in model.dtype (float32) and are cast for the evaluations."""
     dt = cfg.drafter_train
     t_start = time.perf_counter()
     out_dir = Path(dt.out_dir).expanduser().resolve()
@@ -196,6 +199,7 @@ class HeldOutEvaluator:
         if not self.sets:
             return {}
         dt = self.cfg.drafter_train
+        drafter = cast_floating(drafter, self.policy.embed[...].dtype)  # the engine runs the policy's dtype
         if self.engine is None:
             steps, topk, verify = dt.eval_strategy
             sd = SpecConfig(mode="on", steps=steps, topk=topk, verify_tokens=verify)

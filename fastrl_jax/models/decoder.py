@@ -242,6 +242,23 @@ def abstract_decoder(cfg: ModelConfig, dtype=jnp.float32) -> Decoder:
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
+def cast_floating(tree, dtype):
+    """tree (a pure dict, nnx State or Module) with its floating arrays in `dtype`, on the same
+    shardings; integer leaves (a draft vocabulary) and arrays already in `dtype` are kept as they are
+    (no copy). The weight hand-off from float32 master weights to bfloat16 rollout engines."""
+    dtype = jnp.dtype(dtype)
+
+    def one(x):
+        if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == dtype:
+            return x
+        return x.astype(dtype)
+
+    if isinstance(tree, nnx.Module):
+        graphdef, state = nnx.split(tree)
+        return nnx.merge(graphdef, jax.tree.map(one, state))
+    return jax.tree.map(one, tree)
+
+
 def param_count(model: Decoder) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 

@@ -57,13 +57,14 @@ def load_drafter(path: str | Path, cfg: ModelConfig, dtype="float32") -> Drafter
     return nnx.merge(graphdef, state)
 
 
-def make_drafter(cfg: Config, model_cfg: ModelConfig, path: str | Path | None) -> Drafter:
+def make_drafter(cfg: Config, model_cfg: ModelConfig, path: str | Path | None, dtype: str | None = None) -> Drafter:
     """The drafter of a run: the checkpoint at `path`, or a randomly initialised one (seed cfg.seed)
     when path is None or '' (lossless, since the policy verifies every token, but it accepts ~1
     token per step until trained). A fresh drafter scores a reduced draft vocabulary of
     drafter_train.draft_vocab_size tokens too (fresh_draft_vocab), so its steps cost what a trained
-    one's do."""
-    dtype = DTYPES[cfg.model.dtype]
+    one's do. dtype: its weights' dtype name, cfg.model.dtype (the dtype it trains in) when None;
+    cfg.model.engine_dtype for inference only."""
+    dtype = DTYPES[dtype or cfg.model.dtype]
     if path:
         return load_drafter(path, model_cfg, dtype)
     log.warning("no drafter checkpoint (--drafter, rl.drafter_path): a randomly initialised drafter (lossless, "

@@ -17,6 +17,12 @@ KNOWN: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 32768, "tie_word_embeddings": False, "rope_theta": 1000000.0,
         "bos_token_id": 151643, "eos_token_id": 151645,
     },
+    "qwen2.5-1.5b": {
+        "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960,
+        "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768, "tie_word_embeddings": True, "rope_theta": 1000000.0,
+        "bos_token_id": 151643, "eos_token_id": 151645,
+    },
     "qwen2.5-32b": {
         "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 5120, "intermediate_size": 27648,
         "num_hidden_layers": 64, "num_attention_heads": 40, "num_key_value_heads": 8, "rms_norm_eps": 1e-6,

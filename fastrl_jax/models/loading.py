@@ -51,12 +51,13 @@ class Policy:
         return self.model.cfg
 
 
-def load_policy(spec: ModelSpec, mesh: Mesh) -> Policy:
+def load_policy(spec: ModelSpec, mesh: Mesh, dtype: str | None = None) -> Policy:
     """The policy named by the config's model section (`smollm2`, a .gguf file or an HF checkpoint
-    directory) in its dtype on `mesh`, with its tokenizer; says on stderr how long loading took."""
+    directory) on `mesh`, with its tokenizer; says on stderr how long loading took. dtype: the weights'
+    dtype name, spec.dtype (the training dtype) when None; spec.engine_dtype for inference only."""
     t0 = time.perf_counter()
     path = resolve_model_path(spec.path)
-    model, model_cfg = load_model(path, mesh, spec.dtype)
+    model, model_cfg = load_model(path, mesh, dtype or spec.dtype)
     tokenizer = load_tokenizer(path)
     print(f"[fastrl-jax] loaded {spec.path} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return Policy(model, tokenizer, stop_ids(model_cfg, tokenizer), path)

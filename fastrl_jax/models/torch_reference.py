@@ -29,3 +29,16 @@ def torch_model(path: str | Path):
         raise ValueError(f"tensors do not fit {type(model).__name__}: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
     return model.eval()
+
+
+def random_torch_model(config_dict: dict, dtype: str = "float32", device: str = "cpu"):
+    """A transformers CausalLM with random weights for an HF config dict (e.g. models.known_configs),
+    built directly on `device` in `dtype` ('float32' or 'bfloat16'): a multi-GB model never passes
+    through host memory."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**config_dict)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    return model.eval()

@@ -24,6 +24,7 @@ from fastrl_jax.models.decoder import DTYPES, abstract_decoder
 from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.models.known_configs import KNOWN, known_config
 from fastrl_jax.models.loading import read_model_config
+from fastrl_jax.rl.update import master_rules
 from fastrl_jax.rollout.engine import RolloutEngine
 from fastrl_jax.sharding import AXES, mesh_sizes, shardings_for
 
@@ -61,19 +62,23 @@ def _per_device_bytes(shardings, abstract_state) -> int:
 
 
 def memory_plan(cfg: Config, devices: int | None = None) -> dict[str, float]:
-    """Bytes per device of each part of a training run (parameters, gradients, AdamW moments,
-    reference, a rollout replica's KV cache and hidden states, and the largest micro-batch's logits)."""
+    """Bytes per device of each part of a training run (master parameters, gradients, AdamW moments,
+    reference, the engines' copy of the policy in model.rollout_dtype, a rollout replica's KV cache and
+    hidden states, and the largest micro-batch's logits)."""
     mcfg = model_config(cfg.model.path)
     sizes = mesh_shape(cfg, devices)
     mesh = AbstractMesh(tuple(sizes.values()), AXES)
     state = nnx.state(abstract_decoder(mcfg, DTYPES[cfg.model.dtype]))
-    params = _per_device_bytes(shardings_for(state, mesh), state)
-    itemsize = np.dtype(DTYPES[cfg.model.dtype]).itemsize
+    params = _per_device_bytes(shardings_for(state, mesh, master_rules(cfg.model)), state)
+    mixed = cfg.model.engine_dtype != cfg.model.dtype  # else the engines share the trainer's buffers
+    engine_state = nnx.state(abstract_decoder(mcfg, DTYPES[cfg.model.engine_dtype]))
+    rollout_params = _per_device_bytes(shardings_for(engine_state, mesh), engine_state) if mixed else 0
+    itemsize = np.dtype(DTYPES[cfg.model.engine_dtype]).itemsize
     B, S = cfg.rollout.batch_buckets[-1], cfg.rollout.length_buckets[-1]
     # The engine keeps its row table (KV cache included) replicated on the replica's devices.
     kv = 2 * mcfg.num_layers * B * mcfg.num_kv_heads * S * mcfg.head_dim * itemsize
     sd = cfg.sd.mode != "off"
-    hidden = B * S * mcfg.hidden_size * 4 if sd else 0
+    hidden = B * S * mcfg.hidden_size * itemsize if sd else 0  # stored in the engine's dtype
     drafter_kv = kv // mcfg.num_layers if sd else 0
     rows = max(cfg.rl.micro_batch_size // (sizes["data"] * sizes["fsdp"]), 1)
     vocab = mcfg.vocab_size // (sizes["tensor"] if mcfg.vocab_size % sizes["tensor"] == 0 else 1)  # head split on tensor
@@ -83,10 +88,11 @@ def memory_plan(cfg: Config, devices: int | None = None) -> dict[str, float]:
         "param_count": sum(math.prod(v.shape) for v in jax.tree.leaves(state)),
         "params": params, "grads": params, "optimizer": 2 * params,
         "reference": params if cfg.rl.kl_coef > 0 else 0,
+        "rollout_params": rollout_params,
         "kv_cache": kv, "hidden_states": hidden, "drafter_kv_cache": drafter_kv, "train_logits": logits,
     }
-    plan["total"] = sum(plan[k] for k in ("params", "grads", "optimizer", "reference", "kv_cache", "hidden_states",
-                                         "drafter_kv_cache", "train_logits"))
+    plan["total"] = sum(plan[k] for k in ("params", "grads", "optimizer", "reference", "rollout_params", "kv_cache",
+                                         "hidden_states", "drafter_kv_cache", "train_logits"))
     return plan
 
 
@@ -97,7 +103,7 @@ def program_plan(cfg: Config) -> Counter:
     engine's own list of programs.
     """
     mcfg = model_config(cfg.model.path)
-    dtype = DTYPES[cfg.model.dtype]
+    dtype = DTYPES[cfg.model.engine_dtype]
     drafter = nnx.eval_shape(lambda: Drafter(mcfg, nnx.Rngs(0), dtype)) if cfg.sd.mode != "off" else None
     rollout = dataclasses.replace(cfg.rollout, warm_up=False, compile_cache_dir="")
     engine = RolloutEngine(abstract_decoder(mcfg, dtype), rollout, sd=cfg.sd, drafter=drafter, progress=False)
@@ -111,17 +117,20 @@ def plan(cfg: Config, devices: int | None = None) -> str:
     m = memory_plan(cfg, devices)
     mcfg = model_config(cfg.model.path)
     lines = [
-        f"model {cfg.model.path}: {mcfg.family}, {m['param_count'] / 1e9:.2f}B parameters, {cfg.model.dtype}",
+        f"model {cfg.model.path}: {mcfg.family}, {m['param_count'] / 1e9:.2f}B parameters, trained in "
+        f"{cfg.model.dtype}, rollouts in {cfg.model.engine_dtype}",
         f"mesh data={m['mesh_data']} fsdp={m['mesh_fsdp']} tensor={m['mesh_tensor']} ({m['devices']} devices); "
         f"{m['mesh_data']} rollout replica(s) of {m['devices'] // m['mesh_data']} device(s)",
         "memory per device (GiB):",
     ]
     rows_note = f"{max(cfg.rl.micro_batch_size // (m['mesh_data'] * m['mesh_fsdp']), 1)} rows per device"
     notes = {
-        "params": "policy, sharded fsdp x tensor",
+        "params": f"policy ({cfg.model.dtype} master weights), sharded fsdp x tensor"
+                  + (" x data" if cfg.model.engine_dtype != cfg.model.dtype else ""),
         "grads": "accumulated over micro-batches",
         "optimizer": "AdamW first and second moments",
         "reference": "frozen reference policy (rl.kl_coef > 0)",
+        "rollout_params": f"the engines' {cfg.model.engine_dtype} copy (model.rollout_dtype)",
         "kv_cache": f"rollout KV cache, {cfg.rollout.batch_buckets[-1]} rows x {cfg.rollout.length_buckets[-1]} slots",
         "hidden_states": "last-layer hidden states kept for the drafter (sd on)",
         "drafter_kv_cache": "drafter's one-layer KV cache (sd on)",

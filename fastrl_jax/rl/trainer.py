@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from fastrl_jax.checkpoint import RunCheckpointer
-from fastrl_jax.config import Config, save_config, to_dict
+from fastrl_jax.config import Config, check_trainable, save_config, to_dict
 from fastrl_jax.data import pipeline
 from fastrl_jax.data.prompt_files import read_records
 from fastrl_jax.data.prompts import record_prompt_ids
@@ -70,12 +70,15 @@ class Trainer:
     """Owns the policy, optimizer, engines, data and checkpoints of one GRPO run."""
 
     def __init__(self, cfg: Config, model: Decoder, tokenizer, *, resume: bool = False, stream=sys.stdout):
+        """model: the policy in model.dtype (float32): its parameters are the master weights the optimizer
+        updates; the rollout engines get copies in model.rollout_dtype at every hand-off."""
+        check_trainable(cfg, "train")
         self.cfg, rl = cfg, cfg.rl
         self.tokenizer = tokenizer
         self.mesh = make_mesh(cfg.mesh)
         update.check_batch_fits_mesh(rl, self.mesh)
         self.graphdef, state = nnx.split(model)
-        self.param_shardings = nnx.to_pure_dict(shardings_for(state, self.mesh))
+        self.param_shardings = nnx.to_pure_dict(shardings_for(state, self.mesh, update.master_rules(cfg.model)))
         self.params = jax.device_put(nnx.to_pure_dict(state), self.param_shardings)
         self.total_updates = rl.steps * rl.minibatches_per_step
         self.tx = update.policy_optimizer(cfg.optim, self.total_updates)
@@ -101,7 +104,9 @@ class Trainer:
                 log.warning("drafter_online: online drafter training runs in single-process runs only; "
                             "this %d-process run keeps the drafter frozen", jax.process_count())
             else:
-                self.spot = SpotTrainer(cfg, self.drafter, self.graphdef, self.params, self.mesh, cfg.seed)
+                # It reads the policy's embedding, norm and head from the engines' copy (replicated along
+                # data, so placing it on lent replicas copies nothing).
+                self.spot = SpotTrainer(cfg, self.drafter, self.graphdef, self.workers.params, self.mesh, cfg.seed)
         self.stop_ids = stop_ids(model.cfg, tokenizer)
         self.reward_fn = rewards.combined(cfg.reward.functions, cfg.reward.weights)
 
@@ -151,7 +156,7 @@ class Trainer:
         if spot is None:
             completions, stats = self.workers.generate(requests, rl.samples_per_prompt)
         else:
-            spot.begin(self.params)
+            spot.begin(self.workers.params)
             try:
                 completions, stats = self.workers.generate(requests, rl.samples_per_prompt,
                                                            replica_done=spot.lend, between_steps=spot.tail_step)
@@ -388,6 +393,7 @@ def _state_from(module: nnx.Module, pure: dict) -> nnx.State:
 
 def train(cfg: Config, *, resume: bool = False, stream=sys.stdout) -> list[dict[str, Any]]:
     """Loads the policy and tokenizer named by cfg.model, then runs GRPO to cfg.rl.steps."""
+    check_trainable(cfg, "train")  # before loading a model it could not train
     policy = load_policy(cfg.model, make_mesh(cfg.mesh))
     trainer = Trainer(cfg, policy.model, policy.tokenizer, resume=resume, stream=stream)
     return trainer.run()

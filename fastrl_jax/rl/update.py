@@ -20,12 +20,25 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from fastrl_jax.config import ConfigError, OptimConfig, RLConfig
+from fastrl_jax.config import ConfigError, ModelSpec, OptimConfig, RLConfig
 from fastrl_jax.models.decoder import KVCache, run_layers
 from fastrl_jax.rl import grpo
-from fastrl_jax.sharding import named_sharding
+from fastrl_jax.sharding import DEFAULT_RULES, Rules, named_sharding
 
 Params = dict[str, Any]
+
+
+def master_rules(model: ModelSpec) -> Rules:
+    """Sharding rules of the trained parameters (and so of their gradients and AdamW moments).
+
+    When the engines run the trained dtype they share the trainer's buffers, which must then be
+    replicated along data, where the rollout replicas live. When they run another dtype
+    (model.rollout_dtype) the hand-off copies anyway, so the float32 master weights are split over
+    data too ('embed' over fsdp x data, ZeRO-3 style) and the hand-off's cast all-gathers them.
+    """
+    if model.engine_dtype == model.dtype:
+        return DEFAULT_RULES
+    return tuple((name, ("fsdp", "data") if name == "embed" else axes) for name, axes in DEFAULT_RULES)
 
 
 def make_schedule(cfg: OptimConfig, total_updates: int) -> optax.Schedule:

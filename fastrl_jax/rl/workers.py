@@ -3,7 +3,10 @@
 Replicas are the mesh's sub-meshes along `data` (sharding.replica_meshes). The trainer's
 parameters are sharded over (fsdp, tensor) and replicated over data, so each replica's devices
 already hold the shards its engine needs: the hand-off re-wraps those buffers with the replica's
-sharding (no copy, no recompilation; engine.update_weights keeps every program). Requests are
+sharding (no copy, no recompilation; engine.update_weights keeps every program). With mixed
+precision (model.rollout_dtype bfloat16 over float32 master weights, which the trainer may split
+along data too) the hand-off first casts the parameters in one program whose output has that
+replicated layout (`params`): each replica then re-wraps its shards of the cast copy. Requests are
 split over the replicas by group; on several processes each runs its own replicas and the
 completions are all-gathered, so every process ends the rollout with all of them.
 """
@@ -11,16 +14,19 @@ completions are all-gathered, so every process ends the rollout with all of them
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
 from fastrl_jax.config import Config, ConfigError
+from fastrl_jax.models.decoder import DTYPES, cast_floating
 from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.rollout.engine import Completion, Request, RolloutEngine
 from fastrl_jax.rollout.history import HistoryStore
@@ -44,7 +50,15 @@ class RolloutWorkers:
     def __init__(self, cfg: Config, graphdef, params: dict, mesh: Mesh, drafter: Drafter | None,
                  history: HistoryStore | None = None):
         self.graphdef = graphdef
+        self.dtype = DTYPES[cfg.model.engine_dtype]
         self.num_replicas = mesh.shape["data"]
+        abstract = nnx.state(nnx.eval_shape(lambda: nnx.merge(graphdef, params)))
+        # The engines' layout on the whole mesh: replicated along data, split over (fsdp, tensor).
+        self._cast = jax.jit(functools.partial(cast_floating, dtype=self.dtype),
+                             out_shardings=nnx.to_pure_dict(shardings_for(abstract, mesh)))
+        self.params = self._engine_params(params)
+        params = self.params
+        drafter = cast_floating(drafter, self.dtype) if drafter is not None else None
         me = jax.process_index()
         self.replicas: list[Replica] = []
         for i, sub in enumerate(replica_meshes(mesh)):
@@ -56,8 +70,7 @@ class RolloutWorkers:
                 )
             if owners != {me}:
                 continue
-            abstract = nnx.eval_shape(lambda: nnx.merge(graphdef, params))
-            shardings = nnx.to_pure_dict(shardings_for(nnx.state(abstract), sub))
+            shardings = nnx.to_pure_dict(shardings_for(abstract, sub))
             model = nnx.merge(graphdef, reshard(params, shardings))
             local_drafter = None
             if drafter is not None:
@@ -67,12 +80,20 @@ class RolloutWorkers:
             self.replicas.append(Replica(i, sub, shardings, engine))
 
     def update_weights(self, params: dict) -> None:
-        """Hands new policy parameters to every local engine (no recompilation)."""
+        """Hands new policy parameters to every local engine, in the engines' dtype (no recompilation)."""
+        self.params = params = self._engine_params(params)
         for r in self.replicas:
             r.engine.update_weights(nnx.merge(self.graphdef, reshard(params, r.shardings)))
 
+    def _engine_params(self, params: dict) -> dict:
+        """The trainer's parameters as the engines take them: the same buffers when the dtypes agree
+        (the trainer then keeps them replicated along data), else a cast copy in the engines' layout."""
+        if all(x.dtype == self.dtype or not jnp.issubdtype(x.dtype, jnp.floating) for x in jax.tree.leaves(params)):
+            return params
+        return self._cast(params)
+
     def update_drafter(self, drafter: Drafter) -> None:
-        d_graph, d_state = nnx.split(drafter)
+        d_graph, d_state = nnx.split(cast_floating(drafter, self.dtype))
         for r in self.replicas:
             r.engine.update_drafter(nnx.merge(d_graph, jax.device_put(d_state, shardings_for(d_state, r.mesh))))
 

@@ -186,7 +186,8 @@ class RolloutEngine:
         scratch = max(s.scratch_slots for s in eagle)
         drafter = nnx.merge(self.drafter_graphdef, self.drafter_state)
         draft = speculative.DraftState.empty(
-            drafter.empty_cache(batch, self.max_len + scratch, self.dtype), pending, self.model_cfg.hidden_size
+            drafter.empty_cache(batch, self.max_len + scratch, self.dtype), pending, self.model_cfg.hidden_size,
+            self.dtype,
         )
         return slots.replace(draft=draft)
 
@@ -244,6 +245,7 @@ class RolloutEngine:
         graphdef, state = nnx.split(drafter)
         if graphdef != self.drafter_graphdef:
             raise ValueError("update_drafter needs a drafter of the same structure as the engine's")
+        _check_dtypes("update_drafter", state, self.drafter_state)
         self.drafter_state = state
 
     def update_weights(self, model: Decoder) -> None:
@@ -251,6 +253,7 @@ class RolloutEngine:
         graphdef, state = nnx.split(model)
         if graphdef != self.graphdef:
             raise ValueError("update_weights needs a model of the same structure as the engine's")
+        _check_dtypes("update_weights", state, self.state)
         self.state = state
 
     # ---- requests -------------------------------------------------------------------------
@@ -467,7 +470,8 @@ class RolloutEngine:
         n_out, tokens, logprobs, length = jax.device_get(
             (slots.n_out[idx], slots.out_tokens[idx], slots.out_logprobs[idx], slots.length[idx])
         )
-        hidden = jax.device_get(slots.hidden[idx]) if self.keep_hidden else None
+        # float32 on the host whatever the engine's dtype: what the sample buffer and callers expect
+        hidden = np.asarray(jax.device_get(slots.hidden[idx]), np.float32) if self.keep_hidden else None
         out = []
         for j, req in enumerate(requests):
             n = int(n_out[j])
@@ -500,6 +504,14 @@ class _Table:
     def busy(self) -> int:
         """Rows serving a request (live, or finished and not yet collected)."""
         return sum(r >= 0 for r in self.row_req)
+
+
+def _check_dtypes(what: str, new, current) -> None:
+    """The compiled programs take weights of the dtypes they were built for; cast before handing over."""
+    have, want = ([str(x.dtype) for x in jax.tree.leaves(t)] for t in (new, current))
+    if have != want:
+        raise ValueError(f"{what} got weights in {sorted(set(have))}, the engine runs {sorted(set(want))}: cast them "
+                         "first (models.decoder.cast_floating)")
 
 
 def _counters(slots: programs.Slots) -> np.ndarray:

@@ -31,7 +31,9 @@ class Slots:
     out_tokens: jax.Array  # [B, C] int32
     out_logprobs: jax.Array  # [B, C] float32
     params: SamplingParams  # each [B]
-    hidden: jax.Array | None  # [B, S, H] last-layer hidden state of every cached position, or None
+    # [B, S, H] last-layer hidden state of every cached position, or None; in the weights' dtype (the
+    # dtype the policy computes them in: a wider store would hold no more information)
+    hidden: jax.Array | None
     history: jax.Array  # [B, S + 1] int32 token at every position up to and including `token`
     group: jax.Array  # [B] int32 prompt group (rows of one group draft from each other's text)
     spec_counts: jax.Array  # [B, 3] int32 speculative steps, emitted drafts from EAGLE, from history
@@ -64,7 +66,7 @@ class Slots:
                 top_p=jnp.ones(batch, jnp.float32),
                 seed=jnp.zeros(batch, jnp.uint32),
             ),
-            hidden=jnp.zeros((batch, max_len, model_cfg.hidden_size), jnp.float32) if with_hidden else None,
+            hidden=jnp.zeros((batch, max_len, model_cfg.hidden_size), dtype) if with_hidden else None,
             history=jnp.zeros((batch, max_len + 1), jnp.int32),
             group=zeros_i(),
             spec_counts=jnp.zeros((batch, 3), jnp.int32),

@@ -103,17 +103,18 @@ class DraftState:
 
     cache: KVCache  # [1, B, KV, S + scratch, D]
     pending_tok: jax.Array  # [B, P] x_{t+1} of entries not yet fed to the drafter
-    pending_h: jax.Array  # [B, P, H] f_t (policy_features of h_t) of those entries
+    pending_h: jax.Array  # [B, P, H] f_t (policy_features of h_t) of those entries, in the policy's dtype
     n_pending: jax.Array  # [B]
 
     @classmethod
-    def empty(cls, cache: KVCache, pending: int, hidden_size: int) -> DraftState:
-        """No pending entries, over the drafter cache [1, B, KV, S, D]."""
+    def empty(cls, cache: KVCache, pending: int, hidden_size: int, dtype=jnp.float32) -> DraftState:
+        """No pending entries, over the drafter cache [1, B, KV, S, D]. dtype: the policy's (its
+        features are computed in it; a while_loop carry must keep its dtype)."""
         B = cache.k.shape[1]
         return cls(  # separate arrays: the engine donates every leaf of the row table
             cache=cache,
             pending_tok=jnp.zeros((B, pending), jnp.int32),
-            pending_h=jnp.zeros((B, pending, hidden_size), jnp.float32),
+            pending_h=jnp.zeros((B, pending, hidden_size), dtype),
             n_pending=jnp.zeros((B,), jnp.int32),
         )
 

@@ -51,17 +51,38 @@ def walk(acceptable: jax.Array, parents: jax.Array, *, interpret: bool = False, 
     rows = min(block_rows or BLOCK_ROWS[platform], B)
     if rows < 1:
         raise ValueError(f"walk: block_rows must be >= 1, got {block_rows}")
+    width = N
+    # Pallas's Triton lowering takes only arrays whose sizes are powers of two; the interpreter runs
+    # the GPU's padded layout, so the CPU tests check it.
+    if platform in ("gpu", "interpret"):
+        rows, width = _next_power_of_two(rows), _next_power_of_two(N)
     padded = pl.cdiv(B, rows) * rows
-    # Padding rows accept nothing, so their walk stops at the root; they are sliced off.
-    args = [jnp.pad(a.astype(jnp.int32), ((0, padded - B), (0, 0))) for a in (acceptable, parents)]
-    spec = pl.BlockSpec((rows, N), lambda i: (i, 0))
+    # Padding rows and nodes accept nothing: a padding row's walk stops at the root, and no walk
+    # reaches a padding node (a path visits at most the N real nodes). Both are sliced off.
+    args = [jnp.pad(a.astype(jnp.int32), ((0, padded - B), (0, width - N))) for a in (acceptable, parents)]
+    spec = pl.BlockSpec((rows, width), lambda i: (i, 0))
     path = pl.pallas_call(
         _walk_kernel,
-        out_shape=jax.ShapeDtypeStruct((padded, N), jnp.int32),
+        out_shape=jax.ShapeDtypeStruct((padded, width), jnp.int32),
         grid=(padded // rows,),
         in_specs=[spec, spec],
         out_specs=spec,
         interpret=interpret,
+        compiler_params=_compiler_params(platform),
         name="tree_walk",
-    )(*args)[:B]
+    )(*args)[:B, :N]
     return path, jnp.sum(path >= 0, axis=1, dtype=jnp.int32) - 1
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _compiler_params(platform: str):
+    """Triton on a GPU: without its parameters Pallas picks the Mosaic GPU lowering, which rejects this
+    kernel (cross-lowered from CPU, tests/test_accept.py)."""
+    if platform == "gpu":
+        from jax.experimental.pallas import triton as pltriton
+
+        return pltriton.CompilerParams(num_warps=4, num_stages=1)
+    return None

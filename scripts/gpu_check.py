@@ -1,0 +1,589 @@
+"""One command that checks fastrl-jax on an accelerator and writes DIR/gpu_check.json and DIR/gpu_check.md.
+
+    python -P scripts/gpu_check.py --out DIR                 # one GPU, fits 10 minutes (--budget-s)
+    python scripts/gpu_check.py --out DIR --reduced ...      # tiny sizes (automatic on CPU)
+
+Run it from outside the checkout with -P when fastrl-jax is installed with `pip install --target`
+(docs/gpu.md): kernels/ becomes fastrl_jax.kernels only when installed.
+
+Sections, in order (--sections picks some); each is timed and guarded, so a failure is recorded and
+the rest still run, and none starts once the budget is spent:
+  environment      versions, device kind and memory
+  kernel_tests     tests/test_kernels.py under pytest (the GPU's Pallas / Triton backends vs the reference)
+  greedy_vs_hf     the model's greedy ids vs transformers on the same device, float32, highest precision
+  sd_lossless      speculative vs plain decoding, float32 and bfloat16, greedy and sampled (random drafter)
+  plain_decode     tok/s at each batch vs HF and vs the HBM floor (weight bytes / measured copy bandwidth)
+                   for the model and random-weight Qwen2.5-1.5B / 7B shapes initialised on the device
+  sd_step_profile  per-phase ms of one SD step per strategy and batch, reduced-vocabulary random drafter
+  trained_drafter  train-drafter on the device (small budget, wall time), then bench-sd at batch 1
+  longtail         scripts/bench_rollout.py --workload longtail with that drafter
+  grpo             GRPO steps with SD off and adaptive
+  device_tests     the device test subset (pytest -m "device and not slow"), its wall time
+  memory           peak device memory
+Every figure comes from library code (load_policy, RolloutEngine, drafter.bench, bench_rollout, the
+trainer); nothing here re-implements them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+import traceback
+import xml.etree.ElementTree as ET
+from importlib import metadata
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SECTIONS = ("environment", "kernel_tests", "greedy_vs_hf", "sd_lossless", "plain_decode", "sd_step_profile",
+            "trained_drafter", "longtail", "grpo", "device_tests", "memory")
+# Seconds a section needs at least; with less left it is skipped (its figures stay open).
+MIN_SECONDS = {"kernel_tests": 20, "greedy_vs_hf": 20, "sd_lossless": 30, "plain_decode": 40, "sd_step_profile": 30,
+               "trained_drafter": 60, "longtail": 60, "grpo": 60, "device_tests": 60}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """How big each section runs: full on an accelerator, reduced on CPU (the test that keeps this alive)."""
+
+    shapes: tuple[str, ...]  # plain_decode models: 'model' (--model's weights) or a models.known_configs key
+    decode_batches: tuple[int, ...]
+    new_tokens: int
+    profile_shapes: tuple[str, ...]
+    profile_batches: tuple[int, ...]
+    strategies: tuple[tuple[int, int, int], ...]
+    draft_vocab: int
+    prompts: int  # greedy_vs_hf and sd_lossless prompts (one batch)
+    check_tokens: int
+    drafter_overrides: tuple[str, ...]  # train-drafter's small budget
+    longtail_args: tuple[str, ...]
+    grpo_steps: int
+    pytest_kernels: tuple[str, ...]
+    pytest_device: tuple[str, ...]
+    copy_bytes: int
+
+
+FULL = Sizes(
+    shapes=("model", "qwen2.5-1.5b", "qwen2.5-7b"), decode_batches=(1, 16, 64), new_tokens=128,
+    profile_shapes=("model", "qwen2.5-1.5b"), profile_batches=(1, 4, 16), strategies=((3, 1, 4), (6, 4, 16), (8, 4, 48)),
+    draft_vocab=4096, prompts=16, check_tokens=64,
+    drafter_overrides=("drafter_train.num_prompts=512", "drafter_train.max_new_tokens=128", "drafter_train.steps=400",
+                       "drafter_train.batch_rows=8", "drafter_train.seq_len_tokens=256", "drafter_train.eval_prompts=0",
+                       "drafter_train.checkpoint_every_steps=400", "drafter_train.tensorboard=false"),
+    longtail_args=(), grpo_steps=5,
+    pytest_kernels=("tests/test_kernels.py",), pytest_device=("tests", "-m", "device and not slow"),
+    copy_bytes=1 << 30,
+)
+REDUCED = Sizes(
+    shapes=("model",), decode_batches=(1, 4), new_tokens=8, profile_shapes=("model",), profile_batches=(1,),
+    strategies=((3, 1, 4),), draft_vocab=64, prompts=4, check_tokens=8,
+    drafter_overrides=("drafter_train.num_prompts=4", "drafter_train.max_new_tokens=8", "drafter_train.steps=2",
+                       "drafter_train.batch_rows=2", "drafter_train.seq_len_tokens=16", "drafter_train.eval_prompts=0",
+                       "drafter_train.checkpoint_every_steps=2", "drafter_train.draft_vocab_size=32",
+                       "drafter_train.warmup_steps=1", "drafter_train.tensorboard=false"),
+    longtail_args=("--problems", "2", "--samples", "2", "--max-new-tokens", "8"), grpo_steps=1,
+    pytest_kernels=("tests/test_kernels.py", "-k", "matches_numpy and B3T1"),
+    pytest_device=("tests/test_kernels.py", "-k", "tree_mask_builder or select_backend"),
+    copy_bytes=1 << 24,
+)
+
+
+@dataclasses.dataclass
+class Ctx:
+    """What the sections share: arguments, sizes, the output directory, the deadline, loaded objects."""
+
+    args: argparse.Namespace
+    sizes: Sizes
+    out: Path
+    deadline: float
+    results: dict
+    shared: dict = dataclasses.field(default_factory=dict)
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def config(self, *extra: str):
+        from fastrl_jax.config import load_config
+
+        return load_config(self.args.config, [*self.args.set, *extra])
+
+    def policy(self, dtype: str):
+        """--model (the config's model.path by default) in `dtype` on one device, loaded once per dtype."""
+        import jax
+
+        from fastrl_jax.config import MeshConfig
+        from fastrl_jax.models.loading import load_policy
+        from fastrl_jax.sharding import make_mesh
+
+        if dtype not in self.shared:
+            self.shared[dtype] = load_policy(self.config().model, make_mesh(MeshConfig(), jax.devices()[:1]), dtype)
+        return self.shared[dtype]
+
+    def label(self, shape: str) -> str:
+        """A plain_decode / profile model's name: --model's checkpoint name, or the known shape."""
+        return Path(self.config().model.path).stem if shape == "model" else shape
+
+    @property
+    def dtype(self) -> str:
+        """The dtype the speed sections run: bfloat16 on an accelerator, float32 on CPU (XLA CPU's bf16 is slow)."""
+        return self.args.dtype or ("float32" if self.sizes is REDUCED else "bfloat16")
+
+
+# ---- sections -------------------------------------------------------------------------------------
+
+def environment(ctx: Ctx) -> dict:
+    import jax
+
+    versions = {}
+    for name in ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "optax", "transformers", "torch",
+                 "jax-triton", "triton", "fastrl-jax"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    dev = jax.devices()[0]
+    stats = dev.memory_stats() or {}
+    return {
+        "summary": f"{dev.device_kind} x{jax.device_count()} ({jax.default_backend()}), jax {versions.get('jax')}",
+        "backend": jax.default_backend(), "device_kind": dev.device_kind, "device_count": jax.device_count(),
+        "memory_bytes": stats.get("bytes_limit"), "versions": versions, "python": platform.python_version(),
+        "date": datetime.date.today().isoformat(), "reduced": ctx.sizes is REDUCED,
+    }
+
+
+def _pytest(ctx: Ctx, args: tuple[str, ...], name: str, timeout_s: float) -> dict:
+    """Runs pytest on the checkout's tests in a child process; pass/fail counts from its JUnit XML."""
+    xml = ctx.out / f"{name}.xml"
+    cmd = [sys.executable, *(["-P"] if sys.flags.safe_path else []), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           f"--junitxml={xml}", "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"),
+           *[str(ROOT / a) if a.startswith("tests") else a for a in args]]
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=ctx.out, capture_output=True, text=True, timeout=timeout_s)
+        tail, code = (proc.stdout + proc.stderr)[-3000:], proc.returncode
+    except subprocess.TimeoutExpired as e:
+        tail, code = f"timed out after {timeout_s:.0f}s: {str(e.stdout)[-2000:]}", "timeout"
+    wall = time.monotonic() - t0
+    counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    failed = []
+    if xml.is_file():
+        for suite in ET.parse(xml).getroot().iter("testsuite"):
+            for key in counts:
+                counts[key] += int(suite.get(key, 0))
+        for case in ET.parse(xml).getroot().iter("testcase"):
+            for bad in (*case.iter("failure"), *case.iter("error")):
+                failed.append(f"{case.get('name')}: {(bad.get('message') or '')[:200]}")
+    passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    return {"summary": f"{passed} passed, {counts['failures'] + counts['errors']} failed, {counts['skipped']} skipped "
+                       f"in {wall:.0f}s (exit {code})",
+            "passed": passed, **counts, "wall_s": wall, "exit": code, "failed": failed[:20], "output_tail": tail}
+
+
+def kernel_tests(ctx: Ctx) -> dict:
+    return _pytest(ctx, ctx.sizes.pytest_kernels, "kernel_tests", max(ctx.left() - 5, 10))
+
+
+def device_tests(ctx: Ctx) -> dict:
+    return _pytest(ctx, ctx.sizes.pytest_device, "device_tests", max(ctx.left() - 5, 10))
+
+
+def _bench_rollout():
+    """scripts/bench_rollout.py as a module (importable whether or not scripts/ is on sys.path)."""
+    if "bench_rollout" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("bench_rollout", Path(__file__).with_name("bench_rollout.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["bench_rollout"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["bench_rollout"]
+
+
+def _check_prompts(ctx: Ctx, tokenizer) -> list[list[int]]:
+    from fastrl_jax.data.prompts import chat_prompt_ids
+
+    return [chat_prompt_ids(tokenizer, f"Tell me a fact about the number {n}.") for n in range(ctx.sizes.prompts)]
+
+
+def _torch_device():
+    import jax
+    import torch
+
+    return "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
+
+
+def greedy_vs_hf(ctx: Ctx) -> dict:
+    """Greedy ids of the engine and of transformers on the same device, both float32 at highest precision."""
+    import jax
+    import torch
+
+    from fastrl_jax.models.torch_reference import torch_model
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    br = _bench_rollout()
+    policy = ctx.policy("float32")
+    prompts = _check_prompts(ctx, policy.tokenizer)
+    n, tokens = len(prompts), ctx.sizes.check_tokens
+    with jax.default_matmul_precision("highest"):
+        ours, _, _ = br.bench_engine(policy.model, prompts, [n], tokens, 1)
+    hf = br.bench_hf(torch_model(policy.path).to(_torch_device()), prompts, [n], tokens, 1,
+                     policy.tokenizer.pad_token_id or 0)
+    same = [a.tokens == b for a, b in zip(ours[n][1], hf[n][1])]
+    first_diff = [next((i for i, (x, y) in enumerate(zip(a.tokens, b)) if x != y), None)
+                  for a, b in zip(ours[n][1], hf[n][1])]
+    return {"summary": f"{sum(same)}/{n} prompts identical over {tokens} greedy tokens", "identical": sum(same),
+            "prompts": n, "new_tokens": tokens, "first_difference": first_diff, "torch_device": _torch_device()}
+
+
+def sd_lossless(ctx: Ctx) -> dict:
+    """bench.run_bench's same-token check: plain vs SD with a random drafter, per dtype and temperature."""
+    from flax import nnx
+
+    from fastrl_jax.drafter import bench
+    from fastrl_jax.models.decoder import DTYPES, cast_floating
+    from fastrl_jax.models.drafter import Drafter
+
+    policy = ctx.policy("float32")
+    prompts = {"facts": _check_prompts(ctx, policy.tokenizer)}
+    rows = []
+    for dtype in ("float32", "bfloat16"):
+        model = cast_floating(policy.model, DTYPES[dtype])
+        drafter = Drafter(policy.cfg, nnx.Rngs(0), DTYPES[dtype])
+        for row in bench.run_bench(
+                model, drafter, prompts, policy.stop_ids, base_cfg=ctx.config().rollout,
+                batch_sizes=[len(prompts["facts"])], strategies=[ctx.sizes.strategies[-1]], temperatures=[0.0, 0.7],
+                vocabs=["full"], new_tokens=ctx.sizes.check_tokens, repeats=1, log=lambda line: None):
+            rows.append({"dtype": dtype, **row})
+    return {"summary": ", ".join(f"{r['dtype']} T={r['temperature']:g} {r['same_tokens']}/{r['requests']}" for r in rows),
+            "rows": rows}
+
+
+def device_copy_gbs(nbytes: int, repeats: int = 5) -> float:
+    """Copy bandwidth of the default device in GB/s (read + write): a decode step's floor is weight bytes / this."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones(nbytes // 4, jnp.float32)
+    add_one = jax.jit(lambda x: x + 1)  # reads and writes every byte once
+    jax.block_until_ready(add_one(x))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(add_one(x))
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best / 1e9
+
+
+def _model(ctx: Ctx, shape: str, dtype: str):
+    """(jax Decoder, a function building the matching transformers model on the torch device): the --model
+    checkpoint, or random weights of a known shape initialised on the device (never through the host)."""
+    from flax import nnx
+
+    from fastrl_jax.models.config import ModelConfig
+    from fastrl_jax.models.decoder import DTYPES, Decoder
+    from fastrl_jax.models.known_configs import KNOWN
+    from fastrl_jax.models.torch_reference import random_torch_model, torch_model
+
+    if shape == "model":
+        policy = ctx.policy(dtype)
+
+        def hf():
+            import torch
+
+            return torch_model(policy.path).to(device=_torch_device(), dtype=getattr(torch, dtype))
+
+        return policy.model, hf
+    model = Decoder(ModelConfig.from_hf_dict(KNOWN[shape]), nnx.Rngs(0), DTYPES[dtype])  # on the default device
+    return model, lambda: random_torch_model(KNOWN[shape], dtype, _torch_device())
+
+
+def plain_decode(ctx: Ctx) -> dict:
+    """Engine and HF tok/s per batch (random 32-token prompts, no stop, greedy) against the HBM floor."""
+    import gc
+
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    br, sizes, dtype = _bench_rollout(), ctx.sizes, ctx.dtype
+    bandwidth = device_copy_gbs(sizes.copy_bytes)
+    rows = []
+    for shape in sizes.shapes:
+        if ctx.left() < 30:
+            rows.append({"model": shape, "skipped": "budget"})
+            continue
+        model, hf_factory = _model(ctx, shape, dtype)
+        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+        prompts = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (64, 32)).tolist()
+        ours, start_s, _ = br.bench_engine(model, prompts, list(sizes.decode_batches), sizes.new_tokens, 1)
+        hf = {}
+        if not ctx.args.skip_hf and ctx.left() > 60:
+            hf = br.bench_hf(hf_factory(), prompts, list(sizes.decode_batches), sizes.new_tokens, 1, 0)
+        for b in sizes.decode_batches:
+            floor = b * bandwidth * 1e9 / weight_bytes
+            rows.append({"model": ctx.label(shape), "dtype": dtype, "batch": b, "tok_s": ours[b][0],
+                         "hf_tok_s": hf.get(b, (None,))[0],
+                         "floor_tok_s": floor, "floor_fraction": ours[b][0] / floor, "weight_bytes": weight_bytes,
+                         "engine_start_s": start_s})
+        del model, hf_factory, ours
+        gc.collect()
+        _free_torch()
+    one = [r for r in rows if r.get("batch") == 1]
+    return {"summary": "; ".join(f"{r['model']} bs1 {r['tok_s']:.0f} tok/s = {r['floor_fraction']:.0%} of floor"
+                                 for r in one), "copy_bandwidth_gbs": bandwidth, "rows": rows}
+
+
+def _free_torch() -> None:
+    try:
+        import torch
+    except ImportError:
+        return
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def sd_step_profile(ctx: Ctx) -> dict:
+    """bench.profile_step per model, batch and strategy, with a random drafter over a reduced draft vocabulary."""
+    import numpy as np
+    from flax import nnx
+
+    from fastrl_jax.drafter import bench
+    from fastrl_jax.models.decoder import DTYPES
+    from fastrl_jax.models.drafter import Drafter
+
+    sizes, rows = ctx.sizes, []
+    for shape in sizes.profile_shapes:
+        model, _ = _model(ctx, shape, ctx.dtype)
+        vocab = np.arange(min(sizes.draft_vocab, model.cfg.vocab_size))
+        drafter = Drafter(model.cfg, nnx.Rngs(1), DTYPES[ctx.dtype], draft_vocab=vocab)
+        for batch in sizes.profile_batches:
+            for strategy in sizes.strategies:
+                if ctx.left() < 15:
+                    rows.append({"model": shape, "batch": batch, "strategy": "/".join(map(str, strategy)), "skipped": "budget"})
+                    continue
+                ms = bench.profile_step(model, drafter, strategy, batch=batch, repeats=5)
+                rows.append({"model": ctx.label(shape), "dtype": ctx.dtype, "batch": batch,
+                             "strategy": "/".join(map(str, strategy)),
+                             "draft_vocab": len(vocab), **ms, "sd_over_plain": ms["sd_step"] / ms["plain_decode_step"]})
+    done = [r for r in rows if "sd_over_plain" in r]
+    return {"summary": ", ".join(f"{r['model']} {r['strategy']} bs{r['batch']} {r['sd_over_plain']:.2f}x" for r in done[:6]),
+            "rows": rows}
+
+
+def trained_drafter(ctx: Ctx) -> dict:
+    """`train-drafter` (train_drafter, what the command runs) on this device with a small budget, then bench-sd at batch 1."""
+    import shutil
+
+    from fastrl_jax.config import check_trainable
+    from fastrl_jax.data.prompts import held_out_sets
+    from fastrl_jax.drafter import bench
+    from fastrl_jax.drafter.warmup import train_drafter
+    from fastrl_jax.models.drafter_io import load_drafter
+
+    out_dir = ctx.out / "drafter"
+    shutil.rmtree(out_dir, ignore_errors=True)
+    cfg = ctx.config(*ctx.sizes.drafter_overrides, f"drafter_train.out_dir={out_dir}", "rollout.warm_up=false")
+    check_trainable(cfg, "train-drafter")
+    policy = ctx.policy(cfg.model.engine_dtype)
+    t0 = time.perf_counter()
+    summary = train_drafter(cfg, policy.model, policy.tokenizer, resume=False, progress=False)
+    wall = time.perf_counter() - t0
+    ctx.shared["drafter_dir"] = summary["drafter"]
+    drafter = load_drafter(summary["drafter"], policy.cfg, cfg.model.engine_dtype)
+    prompts = held_out_sets(cfg, policy.tokenizer, max(ctx.sizes.prompts // 2, 2))["math"]
+    rows = [{"dtype": cfg.model.engine_dtype, **row} for row in bench.run_bench(
+        policy.model, drafter, {"math": prompts}, policy.stop_ids, base_cfg=cfg.rollout, batch_sizes=[1],
+        strategies=[(3, 1, 4), (6, 4, 16)], temperatures=[0.0], vocabs=["reduced"], new_tokens=ctx.sizes.new_tokens,
+        repeats=1, log=lambda line: None)]
+    return {"summary": f"train-drafter {wall:.0f}s; bench-sd bs1 " + ", ".join(
+                f"{'/'.join(map(str, r['strategy']))} {r['speedup']:.2f}x (accept {r['acceptance_length']:.2f}, "
+                f"same {r['same_tokens']}/{r['requests']})" for r in rows),
+            "train_drafter_wall_s": wall, "collect": summary.get("collect"), "data": summary.get("data"),
+            "drafter": summary["drafter"], "rows": rows}
+
+
+def longtail(ctx: Ctx) -> dict:
+    """scripts/bench_rollout.py --workload longtail on the config, with the drafter trained above if any."""
+    out = ctx.out / "longtail.json"
+    argv = ["--workload", "longtail", "--config", ctx.args.config, "--out", str(out), "--plot", str(out.with_suffix(".png")),
+            *ctx.sizes.longtail_args]
+    if ctx.shared.get("drafter_dir"):
+        argv += ["--drafter", ctx.shared["drafter_dir"]]
+    if ctx.args.set:
+        argv += ["--set", *ctx.args.set]
+    if _bench_rollout().main(argv) != 0:
+        raise RuntimeError("bench_rollout --workload longtail failed")
+    s = json.loads(out.read_text())["summary"]
+    return {"summary": f"adaptive {s['adaptive_vs_plain']:.2f}x plain, {s['adaptive_vs_best_on']:.2f}x best always-on "
+                       f"({s['best_on']}); drafter {s['drafter']}", **{k: s[k] for k in (
+                           "workload", "drafter", "adaptive_vs_plain", "adaptive_vs_best_on", "best_on", "response_tokens")}}
+
+
+def grpo(ctx: Ctx) -> dict:
+    """GRPO steps with SD off and adaptive (the drafter trained above if any), the same seeds."""
+    from fastrl_jax.rl.trainer import train
+
+    runs = {}
+    for mode in ("off", "adaptive"):
+        extra = [f"sd.mode={mode}", f"rl.steps={ctx.sizes.grpo_steps}", f"rl.out_dir={ctx.out / ('grpo_' + mode)}",
+                 "rl.checkpoint_every_steps=0", "rl.tensorboard=false", "rl.eval_every_steps=0"]
+        if mode != "off" and ctx.shared.get("drafter_dir"):
+            extra.append(f"rl.drafter_path={ctx.shared['drafter_dir']}")
+        with open(os.devnull, "w") as devnull:
+            history = train(ctx.config(*extra), stream=devnull)
+        runs[mode] = {key: [h[key] for h in history] for key in ("rollout_s", "train_s", "tokens", "reward_mean")}
+        runs[mode]["sd_share"] = [h.get("sd_share", 0.0) for h in history]
+    # The first step compiles the update; later steps compare like for like.
+    later = slice(1, None) if ctx.sizes.grpo_steps > 1 else slice(None)
+    step = {m: sum(r["rollout_s"][later]) + sum(r["train_s"][later]) for m, r in runs.items()}
+    rollout = {m: sum(r["rollout_s"][later]) for m, r in runs.items()}
+    same = runs["off"]["tokens"] == runs["adaptive"]["tokens"]
+    return {"summary": f"step time adaptive {step['off'] / step['adaptive']:.2f}x SD off (rollout "
+                       f"{rollout['off'] / rollout['adaptive']:.2f}x); same token counts {same}",
+            "step_speedup": step["off"] / step["adaptive"], "rollout_speedup": rollout["off"] / rollout["adaptive"],
+            "same_token_counts": same, "runs": runs}
+
+
+def memory(ctx: Ctx) -> dict:
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    peak, limit = stats.get("peak_bytes_in_use"), stats.get("bytes_limit")
+    out = {"peak_bytes": peak, "bytes_limit": limit}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            out["torch_peak_bytes"] = torch.cuda.max_memory_allocated()
+    except ImportError:
+        pass
+    out["summary"] = (f"JAX peak {peak / 2**30:.2f} GiB of {limit / 2**30:.1f} GiB" if peak and limit
+                      else "no memory statistics on this backend")
+    return out
+
+
+# ---- running, recording ---------------------------------------------------------------------------
+
+def run_section(ctx: Ctx, name: str) -> None:
+    """Runs one section under the guard: skipped when the budget cannot hold it, errors recorded."""
+    import jax
+
+    need = MIN_SECONDS.get(name, 5)
+    if ctx.left() < need:
+        ctx.results[name] = {"status": "skipped", "summary": f"budget: {max(ctx.left(), 0):.0f}s left, needs ~{need}s"}
+        return
+    t0 = time.monotonic()
+    try:
+        result, status = globals()[name](ctx), "ok"
+    except Exception as e:  # recorded; the next section still runs
+        result = {"summary": f"{type(e).__name__}: {str(e)[:300]}", "traceback": traceback.format_exc()[-4000:]}
+        status = "error"
+    stats = jax.devices()[0].memory_stats() or {}
+    ctx.results[name] = {"status": status, "seconds": time.monotonic() - t0,
+                         "peak_bytes_so_far": stats.get("peak_bytes_in_use"), **result}
+    print(f"[gpu_check] {name}: {status} in {time.monotonic() - t0:.0f}s: {result.get('summary', '')}", file=sys.stderr,
+          flush=True)
+    write(ctx)
+
+
+def _fmt(x, spec: str = ".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _table(title: str, header: list[str], rows: list[list]) -> list[str]:
+    """A markdown section with one table; nothing when there are no rows."""
+    if not rows:
+        return []
+    return ["", f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)]
+
+
+def markdown(results: dict) -> str:
+    env = results.get("environment", {})
+    lines = [f"# gpu_check {env.get('date', '')}: {env.get('device_kind', '?')} ({env.get('backend', '?')})", "",
+             "Versions: " + ", ".join(f"{k} {v}" for k, v in env.get("versions", {}).items()), "",
+             "| section | status | seconds | result |", "|---|---|---|---|"]
+    for name in SECTIONS:
+        if name in results:
+            r = results[name]
+            lines.append(f"| {name} | {r['status']} | {_fmt(r.get('seconds'), '.0f')} | {r.get('summary', '')} |")
+    decode = [r for r in results.get("plain_decode", {}).get("rows", []) if "batch" in r]
+    lines += _table("Plain decode", ["model", "dtype", "batch", "tok/s", "HF tok/s", "floor tok/s", "of floor"], [
+        [r["model"], r["dtype"], r["batch"], f"{r['tok_s']:.0f}", _fmt(r["hf_tok_s"], ".0f"), f"{r['floor_tok_s']:.0f}",
+         f"{r['floor_fraction']:.0%}"] for r in decode])
+    prof = [r for r in results.get("sd_step_profile", {}).get("rows", []) if "sd_step" in r]
+    phases = ("plain_decode_step", "draft_tree", "verify_forward", "accept", "cache_move", "other", "sd_step")
+    lines += _table("SD step by phase (ms)", ["model", "strategy", "batch", "plain step", "draft tree", "verify", "accept",
+                                              "cache move", "other", "SD step", "SD / plain"], [
+        [r["model"], r["strategy"], r["batch"], *(f"{r[k]:.2f}" for k in phases), f"{r['sd_over_plain']:.2f}x"]
+        for r in prof])
+    bench_rows = [*results.get("sd_lossless", {}).get("rows", []), *results.get("trained_drafter", {}).get("rows", [])]
+    lines += _table("Plain vs speculative (bench-sd rows)", ["dtype", "prompts", "T", "batch", "strategy", "vocab",
+                                                             "plain tok/s", "SD tok/s", "accept", "speedup", "same"], [
+        [r.get("dtype", ""), r["prompts"], f"{r['temperature']:g}", r["batch"], "/".join(map(str, r["strategy"])),
+         r["vocab"], f"{r['plain_tok_s']:.0f}", f"{r['sd_tok_s']:.0f}", f"{r['acceptance_length']:.2f}",
+         f"{r['speedup']:.2f}x", f"{r['same_tokens']}/{r['requests']}"] for r in bench_rows])
+    return "\n".join(lines) + "\n"
+
+
+def write(ctx: Ctx) -> None:
+    """JSON and markdown after every section: a run cut short still leaves what it measured."""
+    (ctx.out / "gpu_check.json").write_text(json.dumps(ctx.results, indent=1, default=str) + "\n")
+    (ctx.out / "gpu_check.md").write_text(markdown(ctx.results))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="directory for gpu_check.json, gpu_check.md and the sections' files")
+    p.add_argument("--budget-s", type=float, default=560.0, help="no section starts after this many seconds")
+    p.add_argument("--reduced", action="store_true", help="tiny sizes (the default on CPU)")
+    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    p.add_argument("--config", help="YAML config (default: configs/smollm2_gpu.yaml, reduced: configs/smollm2_cpu.yaml)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every section")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="plain_decode / sd_step_profile dtype "
+                   "(default bfloat16, reduced float32)")
+    p.add_argument("--skip-hf", action="store_true", help="plain_decode without the transformers comparison")
+    p.add_argument("--compile-cache", default="", help="JAX persistent compilation cache directory ('' = off)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the device with JAX
+    args = parse_args(argv)
+    import jax
+
+    sizes = REDUCED if args.reduced or jax.default_backend() == "cpu" else FULL
+    args.config = args.config or str(ROOT / "configs" / ("smollm2_cpu.yaml" if sizes is REDUCED else "smollm2_gpu.yaml"))
+    out = Path(args.out).expanduser().resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = Ctx(args, sizes, out, time.monotonic() + args.budget_s, {})
+    if args.compile_cache:
+        from fastrl_jax.rollout.pool import enable_persistent_cache
+
+        enable_persistent_cache(args.compile_cache)
+
+    def overrun(signum, frame):
+        raise TimeoutError(f"gpu_check budget of {args.budget_s:.0f}s (+15s grace) spent")
+
+    signal.signal(signal.SIGALRM, overrun)  # a section stuck past the budget is recorded as an error
+    signal.alarm(int(args.budget_s) + 15)
+    try:
+        for name in SECTIONS:
+            if name in args.sections:
+                run_section(ctx, name)
+    finally:
+        signal.alarm(0)
+        write(ctx)
+    print(markdown(ctx.results))
+    return int(any(r["status"] == "error" for r in ctx.results.values()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

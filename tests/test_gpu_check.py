@@ -1,0 +1,53 @@
+"""scripts/gpu_check.py in its reduced form on CPU, on the tiny checkpoint: every section runs and records
+figures, so the GPU check cannot rot between GPU sessions."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers.tiny_run import tiny_overrides
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_reduced_gpu_check_runs_every_section(tmp_path):
+    overrides = [*tiny_overrides(tmp_path, steps=1),
+                 # prompts of the built-in math / chat sets, char by char: longer than the GRPO ones
+                 "rollout.prompt_buckets=[32, 128]", "rollout.length_buckets=[64, 192]", "data.math_levels=[1]",
+                 "drafter_train.instruction=", "sd.strategies=[[3, 1, 4]]", "sd.group_live_batch_ranges=[[4, 1, 16]]",
+                 "sd.threshold_live_batch=16", "sd.patience_host_steps=1", "rollout.steps_per_call=2",
+                 f"drafter_train.prompts={tmp_path / 'prompts.jsonl'}"]
+    out = tmp_path / "check"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as on a lent GPU
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), env.get("PYTHONPATH", "")])  # the tiny run's reward
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--out", str(out), "--reduced",
+                           "--budget-s", "1200", "--config", str(ROOT / "configs" / "smollm2_cpu.yaml"),
+                           "--set", *overrides], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
+    results = json.loads((out / "gpu_check.json").read_text())
+    errors = {k: r.get("traceback", r["summary"]) for k, r in results.items() if r["status"] != "ok"}
+    assert proc.returncode == 0 and not errors, (errors, proc.stderr[-3000:])
+    assert list(results) == ["environment", "kernel_tests", "greedy_vs_hf", "sd_lossless", "plain_decode",
+                             "sd_step_profile", "trained_drafter", "longtail", "grpo", "device_tests", "memory"]
+    assert results["environment"]["backend"] == "cpu" and results["environment"]["reduced"]
+    for name in ("kernel_tests", "device_tests"):
+        r = results[name]
+        assert r["passed"] >= 2 and r["failures"] == r["errors"] == 0 and r["exit"] == 0, r
+    greedy = results["greedy_vs_hf"]
+    assert greedy["identical"] == greedy["prompts"] == 4, greedy  # the tiny model's logits are far from ties
+    rows = results["sd_lossless"]["rows"]
+    assert {(r["dtype"], r["temperature"]) for r in rows} == {(d, t) for d in ("float32", "bfloat16") for t in (0.0, 0.7)}
+    assert all(r["same_tokens"] == r["requests"] for r in rows), rows
+    decode = results["plain_decode"]["rows"]
+    assert [r["batch"] for r in decode] == [1, 4] and all(r["tok_s"] > 0 and r["hf_tok_s"] > 0 for r in decode)
+    assert results["plain_decode"]["copy_bandwidth_gbs"] > 0 and all(0 < r["floor_fraction"] for r in decode)
+    prof = results["sd_step_profile"]["rows"][0]
+    assert prof["draft_vocab"] == 64 and prof["sd_step"] > 0 and prof["verify_forward"] > 0
+    drafted = results["trained_drafter"]
+    assert drafted["train_drafter_wall_s"] > 0 and (Path(drafted["drafter"]) / "_CHECKPOINT_METADATA").exists()
+    assert [r["same_tokens"] == r["requests"] for r in drafted["rows"]] == [True, True]
+    assert results["longtail"]["drafter"] == drafted["drafter"] and results["longtail"]["adaptive_vs_plain"] > 0
+    assert results["grpo"]["same_token_counts"] and results["grpo"]["runs"]["adaptive"]["sd_share"][0] > 0
+    md = (out / "gpu_check.md").read_text()
+    assert "| section | status | seconds | result |" in md and "## Plain decode" in md and "## SD step by phase" in md
