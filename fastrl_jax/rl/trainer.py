@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fastrl_jax.checkpoint import RunCheckpointer
-from fastrl_jax.config import Config, save_config, to_dict
+from fastrl_jax.checkpoint import RunCheckpointer, UnreadableCheckpoint
+from fastrl_jax.config import Config, ConfigError, save_config, to_dict
 from fastrl_jax.data import pipeline
 from fastrl_jax.data.prompt_files import read_records
 from fastrl_jax.data.prompts import record_prompt_ids
@@ -31,7 +31,7 @@ from fastrl_jax.models.decoder import Decoder
 from fastrl_jax.models.drafter_io import make_drafter
 from fastrl_jax.models.loading import load_policy
 from fastrl_jax.models.tokenizer import stop_ids
-from fastrl_jax.rl import grpo, rewards, update
+from fastrl_jax.rl import grpo, rewards, run_dir, update
 from fastrl_jax.rl.step_metrics import MetricsLog, rollout_summary
 from fastrl_jax.rl.workers import RolloutWorkers
 from fastrl_jax.rollout.engine import Completion, Request
@@ -61,6 +61,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, model: Decoder, tokenizer, *, resume: bool = False, stream=sys.stdout):
         self.cfg, rl = cfg, cfg.rl
+        run_dir.prepare_run_dir(cfg, resume=resume)  # never half-overwrite an earlier run
         self.tokenizer = tokenizer
         self.mesh = make_mesh(cfg.mesh)
         update.check_batch_fits_mesh(rl, self.mesh)
@@ -333,10 +334,20 @@ class Trainer:
               f"(step {self.checkpointer.latest_step()}) stays valid; training continues", file=sys.stderr)
 
     def _restore(self) -> None:
-        if self.checkpointer is None or self.checkpointer.latest_step() is None:
-            where = self.out_dir / "checkpoints"
-            raise FileNotFoundError(f"--resume: no checkpoint in {where} (rl.out_dir={self.cfg.rl.out_dir})")
-        step, arrays, meta = self.checkpointer.restore(None, self._arrays(), meta=("data", "run"))
+        """Continues from the latest readable checkpoint; newer unreadable steps are set aside (their step
+        numbers are saved afresh when the run gets there again)."""
+        ckpt = self.checkpointer
+        if ckpt is None:
+            raise ConfigError("--resume needs checkpoints: rl.checkpoint_every_steps is 0")
+        try:
+            step, arrays, meta = ckpt.restore(None, self._arrays(), meta=("data", "run"))
+        except UnreadableCheckpoint as e:
+            raise UnreadableCheckpoint(f"--resume: {e}. Restore {ckpt.directory} from a backup, or start the run "
+                                       "again with --overwrite (the old run is moved aside)") from None
+        unreadable = [s for s in ckpt.all_steps() if s > step]
+        if unreadable:
+            where = ckpt.set_aside(unreadable)
+            print(f"[fastrl-jax] moved unreadable checkpoint steps {unreadable} to {where}", file=sys.stderr)
         self.params, self.opt_state = arrays["policy"], arrays["optimizer"]
         self.ref_params = arrays.get("reference", self.ref_params)
         if self.drafter is not None:
@@ -347,7 +358,7 @@ class Trainer:
         self.workers.update_weights(self.params)
         self.data.restore(meta["data"])
         self.step = int(meta["run"]["step"])
-        print(f"[fastrl-jax] resumed from step {step} in {self.checkpointer.directory}", file=sys.stderr)
+        print(f"[fastrl-jax] resumed from step {step} in {ckpt.directory}", file=sys.stderr)
 
     def close(self) -> None:
         if self.checkpointer is not None:
@@ -365,8 +376,11 @@ def _state_from(module: nnx.Module, pure: dict) -> nnx.State:
     return state
 
 
-def train(cfg: Config, *, resume: bool = False, stream=sys.stdout) -> list[dict[str, Any]]:
-    """Loads the policy and tokenizer named by cfg.model, then runs GRPO to cfg.rl.steps."""
+def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, stream=sys.stdout) -> list[dict[str, Any]]:
+    """Checks rl.out_dir (run_dir.prepare_run_dir: --resume needs a checkpoint, a fresh run never writes
+    over an earlier one unless `overwrite` moves it aside), loads the policy and tokenizer named by
+    cfg.model, then runs GRPO to cfg.rl.steps."""
+    run_dir.prepare_run_dir(cfg, resume=resume, overwrite=overwrite)
     policy = load_policy(cfg.model, make_mesh(cfg.mesh))
     trainer = Trainer(cfg, policy.model, policy.tokenizer, resume=resume, stream=stream)
     return trainer.run()
