@@ -104,7 +104,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from fastrl_jax.rl.trainer import train
 
     t0 = time.perf_counter()
-    history = train(cfg, resume=args.resume)
+    history = train(cfg, resume=args.resume, overwrite=args.overwrite)
     print(f"[fastrl-jax] {len(history)} steps in {time.perf_counter() - t0:.1f}s; metrics in "
           f"{Path(cfg.rl.out_dir) / 'metrics.jsonl'}", file=sys.stderr)
 
@@ -137,6 +137,57 @@ def cmd_export_drafter(args: argparse.Namespace) -> None:
     eagle_dir = export_eagle(drafter, model_cfg, out / "eagle")
     print(f"[fastrl-jax] wrote {orbax_dir} (Orbax, fastrl-jax generate --drafter) and {eagle_dir} "
           f"(safetensors, SGLang LlamaForCausalLMEagle)", file=sys.stderr)
+
+
+def _export_mesh():
+    """Every visible device along fsdp: any device count works, and no device holds the whole model."""
+    from fastrl_jax.config import MeshConfig
+    from fastrl_jax.sharding import make_mesh
+
+    return make_mesh(MeshConfig(fsdp=-1))
+
+
+def _source_files(path: Path) -> tuple[dict | None, dict | None]:
+    """An HF source checkpoint's config.json and generation_config.json (None for a GGUF file or when absent)."""
+    if not path.is_dir():
+        return None, None
+    read = lambda name: json.loads((path / name).read_text()) if (path / name).is_file() else None  # noqa: E731
+    return read("config.json"), read("generation_config.json")
+
+
+def cmd_export_policy(args: argparse.Namespace) -> None:
+    from fastrl_jax.models.export import check_export_dir, export_hf
+    from fastrl_jax.models.hub import resolve_model_path
+    from fastrl_jax.models.loading import load_policy
+
+    if args.run and (args.model or args.config):
+        raise ConfigError("export-policy takes --run RUN_DIR (a trained run, with its own config) or --model PATH, not both")
+    if not args.run and not args.model:
+        raise ConfigError("export-policy needs --run RUN_DIR (a trained policy) or --model PATH|smollm2 (a base model)")
+    if args.step is not None and not args.run:
+        raise ConfigError("--step picks a checkpoint of --run RUN_DIR; a --model has none")
+    if args.max_shard_mb < 1:
+        raise ConfigError(f"--max-shard-mb must be >= 1, got {args.max_shard_mb}")
+    out = check_export_dir(args.out)
+    if args.run:
+        from fastrl_jax.rl.run_dir import load_run_policy
+
+        policy, step, cfg = load_run_policy(args.run, _export_mesh(), args.step, args.set)
+        source = f"step {step} of run {args.run}"
+    else:
+        cfg = _config(args)
+        resolve_model_path(cfg.model.path)
+        policy = load_policy(cfg.model, _export_mesh())
+        source = str(policy.path)
+    base_config, base_generation = _source_files(policy.path)
+    t0 = time.perf_counter()
+    export_hf(policy.model, policy.tokenizer, out, dtype=args.dtype or cfg.model.dtype, stop_ids=policy.stop_ids,
+              max_shard_bytes=args.max_shard_mb * 10**6, base_config=base_config,
+              base_generation_config=base_generation,
+              on_file=lambda name: print(f"[fastrl-jax] wrote {name}", file=sys.stderr))
+    print(f"[fastrl-jax] exported {source} to {out} in {time.perf_counter() - t0:.1f}s (HF safetensors, "
+          f"{args.dtype or cfg.model.dtype}; transformers.AutoModelForCausalLM.from_pretrained loads it)",
+          file=sys.stderr)
 
 
 def cmd_bench_sd(args: argparse.Namespace) -> None:
@@ -217,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. rl.steps=10")
     train.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more config overrides")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in rl.out_dir")
+    train.add_argument("--overwrite", action="store_true",
+                       help="rl.out_dir holds an earlier run: move it aside (renamed with a timestamp) and start afresh")
     train.add_argument("--dry-run", action="store_true",
                        help="build the abstract model, mesh and shardings; print memory per device and the program plan")
     train.add_argument("--devices", type=int, help="--dry-run: devices to plan for (default: the mesh sizes' product)")
@@ -236,6 +289,16 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--drafter", required=True, help="train-drafter out_dir, or a drafter checkpoint directory")
     ex.add_argument("--out", required=True, help="new directory: OUT/orbax and OUT/eagle are written")
     ex.set_defaults(func=cmd_export_drafter)
+    ep = sub.add_parser("export-policy", help="write a trained (or base) policy as an HF checkpoint directory")
+    ep.add_argument("--run", help="GRPO run directory (rl.out_dir): exports its latest readable checkpoint")
+    ep.add_argument("--step", type=int, help="with --run: the checkpoint step to export")
+    _common(ep)
+    ep.add_argument("--out", required=True, help="new directory: config.json, safetensors, tokenizer files")
+    ep.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                    help="weights' dtype in the export (default: the policy's, model.dtype)")
+    ep.add_argument("--max-shard-mb", type=int, default=5000,
+                    help="safetensors files of at most this size (MB), with model.safetensors.index.json when several")
+    ep.set_defaults(func=cmd_export_policy)
     bs = sub.add_parser("bench-sd", help="plain vs speculative decoding tokens/s per batch size, strategy, temperature")
     _common(bs)
     bs.add_argument("--drafter", required=True, help="train-drafter out_dir, or a drafter checkpoint directory")

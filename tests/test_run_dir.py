@@ -1,0 +1,127 @@
+"""A trained GRPO run as its user meets it afterwards: train refuses to write over it (or moves it aside
+with --overwrite), resume survives a damaged checkpoint, export-policy --run writes its policy."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers.tiny_run import tiny_overrides
+from safetensors.numpy import load_file
+
+from fastrl_jax.config import load_config
+from fastrl_jax.metric_sink import read_metrics
+from fastrl_jax.models.loading import load_model
+from fastrl_jax.models.tokenizer import load_tokenizer
+from fastrl_jax.rl.trainer import Trainer
+from fastrl_jax.sharding import make_mesh
+
+TESTS = Path(__file__).parent
+
+
+def cli(*args):
+    """The command in a fresh one-device process that can import the tests' reward function."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-m", "fastrl_jax.cli", *args], capture_output=True, text=True, env=env,
+                          cwd=TESTS.parent, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """Two GRPO steps of the tiny model, a checkpoint after each; returns (run dir, final parameters)."""
+    tmp = tmp_path_factory.mktemp("run")
+    cfg = load_config(None, [*tiny_overrides(tmp, steps=2), "rl.keep_checkpoints=2", "mesh.fsdp=-1"])
+    model, _ = load_model(cfg.model.path, make_mesh(cfg.mesh))
+    trainer = Trainer(cfg, model, load_tokenizer(Path(cfg.model.path)), stream=open(os.devnull, "w"))
+    trainer.run()
+    return tmp / "run", {k: np.asarray(v) for k, v in trainer.params["layers"].items()} | {
+        "embed": np.asarray(trainer.params["embed"])}
+
+
+def copy_of(run_dir: Path, where: Path) -> Path:
+    shutil.copytree(run_dir, where)
+    return where
+
+
+def damage(step_dir: Path) -> None:
+    biggest = max((p for p in step_dir.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    with open(biggest, "r+b") as f:
+        f.truncate(biggest.stat().st_size // 2)
+
+
+def test_train_refuses_a_run_directory_without_resume_before_loading_anything(run, tmp_path):
+    run_dir, _ = run
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    res = cli("train", "--config", str(run_dir / "config.yaml"))
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert f"rl.out_dir {run_dir} already holds a run (config.yaml, metrics.jsonl, checkpoints; checkpoints up to " \
+           "step 2): add --resume to continue it, --overwrite" in res.stderr
+    assert "loaded" not in res.stderr  # refused before the model was read
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+    empty = cli("train", "--config", str(run_dir / "config.yaml"), f"rl.out_dir={tmp_path / 'new'}", "--resume")
+    assert empty.returncode == 2 and "--resume: no checkpoint in" in empty.stderr and "loaded" not in empty.stderr
+    both = cli("train", "--config", str(run_dir / "config.yaml"), "--resume", "--overwrite")
+    assert both.returncode == 2 and "give one of them" in both.stderr
+
+
+def test_resume_falls_back_past_a_damaged_step_and_saves_it_again(run, tmp_path):
+    work = copy_of(run[0], tmp_path / "run")
+    damage(work / "checkpoints" / "2")
+    res = cli("train", "--config", str(work / "config.yaml"), f"rl.out_dir={work}", "--resume")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "checkpoint step 2 in" in res.stderr and "is unreadable" in res.stderr and "using step 1" in res.stderr
+    assert "resumed from step 1" in res.stderr
+    assert [m["step"] for m in read_metrics(work / "metrics.jsonl")] == [1, 2]
+    assert sorted(p.name for p in (work / "checkpoints").iterdir()) == ["1", "2"]  # step 2 written afresh
+    assert (work / "checkpoints.unreadable" / "2").is_dir()
+
+
+def test_no_readable_checkpoint_says_what_to_do_and_overwrite_moves_the_run_aside(run, tmp_path):
+    work = copy_of(run[0], tmp_path / "run")
+    shutil.rmtree(work / "checkpoints" / "1")  # as keep_checkpoints: 1 leaves it
+    damage(work / "checkpoints" / "2")
+    res = cli("train", "--config", str(work / "config.yaml"), f"rl.out_dir={work}", "--resume")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    error = [line for line in res.stderr.splitlines() if line.startswith("fastrl-jax train: error:")]
+    assert len(error) == 1 and "step 2: ValueError: OUT_OF_RANGE" in error[0]
+    assert "no earlier step is left to fall back to" in error[0] and "--overwrite" in error[0]
+    again = cli("train", "--config", str(work / "config.yaml"), f"rl.out_dir={work}", "rl.steps=1", "--overwrite")
+    assert again.returncode == 0, again.stderr[-3000:]
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("run.old-")]
+    assert f"moved the previous run in {work} to {aside}" in again.stderr
+    assert [m["step"] for m in read_metrics(aside / "metrics.jsonl")] == [1, 2]  # the old run, kept whole
+    assert [m["step"] for m in read_metrics(work / "metrics.jsonl")] == [1]
+
+
+def test_export_policy_from_a_run(run, tmp_path):
+    run_dir, params = run
+    out = tmp_path / "hf"
+    res = cli("export-policy", "--run", str(run_dir), "--out", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"exported step 2 of run {run_dir}" in res.stderr
+    tensors = load_file(out / "model.safetensors")
+    np.testing.assert_array_equal(tensors["model.embed_tokens.weight"], params["embed"])
+    np.testing.assert_array_equal(tensors["model.layers.1.mlp.up_proj.weight"], params["w_up"][1].T)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["torch_dtype"] == "float32"
+    assert (out / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--step", "7"], "--step 7: no such checkpoint in"),
+    (["--model", "smollm2"], "not both"),
+    (["--out", "{file}"], "is a file; give a new directory"),
+    (["--out", "{missing}/x"], "does not exist; create it first"),
+])
+def test_export_policy_refuses_before_loading(run, tmp_path, args, message):
+    (tmp_path / "file").write_text("x")
+    args = [a.format(file=tmp_path / "file", missing=tmp_path / "missing") for a in args]
+    out = [] if "--out" in args else ["--out", str(tmp_path / "hf")]
+    res = cli("export-policy", "--run", str(run[0]), *out, *args)
+    assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr
+    assert "loaded" not in res.stderr and not (tmp_path / "hf").exists()
