@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -26,11 +27,11 @@ def _config(args: argparse.Namespace, defaults: Sequence[str] = ()):
     return cfg
 
 
-def _policy(cfg):
+def _policy(cfg, tokenizer=None):
     from fastrl_jax.models.loading import load_policy
     from fastrl_jax.sharding import make_mesh
 
-    return load_policy(cfg.model, make_mesh(cfg.mesh))
+    return load_policy(cfg.model, make_mesh(cfg.mesh), tokenizer)
 
 
 def _read_prompts(args, tokenizer) -> list[list[int]]:
@@ -45,44 +46,111 @@ def _read_prompts(args, tokenizer) -> list[list[int]]:
     return read_prompt_file(args.prompts, encode)
 
 
-def cmd_generate(args: argparse.Namespace) -> None:
-    from fastrl_jax.models.drafter_io import make_drafter
-    from fastrl_jax.rollout.engine import Request, RolloutEngine
+def check_output_file(path: str, flag: str) -> Path:
+    """An output file's path, checked before any work: not a directory, in an existing writable directory."""
+    out = Path(path).expanduser()
+    if out.is_dir():
+        raise ValueError(f"{flag} {out} is a directory; give the path of a file (in it, or elsewhere)")
+    if not out.parent.is_dir():
+        raise FileNotFoundError(f"{flag} {out}: directory {out.parent} does not exist; create it first")
+    if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise ValueError(f"{flag} {out} is not writable")
+    return out
 
-    # A one-off generation compiles only the programs it reaches.
-    spec = [f"sd.{key}={value!r}" for key, value in (
-        ("mode", args.sd), ("steps", args.spec_steps), ("topk", args.spec_topk),
-        ("verify_tokens", args.spec_verify_tokens), ("accept", args.spec_accept)) if value is not None]
-    cfg = _config(args, ["rollout.warm_up=false", *spec])
-    policy = _policy(cfg)
-    prompts = _read_prompts(args, policy.tokenizer)
-    requests = [
-        Request(p, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed + i, policy.stop_ids)
-        for i, p in enumerate(prompts)
-    ]
+
+_SPEC_FLAGS = (("spec_steps", "steps"), ("spec_topk", "topk"), ("spec_verify_tokens", "verify_tokens"),
+               ("spec_accept", "accept"))
+
+
+def _generate_config(args: argparse.Namespace):
+    """generate's config: --sd and --spec-* over the config's sd section, programs compiled when reached."""
+    spec_flags = [f"--{name.replace('_', '-')}" for name, _ in _SPEC_FLAGS if getattr(args, name) is not None]
+    if args.sd == "off" and (args.drafter or spec_flags):
+        used = (["--drafter"] if args.drafter else []) + spec_flags
+        raise ConfigError(f"{', '.join(used)} {'applies' if len(used) == 1 else 'apply'} only to speculative decoding: "
+                          "add --sd on or --sd adaptive (or drop it)")
+    spec = [f"sd.mode={args.sd!r}"] + [f"sd.{key}={getattr(args, name)!r}" for name, key in _SPEC_FLAGS
+                                       if getattr(args, name) is not None]
+    return _config(args, ["rollout.warm_up=false", *spec])
+
+
+def _checked_requests(args: argparse.Namespace, cfg, path: Path):
+    """(tokenizer, prompts, requests, problems): every request built and checked before the model loads;
+    all invalid is an error here, some invalid a warning (they fail alone, the command exits 1)."""
+    from fastrl_jax.models.loading import read_model_config
+    from fastrl_jax.models.tokenizer import load_tokenizer, stop_ids
+    from fastrl_jax.rollout.engine import Request
+    from fastrl_jax.rollout.requests import draft_margin, request_problem
+
+    tokenizer, model_cfg = load_tokenizer(path), read_model_config(path)
+    prompts = _read_prompts(args, tokenizer)
+    stops = stop_ids(model_cfg, tokenizer)
+    requests = [Request(p, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed + i, stops)
+                for i, p in enumerate(prompts)]
+    margin = draft_margin(cfg.sd)
+    problems = [request_problem(r, cfg.rollout, margin, model_cfg.vocab_size) for r in requests]
+    bad = [(i, why) for i, why in enumerate(problems) if why]
+    listed = "; ".join(f"request {i}: {why}" for i, why in bad[:3]) + ("; ..." if len(bad) > 3 else "")
+    if bad and len(bad) == len(requests):
+        raise ConfigError(f"no request can run ({listed})")
+    if bad:
+        print(f"[fastrl-jax] {len(bad)} of {len(requests)} requests cannot run ({listed}); the other "
+              f"{len(requests) - len(bad)} run, and the command exits 1", file=sys.stderr)
+    return tokenizer, prompts, requests, problems
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from fastrl_jax.models.drafter_io import drafter_dir, make_drafter
+    from fastrl_jax.models.hub import resolve_model_path
+    from fastrl_jax.rollout.engine import RolloutEngine
+    from fastrl_jax.rollout.requests import draft_margin, sampling_problem
+
+    output = check_output_file(args.output, "--output") if args.output else None
+    cfg = _generate_config(args)
+    problem = sampling_problem(args.max_new_tokens, args.temperature, args.top_k, args.top_p, cfg.rollout,
+                               draft_margin(cfg.sd))
+    if problem:
+        raise ConfigError(f"bad sampling settings: {problem}")
+    if args.drafter:
+        drafter_dir(args.drafter)
+    tokenizer, prompts, requests, _ = _checked_requests(args, cfg, resolve_model_path(cfg.model.path))
+    policy = _policy(cfg, tokenizer)
     drafter = make_drafter(cfg, policy.cfg, args.drafter) if cfg.sd.mode != "off" else None
     engine = RolloutEngine(policy.model, cfg.rollout, sd=cfg.sd, drafter=drafter)
     t0 = time.perf_counter()
     results = engine.generate(requests)
     seconds = time.perf_counter() - t0
-    rows = []
-    for p, r in zip(prompts, results):
-        ids = r.tokens[:-1] if r.finish_reason == "stop" else r.tokens
-        row = {"prompt_ids": p, "completion_ids": ids, "completion": policy.tokenizer.decode(ids), "finish_reason": r.finish_reason}
-        if r.error:
-            row["error"] = r.error
-            print(f"[fastrl-jax] request {len(rows)}: {r.error}", file=sys.stderr)
-        rows.append(row)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.writelines(json.dumps(row) + "\n" for row in rows)
+    rows = [_completion_row(p, r, tokenizer) for p, r in zip(prompts, results)]
+    failed = [i for i, row in enumerate(rows) if "error" in row]
+    for i in failed:
+        print(f"[fastrl-jax] request {i}: {rows[i]['error']}", file=sys.stderr)
+    if output:
+        output.write_text("".join(json.dumps(row) + "\n" for row in rows))
     else:
         for row in rows:
             print(row["completion"])
     tokens = sum(len(r.tokens) for r in results)
-    print(f"[fastrl-jax] {len(rows)} completions, {tokens} tokens in {seconds:.1f}s "
+    print(f"[fastrl-jax] {len(rows) - len(failed)} completions, {tokens} tokens in {seconds:.1f}s "
           f"({tokens / seconds:.1f} tok/s, compilation included; {engine.pool.report()})", file=sys.stderr)
-    st = engine.stats
+    _report_speculation(engine.stats)
+    if failed:
+        where = f"rows with an \"error\" in {output}" if output else "the errors above"
+        print(f"[fastrl-jax] {len(failed)} of {len(rows)} requests failed (requests {failed[:10]}); see {where}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _completion_row(prompt: list[int], r, tokenizer) -> dict:
+    ids = r.tokens[:-1] if r.finish_reason == "stop" else r.tokens
+    row = {"prompt_ids": prompt, "completion_ids": ids, "completion": tokenizer.decode(ids),
+           "finish_reason": r.finish_reason}
+    if r.error:
+        row["error"] = r.error
+    return row
+
+
+def _report_speculation(st) -> None:
     if st.sd_steps:
         by_strategy = ", ".join(f"{k} {v:.2f}" for k, v in st.acceptance_by_strategy().items())
         print(f"[fastrl-jax] speculative: {st.sd_steps} row-steps, acceptance length "
@@ -123,16 +191,16 @@ def cmd_train_drafter(args: argparse.Namespace) -> None:
 
 def cmd_export_drafter(args: argparse.Namespace) -> None:
     from fastrl_jax.drafter.export import export_eagle
-    from fastrl_jax.models.drafter_io import load_drafter, save_drafter
+    from fastrl_jax.models.drafter_io import drafter_dir, load_drafter, save_drafter
+    from fastrl_jax.models.export import check_export_dir
     from fastrl_jax.models.hub import resolve_model_path
     from fastrl_jax.models.loading import read_model_config
 
+    out = check_export_dir(args.out)
+    source = drafter_dir(args.drafter)
     cfg = _config(args)
     model_cfg = read_model_config(resolve_model_path(cfg.model.path))
-    drafter = load_drafter(args.drafter, model_cfg, cfg.model.dtype)
-    out = Path(args.out).expanduser()
-    if out.exists() and any(out.iterdir()):
-        raise ValueError(f"--out {out} exists and is not empty; choose a new directory")
+    drafter = load_drafter(source, model_cfg, cfg.model.dtype)
     orbax_dir = save_drafter(out / "orbax", drafter)
     eagle_dir = export_eagle(drafter, model_cfg, out / "eagle")
     print(f"[fastrl-jax] wrote {orbax_dir} (Orbax, fastrl-jax generate --drafter) and {eagle_dir} "
@@ -195,7 +263,7 @@ def cmd_bench_sd(args: argparse.Namespace) -> None:
 
     from fastrl_jax.data.prompts import held_out_sets, read_jsonl_prompts
     from fastrl_jax.drafter import bench
-    from fastrl_jax.models.drafter_io import make_drafter
+    from fastrl_jax.models.drafter_io import drafter_dir, make_drafter
 
     names = [*args.prompt_sets, *(Path(p).stem for p in args.prompt_file)]  # a prompt file's set: its stem
     if not names:
@@ -203,6 +271,7 @@ def cmd_bench_sd(args: argparse.Namespace) -> None:
     if len(set(names)) < len(names):
         raise ConfigError(f"bench-sd prompt sets need distinct names (a file's is its stem), got {names}")
     cfg = _config(args, ["rollout.warm_up=false"])
+    drafter_dir(args.drafter)
     policy = _policy(cfg)
     drafter = make_drafter(cfg, policy.cfg, args.drafter)
     strategies = [tuple(int(x) for x in s.split("/")) for s in args.strategies]
@@ -326,11 +395,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="[%(name)s] %(message)s")
     args = build_parser().parse_args(argv)
     try:
-        args.func(args)
+        return args.func(args) or 0  # a command returns 1 when part of its work failed (and says so)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"fastrl-jax {args.command}: error: {e}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

@@ -52,13 +52,14 @@ class Policy:
         return self.model.cfg
 
 
-def load_policy(spec: ModelSpec, mesh: Mesh) -> Policy:
+def load_policy(spec: ModelSpec, mesh: Mesh, tokenizer=None) -> Policy:
     """The policy named by the config's model section (`smollm2`, a .gguf file or an HF checkpoint
-    directory) in its dtype on `mesh`, with its tokenizer; says on stderr how long loading took."""
+    directory) in its dtype on `mesh`, with its tokenizer (loaded here unless given: a command that
+    checked its prompts first has it already); says on stderr how long loading took."""
     t0 = time.perf_counter()
     path = resolve_model_path(spec.path)
     model, model_cfg = load_model(path, mesh, spec.dtype)
-    tokenizer = load_tokenizer(path)
+    tokenizer = load_tokenizer(path) if tokenizer is None else tokenizer
     print(f"[fastrl-jax] loaded {spec.path} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return Policy(model, tokenizer, stop_ids(model_cfg, tokenizer), path)
 

@@ -28,7 +28,7 @@ from fastrl_jax.data.prompt_files import read_records
 from fastrl_jax.data.prompts import record_prompt_ids
 from fastrl_jax.drafter.online import SpotTrainer
 from fastrl_jax.models.decoder import Decoder
-from fastrl_jax.models.drafter_io import make_drafter
+from fastrl_jax.models.drafter_io import drafter_dir, make_drafter
 from fastrl_jax.models.loading import load_policy
 from fastrl_jax.models.tokenizer import stop_ids
 from fastrl_jax.rl import grpo, rewards, run_dir, update
@@ -381,6 +381,8 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, stream=
     over an earlier one unless `overwrite` moves it aside), loads the policy and tokenizer named by
     cfg.model, then runs GRPO to cfg.rl.steps."""
     run_dir.prepare_run_dir(cfg, resume=resume, overwrite=overwrite)
+    if cfg.sd.mode != "off" and cfg.rl.drafter_path:
+        drafter_dir(cfg.rl.drafter_path)  # before the model loads
     policy = load_policy(cfg.model, make_mesh(cfg.mesh))
     trainer = Trainer(cfg, policy.model, policy.tokenizer, resume=resume, stream=stream)
     return trainer.run()
