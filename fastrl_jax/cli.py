@@ -258,6 +258,110 @@ def cmd_export_policy(args: argparse.Namespace) -> None:
           file=sys.stderr)
 
 
+def _eval_policy_config(args: argparse.Namespace, defaults: list[str]):
+    """(config, model path) of eval's policy, checked without reading weights: a run's config.yaml and
+    base model (--run), or --config / --model; `defaults`, then --set, over either."""
+    from fastrl_jax.models.hub import resolve_model_path
+    from fastrl_jax.rl.run_dir import base_model_path, check_run
+
+    if args.run and (args.model or args.config):
+        raise ConfigError("eval takes --run RUN_DIR (a trained run, with its own config) or --config / --model, not both")
+    if args.step is not None and not args.run:
+        raise ConfigError("--step picks a checkpoint of --run RUN_DIR; a --model has none")
+    if args.sd == "off" and args.drafter:
+        raise ConfigError("--drafter applies only to speculative decoding: add --sd on or --sd adaptive (or drop it)")
+    if args.run:
+        cfg = check_run(args.run, args.step, [*defaults, *args.set])
+        return cfg, base_model_path(cfg, args.run)
+    cfg = _config(args, defaults)
+    return cfg, resolve_model_path(cfg.model.path)
+
+
+def _eval_settings(args: argparse.Namespace, cfg) -> tuple[int, float, int, int]:
+    """(prompts, samples, temperature, max_new_tokens): the flags, or the config's rl.eval_* settings."""
+    from fastrl_jax.rl.evaluate import MAX_SAMPLES
+    from fastrl_jax.rollout.requests import draft_margin, sampling_problem
+
+    rl = cfg.rl
+    prompts = rl.eval_prompts if args.num_prompts is None else args.num_prompts
+    samples = rl.eval_samples if args.samples is None else args.samples
+    if prompts < 1:
+        raise ConfigError(f"--num-prompts must be >= 1, got {prompts}")
+    if not 1 <= samples <= MAX_SAMPLES:
+        raise ConfigError(f"--samples must be in 1 .. {MAX_SAMPLES} (completions per prompt; pass@k needs k <= samples), "
+                          f"got {samples}")
+    temperature = args.temperature
+    if temperature is None:  # greedy for one sample; several samples need a temperature: eval's, else training's
+        temperature = rl.eval_temperature if samples == 1 or rl.eval_temperature > 0 else rl.temperature
+    if samples > 1 and temperature == 0:
+        raise ConfigError(f"--samples {samples} at temperature 0 gives {samples} identical greedy completions: "
+                          "give --temperature > 0, or --samples 1")
+    max_new = rl.max_new_tokens if args.max_new_tokens is None else args.max_new_tokens
+    problem = sampling_problem(max_new, temperature, rl.top_k, rl.top_p, cfg.rollout, draft_margin(cfg.sd))
+    if problem:
+        raise ConfigError(f"bad sampling settings: {problem}")
+    return prompts, samples, temperature, max_new
+
+
+def _eval_requests(cfg, path: Path, records, samples: int, temperature: float, max_new: int):
+    """(tokenizer, requests) of the records, every prompt checked against the engine's rules."""
+    from fastrl_jax.data.prompts import record_prompt_ids
+    from fastrl_jax.models.loading import read_model_config
+    from fastrl_jax.models.tokenizer import load_tokenizer, stop_ids
+    from fastrl_jax.rl.evaluate import eval_requests
+    from fastrl_jax.rollout.requests import draft_margin, request_problem
+
+    tokenizer, model_cfg = load_tokenizer(path), read_model_config(path)
+    d, rl = cfg.data, cfg.rl
+    prompts = [record_prompt_ids(r, tokenizer, d.instruction, d.chat_template) for r in records]
+    requests = eval_requests(prompts, samples, max_new, temperature, rl.top_k, rl.top_p, cfg.seed,
+                             stop_ids(model_cfg, tokenizer))
+    margin = draft_margin(cfg.sd)
+    bad = [(g, why) for g in range(len(records))
+           if (why := request_problem(requests[g * samples], cfg.rollout, margin, model_cfg.vocab_size))]
+    if bad:
+        listed = "; ".join(f"prompt {g}: {why}" for g, why in bad[:3])
+        raise ConfigError(f"{len(bad)} of {len(records)} evaluation prompts cannot run ({listed})")
+    return tokenizer, requests
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from fastrl_jax.models.drafter_io import drafter_dir, make_drafter
+    from fastrl_jax.rl.evaluate import evaluate, format_table, held_out_records, model_workers
+
+    out = check_output_file(args.out, "--out") if args.out else None
+    defaults = ["rollout.warm_up=false", f"sd.mode={args.sd!r}"]  # programs compile when reached
+    cfg, path = _eval_policy_config(args, defaults)
+    num_prompts, samples, temperature, max_new = _eval_settings(args, cfg)
+    if args.drafter:
+        drafter_dir(args.drafter)
+    source = args.prompts or cfg.data.eval_source
+    records = held_out_records(cfg, num_prompts, source)
+    if len(records) < num_prompts:
+        print(f"[fastrl-jax] {source} holds {len(records)} records; evaluating all of them", file=sys.stderr)
+    tokenizer, requests = _eval_requests(cfg, path, records, samples, temperature, max_new)
+    if args.run:
+        from fastrl_jax.rl.run_dir import load_run_policy
+        from fastrl_jax.sharding import make_mesh
+
+        policy, step, _ = load_run_policy(args.run, make_mesh(cfg.mesh), args.step, [*defaults, *args.set], tokenizer)
+    else:
+        policy, step = _policy(cfg, tokenizer), None
+    drafter = make_drafter(cfg, policy.cfg, args.drafter) if cfg.sd.mode != "off" else None
+    result = evaluate(model_workers(cfg, policy.model, drafter), tokenizer, records, requests, samples)
+    print(format_table(result["results"]))
+    accept = f", acceptance length {result['acceptance_length']:.2f}" if result["acceptance_length"] else ""
+    print(f"[fastrl-jax] {len(requests)} completions ({len(records)} prompts x {samples}, T={temperature:g}), "
+          f"{result['tokens']} tokens in {result['generate_s']:.1f}s ({result['tokens_per_s']:.1f} tok/s, "
+          f"compilation included; sd {cfg.sd.mode}{accept})", file=sys.stderr)
+    if out:
+        settings = {"run": args.run, "step": step, "model": cfg.model.path, "prompts": source, "num_prompts": len(records),
+                    "samples": samples, "temperature": temperature, "top_k": cfg.rl.top_k, "top_p": cfg.rl.top_p,
+                    "max_new_tokens": max_new, "seed": cfg.seed, "sd": cfg.sd.mode}
+        out.write_text(json.dumps(settings | result, indent=1) + "\n")
+        print(f"[fastrl-jax] wrote {out}", file=sys.stderr)
+
+
 def cmd_bench_sd(args: argparse.Namespace) -> None:
     import jax
 
@@ -368,6 +472,22 @@ def build_parser() -> argparse.ArgumentParser:
     ep.add_argument("--max-shard-mb", type=int, default=5000,
                     help="safetensors files of at most this size (MB), with model.safetensors.index.json when several")
     ep.set_defaults(func=cmd_export_policy)
+    ev = sub.add_parser("eval", help="pass@1 / pass@k and response lengths of a trained run or a model on held-out prompts")
+    ev.add_argument("--run", help="GRPO run directory (rl.out_dir): its latest readable checkpoint, with its config")
+    ev.add_argument("--step", type=int, help="with --run: the checkpoint step to evaluate")
+    _common(ev)
+    ev.add_argument("--prompts", help="'math' (held-out built-in problems, per level) or a .jsonl / .parquet file of "
+                                      "records with an answer (default: data.eval_source)")
+    ev.add_argument("--num-prompts", type=int, help="held-out prompts (default: rl.eval_prompts)")
+    ev.add_argument("--samples", type=int, help="completions per prompt, n of pass@k (default: rl.eval_samples)")
+    ev.add_argument("--temperature", type=float,
+                    help="default: rl.eval_temperature (0, greedy) for one sample, else rl.temperature")
+    ev.add_argument("--max-new-tokens", type=int, help="default: rl.max_new_tokens")
+    ev.add_argument("--sd", choices=["off", "on", "adaptive"], default="off",
+                    help="speculative decoding (the same completions, sooner with a trained drafter)")
+    ev.add_argument("--drafter", help="drafter checkpoint directory for --sd; a random drafter when omitted")
+    ev.add_argument("--out", help="JSON file: settings, results per subset, every completion")
+    ev.set_defaults(func=cmd_eval)
     bs = sub.add_parser("bench-sd", help="plain vs speculative decoding tokens/s per batch size, strategy, temperature")
     _common(bs)
     bs.add_argument("--drafter", required=True, help="train-drafter out_dir, or a drafter checkpoint directory")

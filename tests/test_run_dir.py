@@ -125,3 +125,53 @@ def test_export_policy_refuses_before_loading(run, tmp_path, args, message):
     res = cli("export-policy", "--run", str(run[0]), *out, *args)
     assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr
     assert "loaded" not in res.stderr and not (tmp_path / "hf").exists()
+
+
+def test_eval_of_a_run_is_the_same_with_adaptive_speculative_decoding(run, tmp_path):
+    """Position-keyed sampling makes SD lossless, so `eval --sd adaptive` must give the very same completions
+    and results as plain decoding (here with a random drafter, so it is only slower)."""
+    common = ["eval", "--run", str(run[0]), "--num-prompts", "4", "--samples", "3", "--temperature", "1.0"]
+    plain = cli(*common, "--out", str(tmp_path / "plain.json"))
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    sd = cli(*common, "--out", str(tmp_path / "sd.json"), "--sd", "adaptive", "--set", "sd.threshold_live_batch=16",
+             "sd.patience_host_steps=1", "sd.steps=2", "sd.topk=2", "sd.verify_tokens=4")
+    assert sd.returncode == 0, sd.stderr[-3000:]
+    a, b = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("plain", "sd"))
+    assert a["step"] == b["step"] == 2 and a["samples"] == 3 and a["sd"] == "off" and b["sd"] == "adaptive"
+    assert a["acceptance_length"] is None and b["acceptance_length"] >= 1.0  # speculation ran
+    assert a["results"] == b["results"] and a["per_prompt"] == b["per_prompt"]
+    completions = [c for p in a["per_prompt"] for c in p["completions"]]
+    assert len(completions) == 12 and len(set(completions)) > 1
+    assert plain.stdout.splitlines()[0].split()[:6] == ["subset", "prompts", "samples", "pass@1", "pass@2", "pass@3"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),
+    (["--samples", "-1"], "--samples must be in 1 .. 1024"),
+    (["--samples", "5000"], "--samples must be in 1 .. 1024"),
+    (["--samples", "2", "--temperature", "0"], "gives 2 identical greedy completions"),
+    (["--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
+    (["--temperature", "-1"], "need temperature >= 0"),
+    (["--out", "{tmp}/missing/eval.json"], "directory {tmp}/missing does not exist; create it first"),
+    (["--out", "{tmp}"], "is a directory"),
+    (["--step", "7"], "--step 7: no such checkpoint"),
+    (["--model", "smollm2"], "not both"),
+    (["--drafter", "{tmp}"], "--drafter applies only to speculative decoding"),
+    (["--sd", "on", "--drafter", "{tmp}/none"], "drafter checkpoint {tmp}/none not found"),
+    (["--prompts", "{tmp}/none.jsonl"], "none.jsonl not found"),
+    (["--set", "rollout.prompt_buckets=[2]"], "4 of 4 evaluation prompts cannot run (prompt 0: the prompt has 4 tokens"),
+])
+def test_eval_refuses_bad_input_before_loading(run, tmp_path, args, message):
+    args = [a.format(tmp=tmp_path) for a in args]
+    res = cli("eval", "--run", str(run[0]), "--num-prompts", "4", *args)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert message.format(tmp=tmp_path) in res.stderr and "Traceback" not in res.stderr
+    assert "loaded" not in res.stderr
+
+
+def test_eval_and_export_need_a_run_or_a_model(tmp_path):
+    for command in ("eval", "export-policy"):
+        res = cli(command, "--run", str(tmp_path), "--out", str(tmp_path / "o"))
+        assert res.returncode == 2 and f"--run {tmp_path} has no config.yaml" in res.stderr
+    res = cli("eval", "--step", "3", "--model", "smollm2")
+    assert res.returncode == 2 and "--step picks a checkpoint of --run" in res.stderr

@@ -106,10 +106,11 @@ def base_model_path(cfg: Config, run_dir: str | Path) -> Path:
                                 "--set model.path=NEW_PATH") from None
 
 
-def load_run_policy(run_dir: str | Path, mesh: Mesh, step: int | None = None,
-                    overrides: Sequence[str] = ()) -> tuple[Policy, int, Config]:
+def load_run_policy(run_dir: str | Path, mesh: Mesh, step: int | None = None, overrides: Sequence[str] = (),
+                    tokenizer=None) -> tuple[Policy, int, Config]:
     """The policy of checkpoint `step` of a GRPO run (None: the latest readable one) sharded on `mesh`,
-    with the base model's tokenizer and stop ids; returns (policy, step, the run's config)."""
+    with the base model's tokenizer (loaded here unless given) and stop ids; returns (policy, step, the
+    run's config)."""
     t0 = time.perf_counter()
     cfg = check_run(run_dir, step, overrides)
     path = base_model_path(cfg, run_dir)
@@ -121,6 +122,6 @@ def load_run_policy(run_dir: str | Path, mesh: Mesh, step: int | None = None,
     with RunCheckpointer(Path(run_dir).expanduser() / "checkpoints", keep=None, read_only=True) as ckpt:
         step, arrays, _ = ckpt.restore(step, {"policy": target})
     nnx.replace_by_pure_dict(state, arrays["policy"])
-    tokenizer = load_tokenizer(path)
+    tokenizer = load_tokenizer(path) if tokenizer is None else tokenizer
     print(f"[fastrl-jax] loaded step {step} of run {run_dir} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return Policy(nnx.merge(graphdef, state), tokenizer, stop_ids(model_cfg, tokenizer), path), step, cfg

@@ -24,7 +24,6 @@ from flax import nnx
 from fastrl_jax.checkpoint import RunCheckpointer, UnreadableCheckpoint
 from fastrl_jax.config import Config, ConfigError, save_config, to_dict
 from fastrl_jax.data import pipeline
-from fastrl_jax.data.prompt_files import read_records
 from fastrl_jax.data.prompts import record_prompt_ids
 from fastrl_jax.drafter.online import SpotTrainer
 from fastrl_jax.models.decoder import Decoder
@@ -32,14 +31,14 @@ from fastrl_jax.models.drafter_io import drafter_dir, make_drafter
 from fastrl_jax.models.loading import load_policy
 from fastrl_jax.models.tokenizer import stop_ids
 from fastrl_jax.rl import grpo, rewards, run_dir, update
+from fastrl_jax.rl.evaluate import completion_text, eval_requests, evaluate, held_out_records
 from fastrl_jax.rl.step_metrics import MetricsLog, rollout_summary
-from fastrl_jax.rl.workers import RolloutWorkers
+from fastrl_jax.rl.workers import RolloutWorkers, request_seed
 from fastrl_jax.rollout.engine import Completion, Request
 from fastrl_jax.sharding import make_mesh, shardings_for
 
 log = logging.getLogger(__name__)
 
-EVAL_SEED_OFFSET = 1_000_003  # the held-out math stream is a different seed from the training stream
 TRAIN_LENGTH_QUANTUM = 32  # prompt and completion widths of a training batch are multiples of this
 
 
@@ -49,11 +48,6 @@ class NonFiniteLoss(RuntimeError):
 
 def _round_up(n: int, quantum: int) -> int:
     return -(-n // quantum) * quantum
-
-
-def request_seed(seed: int, step: int, index: int) -> int:
-    """Sampling seed of request `index` of RL step `step` (independent of the replica that runs it)."""
-    return int(np.random.SeedSequence([seed, step, index]).generate_state(1)[0])
 
 
 class Trainer:
@@ -97,7 +91,7 @@ class Trainer:
         fields = dict(prompt_field=d.prompt_field, messages_field=d.messages_field, answer_field=d.answer_field)
         train_src = pipeline.source(d.source, cfg.seed, d.math_levels, **fields)
         self.data = pipeline.PromptIterator(pipeline.prompt_batches(train_src, rl.prompts_per_step, cfg.seed, d.shuffle))
-        self.eval_records = self._eval_records(fields) if rl.eval_every_steps else []
+        self.eval_records = held_out_records(cfg, rl.eval_prompts) if rl.eval_every_steps else []
 
         self.out_dir = Path(rl.out_dir).expanduser()
         if jax.process_index() == 0:  # what this start ran with: the file plus its overrides
@@ -111,13 +105,6 @@ class Trainer:
                                   enabled=jax.process_index() == 0, stream=stream)
 
     # ---- set-up -------------------------------------------------------------------------------
-    def _eval_records(self, fields: dict) -> list[dict]:
-        d, n = self.cfg.data, self.cfg.rl.eval_prompts
-        if d.eval_source == pipeline.MATH_SOURCE:
-            src = pipeline.MathSource(self.cfg.seed + EVAL_SEED_OFFSET, d.math_levels)
-            return [src[i] for i in range(n)]
-        return read_records(d.eval_source, **fields)[:n]
-
     def _prompt(self, record: dict) -> list[int]:
         d = self.cfg.data
         ids = record_prompt_ids(record, self.tokenizer, d.instruction, d.chat_template)
@@ -165,8 +152,7 @@ class Trainer:
         return out
 
     def _text(self, c: Completion) -> str:
-        ids = c.tokens[:-1] if c.finish_reason == "stop" else c.tokens
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return completion_text(self.tokenizer, c)
 
     def build_batch(self, requests: list[Request], completions: list[Completion], advantages: np.ndarray):
         """Host arrays of one rollout batch: prompts left-padded to P slots, completions right-padded to C
@@ -237,12 +223,10 @@ class Trainer:
         rl.eval_temperature. Sampling seeds are the same at every evaluation (step 0 of the seed stream,
         which no training step uses), so evaluations differ only by the policy."""
         rl, n = self.cfg.rl, self.cfg.rl.eval_samples
-        records = [r for r in self.eval_records for _ in range(n)]
         prompts = [self._prompt(r) for r in self.eval_records]
-        requests = [Request(prompts[i // n], rl.max_new_tokens, rl.eval_temperature, rl.top_k, rl.top_p,
-                            request_seed(self.cfg.seed, 0, i), self.stop_ids) for i in range(len(records))]
-        completions, _ = self.workers.generate(requests, n)
-        return float(np.mean([rewards.correctness_reward(self._text(c), r["answer"]) for c, r in zip(completions, records)]))
+        requests = eval_requests(prompts, n, rl.max_new_tokens, rl.eval_temperature, rl.top_k, rl.top_p,
+                                 self.cfg.seed, self.stop_ids)
+        return evaluate(self.workers, self.tokenizer, self.eval_records, requests, n)["results"]["all"]["pass@1"]
 
     def _evaluation(self) -> dict[str, float]:
         t0 = time.perf_counter()
