@@ -18,6 +18,13 @@ class UnreadableCheckpoint(ValueError):
     """A checkpoint step (or every step) could not be read back; the message names the steps, why, and the fix."""
 
 
+def checkpoint_steps(run_dir: str | Path) -> list[int]:
+    """The complete checkpoint steps in RUN_DIR/checkpoints, without opening Orbax (a step's directory
+    is renamed to its number only when complete)."""
+    ckpt = Path(run_dir).expanduser() / "checkpoints"
+    return sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit() and p.is_dir()) if ckpt.is_dir() else []
+
+
 class RunCheckpointer:
     """Step-numbered checkpoints of a training run: async, atomic, keeps the last `keep`.
 
@@ -84,17 +91,23 @@ class RunCheckpointer:
         return {n: restored[n] for n in arrays}, {n: restored[n] for n in meta}
 
     def set_aside(self, steps: Sequence[int]) -> Path | None:
-        """Moves the given step directories (unreadable ones) out of the way, into DIR.unreadable/,
-        so later saves of those step numbers are written afresh; returns where they went."""
+        """Moves the given step directories (unreadable ones) out of the way, into DIR.unreadable/, so
+        later saves of those step numbers are written afresh; returns where they went. Every process
+        calls it (process 0 moves, all re-read the step list)."""
         if not steps:
             return None
         where = self.directory.parent / f"{self.directory.name}.unreadable"
-        where.mkdir(exist_ok=True)
-        for step in steps:
-            target = where / str(step)
-            if target.exists():
-                shutil.rmtree(target)
-            (self.directory / str(step)).rename(target)
+        if jax.process_index() == 0:
+            where.mkdir(exist_ok=True)
+            for step in steps:
+                target = where / str(step)
+                if target.exists():
+                    shutil.rmtree(target)
+                (self.directory / str(step)).rename(target)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("fastrl-jax checkpoint steps set aside")
         self._manager.reload()
         return where
 

@@ -178,9 +178,10 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> None:
-    from fastrl_jax.drafter.warmup import train_drafter
+    from fastrl_jax.drafter.warmup import check_restart, train_drafter
 
     cfg = _config(args, ["rollout.warm_up=false"])
+    check_restart(cfg, resume=not args.restart)
     policy = _policy(cfg)
     summary = train_drafter(cfg, policy.model, policy.tokenizer, resume=not args.restart)
     final = summary.get("final_eval", {})
@@ -412,6 +413,38 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides, e.g. mesh.tensor=2")
 
 
+def _add_export_policy(sub) -> None:
+    ep = sub.add_parser("export-policy", help="write a trained (or base) policy as an HF checkpoint directory")
+    ep.add_argument("--run", help="GRPO run directory (rl.out_dir): exports its latest readable checkpoint")
+    ep.add_argument("--step", type=int, help="with --run: the checkpoint step to export")
+    _common(ep)
+    ep.add_argument("--out", required=True, help="new directory: config.json, safetensors, tokenizer files")
+    ep.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                    help="weights' dtype in the export (default: the policy's, model.dtype)")
+    ep.add_argument("--max-shard-mb", type=int, default=5000,
+                    help="safetensors files of at most this size (MB), with model.safetensors.index.json when several")
+    ep.set_defaults(func=cmd_export_policy)
+
+
+def _add_eval(sub) -> None:
+    ev = sub.add_parser("eval", help="pass@1 / pass@k and response lengths of a trained run or a model on held-out prompts")
+    ev.add_argument("--run", help="GRPO run directory (rl.out_dir): its latest readable checkpoint, with its config")
+    ev.add_argument("--step", type=int, help="with --run: the checkpoint step to evaluate")
+    _common(ev)
+    ev.add_argument("--prompts", help="'math' (held-out built-in problems, per level) or a .jsonl / .parquet file of "
+                                      "records with an answer (default: data.eval_source)")
+    ev.add_argument("--num-prompts", type=int, help="held-out prompts (default: rl.eval_prompts)")
+    ev.add_argument("--samples", type=int, help="completions per prompt, n of pass@k (default: rl.eval_samples)")
+    ev.add_argument("--temperature", type=float,
+                    help="default: rl.eval_temperature (0, greedy) for one sample, else rl.temperature")
+    ev.add_argument("--max-new-tokens", type=int, help="default: rl.max_new_tokens")
+    ev.add_argument("--sd", choices=["off", "on", "adaptive"], default="off",
+                    help="speculative decoding (the same completions, sooner with a trained drafter)")
+    ev.add_argument("--drafter", help="drafter checkpoint directory for --sd; a random drafter when omitted")
+    ev.add_argument("--out", help="JSON file: settings, results per subset, every completion")
+    ev.set_defaults(func=cmd_eval)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastrl-jax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -462,32 +495,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--drafter", required=True, help="train-drafter out_dir, or a drafter checkpoint directory")
     ex.add_argument("--out", required=True, help="new directory: OUT/orbax and OUT/eagle are written")
     ex.set_defaults(func=cmd_export_drafter)
-    ep = sub.add_parser("export-policy", help="write a trained (or base) policy as an HF checkpoint directory")
-    ep.add_argument("--run", help="GRPO run directory (rl.out_dir): exports its latest readable checkpoint")
-    ep.add_argument("--step", type=int, help="with --run: the checkpoint step to export")
-    _common(ep)
-    ep.add_argument("--out", required=True, help="new directory: config.json, safetensors, tokenizer files")
-    ep.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                    help="weights' dtype in the export (default: the policy's, model.dtype)")
-    ep.add_argument("--max-shard-mb", type=int, default=5000,
-                    help="safetensors files of at most this size (MB), with model.safetensors.index.json when several")
-    ep.set_defaults(func=cmd_export_policy)
-    ev = sub.add_parser("eval", help="pass@1 / pass@k and response lengths of a trained run or a model on held-out prompts")
-    ev.add_argument("--run", help="GRPO run directory (rl.out_dir): its latest readable checkpoint, with its config")
-    ev.add_argument("--step", type=int, help="with --run: the checkpoint step to evaluate")
-    _common(ev)
-    ev.add_argument("--prompts", help="'math' (held-out built-in problems, per level) or a .jsonl / .parquet file of "
-                                      "records with an answer (default: data.eval_source)")
-    ev.add_argument("--num-prompts", type=int, help="held-out prompts (default: rl.eval_prompts)")
-    ev.add_argument("--samples", type=int, help="completions per prompt, n of pass@k (default: rl.eval_samples)")
-    ev.add_argument("--temperature", type=float,
-                    help="default: rl.eval_temperature (0, greedy) for one sample, else rl.temperature")
-    ev.add_argument("--max-new-tokens", type=int, help="default: rl.max_new_tokens")
-    ev.add_argument("--sd", choices=["off", "on", "adaptive"], default="off",
-                    help="speculative decoding (the same completions, sooner with a trained drafter)")
-    ev.add_argument("--drafter", help="drafter checkpoint directory for --sd; a random drafter when omitted")
-    ev.add_argument("--out", help="JSON file: settings, results per subset, every completion")
-    ev.set_defaults(func=cmd_eval)
+    _add_export_policy(sub)
+    _add_eval(sub)
     bs = sub.add_parser("bench-sd", help="plain vs speculative decoding tokens/s per batch size, strategy, temperature")
     _common(bs)
     bs.add_argument("--drafter", required=True, help="train-drafter out_dir, or a drafter checkpoint directory")

@@ -69,3 +69,11 @@ def test_bench_sd_without_prompts_or_with_clashing_sets_is_one_clear_line(tmp_pa
     clash = fastrl_jax("bench-sd", "--model", str(tmp_path / "policy"), "--drafter", str(tmp_path),
                        "--prompt-file", str(tmp_path / "a" / "math.jsonl"))
     assert clash.returncode == 2 and "distinct names" in clash.stderr and "Traceback" not in clash.stderr
+
+
+def test_train_drafter_restart_over_checkpoints_is_refused_before_loading(tmp_path):
+    (tmp_path / "warmup" / "checkpoints" / "100").mkdir(parents=True)
+    res = fastrl_jax("train-drafter", "--model", str(tiny_model_dir(tmp_path)), "--restart",
+                     "--set", f"drafter_train.out_dir={tmp_path / 'warmup'}")
+    assert res.returncode == 2 and "already holds checkpoints (up to step 100): resume (drop --restart)" in res.stderr
+    assert "loaded" not in res.stderr and "Traceback" not in res.stderr

@@ -17,7 +17,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from fastrl_jax.checkpoint import RunCheckpointer
+from fastrl_jax.checkpoint import RunCheckpointer, checkpoint_steps
 from fastrl_jax.config import Config, ConfigError, load_config
 from fastrl_jax.models.decoder import DTYPES, abstract_decoder
 from fastrl_jax.models.hub import resolve_model_path
@@ -32,12 +32,6 @@ def run_contents(out_dir: str | Path) -> list[str]:
     """Which of a run's files and directories `out_dir` already holds."""
     out_dir = Path(out_dir).expanduser()
     return [name for name in RUN_FILES if (out_dir / name).exists()]
-
-
-def checkpoint_steps(out_dir: str | Path) -> list[int]:
-    """The complete checkpoint steps of a run (Orbax renames a step's directory to its number when complete)."""
-    ckpt = Path(out_dir).expanduser() / "checkpoints"
-    return sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit() and p.is_dir()) if ckpt.is_dir() else []
 
 
 def prepare_run_dir(cfg: Config, *, resume: bool, overwrite: bool = False) -> None:
