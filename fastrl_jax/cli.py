@@ -385,7 +385,9 @@ def cmd_bench_sd(args: argparse.Namespace) -> None:
     for path in args.prompt_file:
         prompt_sets[Path(path).stem] = read_jsonl_prompts(path, policy.tokenizer)[: args.prompts]
     result = {"model": cfg.model.path, "dtype": cfg.model.dtype, "drafter": str(args.drafter),
-              "new_tokens": args.new_tokens, "repeats": args.repeats, "backend": jax.default_backend()}
+              "new_tokens": args.new_tokens, "repeats": args.repeats, "backend": jax.default_backend(),
+              "machine": bench.machine_facts()}
+    print(f"[bench-sd] machine: {bench.format_machine(result['machine'])}", file=sys.stderr)
     if args.profile:
         prof = bench.profile_step(policy.model, drafter, strategies[0], temperature=args.temperatures[-1])
         result["profile_ms"] = prof

@@ -43,18 +43,6 @@ def make_prompts(n: int) -> list[str]:
     ]
 
 
-def copy_bandwidth_gbs(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
-    """Measured memory copy bandwidth (read + write counted once, as a decode step reads weights once)."""
-    src = np.ones(nbytes // 4, np.float32)
-    dst = np.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * nbytes / best / 1e9
-
-
 def bench_engine(model, prompt_ids, batch_sizes, new_tokens, repeats):
     from fastrl_jax.config import RolloutConfig
     from fastrl_jax.rollout.engine import Request, RolloutEngine
@@ -235,6 +223,7 @@ def bench_longtail(args) -> int:
     import jax
 
     from fastrl_jax.config import SpecConfig, load_config
+    from fastrl_jax.drafter.bench import format_machine, machine_facts
     from fastrl_jax.models.drafter_io import make_drafter
 
     cfg = load_config(args.config, args.set)
@@ -273,7 +262,7 @@ def bench_longtail(args) -> int:
     summary = {
         "workload": f"{args.problems} math word problems x {args.samples} samples, T={args.temperature}, "
                     f"max {args.max_new_tokens} new tokens",
-        "drafter": drafter_name, "backend": jax.default_backend(),
+        "drafter": drafter_name, "backend": jax.default_backend(), "machine": machine_facts(),
         "response_tokens": {"p50": float(np.percentile(lengths, 50)), "p90": float(np.percentile(lengths, 90)),
                             "max": int(lengths.max()), "at_limit": int((lengths >= args.max_new_tokens).sum())},
         "threshold_live_batch": k, f"plain_share_at_live_batch_le_{k}": ratio(plain_tail, plain["seconds"]),
@@ -282,6 +271,7 @@ def bench_longtail(args) -> int:
         f"adaptive_speedup_at_live_batch_le_{k}": adaptive[f"speedup_at_live_batch_le_{k}"],
         "rollout": dataclasses.asdict(rollout_cfg), "sd": dataclasses.asdict(adaptive_sd),
     }
+    print(f"machine: {format_machine(summary['machine'])}")
     print(f"\n{summary['workload']}; drafter {drafter_name}; response tokens p50 {summary['response_tokens']['p50']:.0f}"
           f" p90 {summary['response_tokens']['p90']:.0f} max {summary['response_tokens']['max']}")
     print(f"{'run':>14} {'seconds':>8} {'tok/s':>7} {'speedup':>8} {'s@<=' + str(k):>7} {'x@<=' + str(k):>7}"
@@ -338,12 +328,15 @@ def main(argv=None) -> int:
 
     from fastrl_jax.config import load_config
     from fastrl_jax.data.prompts import chat_prompt_ids
+    from fastrl_jax.drafter.bench import format_machine, machine_facts
 
     policy = load_smollm2(load_config(args.config, args.set))
     model, tokenizer = policy.model, policy.tokenizer
     prompt_ids = [chat_prompt_ids(tokenizer, q) for q in make_prompts(64)]
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(__import__("flax").nnx.state(model)))
-    bandwidth = copy_bandwidth_gbs()
+    machine = machine_facts()
+    print(f"machine: {format_machine(machine)}", file=sys.stderr)
+    bandwidth = machine["copy_gbs"]
     floor = bandwidth * 1e9 / weight_bytes
 
     print(f"SmolLM2-135M float32 ({weight_bytes / 1e6:.0f} MB), {args.new_tokens} new tokens, greedy", file=sys.stderr)
@@ -362,7 +355,7 @@ def main(argv=None) -> int:
         rows.append(row)
     result = {
         "model": "SmolLM2-135M-Instruct float32", "new_tokens": args.new_tokens, "backend": jax.default_backend(),
-        "weight_bytes": weight_bytes, "copy_bandwidth_gbs": bandwidth, "batch1_floor_tok_s": floor,
+        "machine": machine, "weight_bytes": weight_bytes, "copy_bandwidth_gbs": bandwidth, "batch1_floor_tok_s": floor,
         "engine_start_seconds": compile_s, "programs": pool_report, "rows": rows,
     }
     print(f"{'batch':>6} {'fastrl tok/s':>13} {'HF tok/s':>9} {'ratio':>6} {'same':>5}")

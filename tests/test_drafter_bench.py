@@ -24,3 +24,11 @@ def test_each_set_and_batch_size_runs_every_prompt_and_matches_plain_decoding():
     assert all(r["same_tokens"] == r["requests"] for r in rows)
     assert all(1.0 <= r["acceptance_length"] <= 4.0 for r in rows)
     assert set(stop_paying(rows)) == {f"T={t} {s} 3/1/4 reduced" for t in ("0", "0.7") for s in "ab"}
+
+
+def test_machine_facts_are_measured():
+    from fastrl_jax.drafter.bench import format_machine, machine_facts
+
+    facts = machine_facts()
+    assert facts["copy_gbs"] > 0 and facts["matmul_f32_gflops"] > 0 and 1 <= facts["cores_usable"] <= facts["cpu_count"]
+    assert facts["backend"] == "cpu" and "GB/s" in format_machine(facts)

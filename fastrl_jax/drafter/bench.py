@@ -252,6 +252,53 @@ def profile_step(policy: Decoder, drafter: Drafter, strategy: tuple[int, int, in
     return out
 
 
+def copy_bandwidth_gbs(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
+    """Measured host memory copy bandwidth (read + write counted once, as a decode step reads weights once)."""
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best / 1e9
+
+
+def matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
+    """Measured float32 matmul rate of the default device (2 n^3 flops per product)."""
+    a = jnp.ones((n, n), jnp.float32)
+    product = jax.jit(lambda x: x @ x)
+    product(a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        product(a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e9
+
+
+def machine_facts() -> dict:
+    """What a measured ratio depends on, to record beside it: CPU ratios (SD step vs plain step) differed
+    up to 2.6x between machines, with the copy bandwidth and the matmul rate the usual cause."""
+    import os
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        names = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines() if ln.startswith("model name")]
+        cpu = names[0] if names else cpu
+    return {"cpu": cpu, "cpu_count": os.cpu_count(), "cores_usable": len(os.sched_getaffinity(0)),
+            "backend": jax.default_backend(), "device": jax.devices()[0].device_kind, "devices": jax.device_count(),
+            "copy_gbs": round(copy_bandwidth_gbs(), 1), "matmul_f32_gflops": round(matmul_gflops(), 1)}
+
+
+def format_machine(facts: dict) -> str:
+    return (f"{facts['cpu']}, {facts['cores_usable']} of {facts['cpu_count']} cores usable, {facts['backend']} "
+            f"({facts['devices']} x {facts['device']}), copy {facts['copy_gbs']} GB/s, "
+            f"f32 matmul {facts['matmul_f32_gflops']} GFLOP/s")
+
+
 def write_json(path: str | Path, result: dict) -> None:
     Path(path).write_text(json.dumps(result, indent=2) + "\n")
     print(f"[bench-sd] wrote {path}", file=sys.stderr)
