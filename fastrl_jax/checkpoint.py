@@ -150,5 +150,5 @@ def _unreadable_message(directory: Path, failures: list[tuple[int, str]], steps:
         others = [s for s in steps if s != failures[0][0]]
         return (f"checkpoint step {failures[0][0]} in {directory} is unreadable ({why}); "
                 f"other steps: {_listed(others)}")
-    return (f"no checkpoint in {directory} reads back ({why}): its files are damaged (a full disk, or a copy cut "
-            "short?) and no earlier step is left to fall back to")
+    return (f"no checkpoint in {directory} reads back ({why}), and no earlier step is left to fall back to: its "
+            "files are damaged (a full disk, a copy cut short), or the config no longer matches the run's")

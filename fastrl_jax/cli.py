@@ -280,7 +280,7 @@ def _eval_policy_config(args: argparse.Namespace, defaults: list[str]):
 
 def _eval_settings(args: argparse.Namespace, cfg) -> tuple[int, float, int, int]:
     """(prompts, samples, temperature, max_new_tokens): the flags, or the config's rl.eval_* settings."""
-    from fastrl_jax.rl.evaluate import MAX_SAMPLES
+    from fastrl_jax.rl.evaluate import MAX_COMPLETIONS, MAX_SAMPLES
     from fastrl_jax.rollout.requests import draft_margin, sampling_problem
 
     rl = cfg.rl
@@ -291,6 +291,9 @@ def _eval_settings(args: argparse.Namespace, cfg) -> tuple[int, float, int, int]
     if not 1 <= samples <= MAX_SAMPLES:
         raise ConfigError(f"--samples must be in 1 .. {MAX_SAMPLES} (completions per prompt; pass@k needs k <= samples), "
                           f"got {samples}")
+    if prompts * samples > MAX_COMPLETIONS:
+        raise ConfigError(f"--num-prompts {prompts} x --samples {samples} is {prompts * samples:,} completions; "
+                          f"one evaluation takes at most {MAX_COMPLETIONS:,}")
     temperature = args.temperature
     if temperature is None:  # greedy for one sample; several samples need a temperature: eval's, else training's
         temperature = rl.eval_temperature if samples == 1 or rl.eval_temperature > 0 else rl.temperature
@@ -530,6 +533,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"fastrl-jax {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full disk, a permission: the system's own words, without a traceback
+        print(f"fastrl-jax {args.command}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

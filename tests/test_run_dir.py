@@ -175,3 +175,16 @@ def test_eval_and_export_need_a_run_or_a_model(tmp_path):
         assert res.returncode == 2 and f"--run {tmp_path} has no config.yaml" in res.stderr
     res = cli("eval", "--step", "3", "--model", "smollm2")
     assert res.returncode == 2 and "--step picks a checkpoint of --run" in res.stderr
+
+
+def test_train_refuses_an_out_dir_that_is_a_file_and_eval_a_run_that_is_not_grpo(run, tmp_path):
+    (tmp_path / "taken").write_text("mine")
+    res = cli("train", "--config", str(run[0] / "config.yaml"), f"rl.out_dir={tmp_path / 'taken'}")
+    assert res.returncode == 2 and "is a file; set rl.out_dir to a directory" in res.stderr and "loaded" not in res.stderr
+    drafter_run = tmp_path / "warmup"
+    (drafter_run / "checkpoints" / "100" / "params").mkdir(parents=True)  # what train-drafter writes
+    shutil.copy(run[0] / "config.yaml", drafter_run / "config.yaml")
+    res = cli("eval", "--run", str(drafter_run))
+    assert res.returncode == 2 and "is not a GRPO run: its checkpoints hold no policy" in res.stderr
+    res = cli("eval", "--run", str(run[0]), "--num-prompts", "100000", "--samples", "11")
+    assert res.returncode == 2 and "1,100,000 completions; one evaluation takes at most 1,000,000" in res.stderr

@@ -204,7 +204,11 @@ def export_hf(model: Decoder, tokenizer, out: str | Path, *, dtype: str, stop_id
         shutil.rmtree(partial, ignore_errors=True)  # a killed export's leftovers
         partial.mkdir()
     np_dtype = EXPORT_DTYPES[dtype]
-    write_weights(tensor_plan(model, np_dtype), partial, np_dtype, max_shard_bytes, on_file)
+    try:
+        write_weights(tensor_plan(model, np_dtype), partial, np_dtype, max_shard_bytes, on_file)
+    except OSError:
+        shutil.rmtree(partial, ignore_errors=True)  # a full disk: leave nothing that looks like a model
+        raise
     if writer:
         config = hf_config(model.cfg, dtype, base_config)
         (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")

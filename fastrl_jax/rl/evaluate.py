@@ -28,6 +28,7 @@ from fastrl_jax.rollout.engine import Completion, Request
 
 EVAL_SEED_OFFSET = 1_000_003  # the held-out math stream is a different seed from the training stream
 MAX_SAMPLES = 1024  # samples per prompt; pass@k estimates need n >= k (the Codex paper used n = 200)
+MAX_COMPLETIONS = 1_000_000  # per evaluation: beyond it the records alone take minutes to build
 
 
 def held_out_records(cfg: Config, count: int, source: str | None = None) -> list[dict[str, Any]]:

@@ -8,6 +8,7 @@ metrics.jsonl and tensorboard/. The tokenizer and the model config come from the
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -41,6 +42,10 @@ def prepare_run_dir(cfg: Config, *, resume: bool, overwrite: bool = False) -> No
     out = Path(cfg.rl.out_dir).expanduser()
     if resume and overwrite:
         raise ConfigError("--resume continues the run in rl.out_dir and --overwrite moves it aside: give one of them")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"rl.out_dir {out} is a file; set rl.out_dir to a directory")
+    if not os.access(_existing_ancestor(out), os.W_OK):
+        raise ConfigError(f"rl.out_dir {out} is not writable (by this user, in {_existing_ancestor(out)})")
     found = run_contents(out)
     if resume and not checkpoint_steps(out):
         raise FileNotFoundError(f"--resume: no checkpoint in {out / 'checkpoints'} (rl.out_dir={cfg.rl.out_dir}); "
@@ -58,6 +63,13 @@ def prepare_run_dir(cfg: Config, *, resume: bool, overwrite: bool = False) -> No
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices("fastrl-jax run directory checked")
+
+
+def _existing_ancestor(path: Path) -> Path:
+    """`path` or its nearest existing parent: where creating it would start."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
 
 
 def _free_name(path: Path) -> Path:
@@ -84,6 +96,9 @@ def check_run(run_dir: str | Path, step: int | None = None, overrides: Sequence[
     steps = checkpoint_steps(run_dir)
     if not steps:
         raise FileNotFoundError(f"--run {run_dir} has no checkpoint yet (checkpoints/ is empty or missing)")
+    if not (Path(run_dir).expanduser() / "checkpoints" / str(steps[-1]) / "policy").is_dir():
+        raise ValueError(f"--run {run_dir} is not a GRPO run: its checkpoints hold no policy (a train-drafter "
+                         "directory? its drafter/ goes to --drafter)")
     if step is not None and step not in steps:
         raise FileNotFoundError(f"--step {step}: no such checkpoint in {Path(run_dir) / 'checkpoints'}; "
                                 f"its steps: {', '.join(map(str, steps))}")

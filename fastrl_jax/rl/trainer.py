@@ -365,7 +365,9 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, stream=
     over an earlier one unless `overwrite` moves it aside), loads the policy and tokenizer named by
     cfg.model, then runs GRPO to cfg.rl.steps."""
     run_dir.prepare_run_dir(cfg, resume=resume, overwrite=overwrite)
-    if cfg.sd.mode != "off" and cfg.rl.drafter_path:
+    if cfg.rl.drafter_path and cfg.sd.mode == "off":
+        log.warning("rl.drafter_path is set but sd.mode is off: the drafter is not used (set sd.mode=adaptive)")
+    elif cfg.rl.drafter_path:
         drafter_dir(cfg.rl.drafter_path)  # before the model loads
     policy = load_policy(cfg.model, make_mesh(cfg.mesh))
     trainer = Trainer(cfg, policy.model, policy.tokenizer, resume=resume, stream=stream)
