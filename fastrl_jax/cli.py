@@ -18,10 +18,15 @@ def _config(args: argparse.Namespace, defaults: Sequence[str] = ()):
     """A sub-command's config (--config, --model, train's KEY=VALUE overrides and --set, over
     `defaults`), with the compilation cache it names (rollout.compile_cache_dir) turned on."""
     from fastrl_jax.config import load_config
-    from fastrl_jax.rollout.pool import enable_persistent_cache
 
     model = [f"model.path={args.model}"] if getattr(args, "model", None) else []
-    cfg = load_config(args.config, [*defaults, *model, *getattr(args, "overrides", []), *args.set])
+    return _with_cache(load_config(args.config, [*defaults, *model, *getattr(args, "overrides", []), *args.set]))
+
+
+def _with_cache(cfg):
+    """`cfg`, with the compilation cache it names (rollout.compile_cache_dir) turned on."""
+    from fastrl_jax.rollout.pool import enable_persistent_cache
+
     if cfg.rollout.compile_cache_dir:
         enable_persistent_cache(cfg.rollout.compile_cache_dir)
     return cfg
@@ -272,7 +277,7 @@ def _eval_policy_config(args: argparse.Namespace, defaults: list[str]):
     if args.sd == "off" and args.drafter:
         raise ConfigError("--drafter applies only to speculative decoding: add --sd on or --sd adaptive (or drop it)")
     if args.run:
-        cfg = check_run(args.run, args.step, [*defaults, *args.set])
+        cfg = _with_cache(check_run(args.run, args.step, [*defaults, *args.set]))
         return cfg, base_model_path(cfg, args.run)
     cfg = _config(args, defaults)
     return cfg, resolve_model_path(cfg.model.path)
@@ -380,6 +385,9 @@ def cmd_bench_sd(args: argparse.Namespace) -> None:
         raise ConfigError(f"bench-sd prompt sets need distinct names (a file's is its stem), got {names}")
     cfg = _config(args, ["rollout.warm_up=false"])
     drafter_dir(args.drafter)
+    check_output_file(args.out, "--out")
+    if args.plot:
+        check_output_file(args.plot, "--plot")
     policy = _policy(cfg)
     drafter = make_drafter(cfg, policy.cfg, args.drafter)
     strategies = [tuple(int(x) for x in s.split("/")) for s in args.strategies]

@@ -77,3 +77,11 @@ def test_train_drafter_restart_over_checkpoints_is_refused_before_loading(tmp_pa
                      "--set", f"drafter_train.out_dir={tmp_path / 'warmup'}")
     assert res.returncode == 2 and "already holds checkpoints (up to step 100): resume (drop --restart)" in res.stderr
     assert "loaded" not in res.stderr and "Traceback" not in res.stderr
+
+
+def test_bench_sd_output_paths_are_checked_before_the_benchmark(tmp_path):
+    save_drafter(tmp_path / "run" / "drafter", Drafter(TINY, nnx.Rngs(0)))
+    res = fastrl_jax("bench-sd", "--model", str(tiny_model_dir(tmp_path)), "--drafter", str(tmp_path / "run"),
+                     "--out", str(tmp_path / "missing" / "bench.json"))
+    assert res.returncode == 2 and f"directory {tmp_path / 'missing'} does not exist" in res.stderr
+    assert "loaded" not in res.stderr and "Traceback" not in res.stderr
