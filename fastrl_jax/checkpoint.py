@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import logging
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+
+log = logging.getLogger(__name__)
+
+
+class UnreadableCheckpoint(ValueError):
+    """A checkpoint step (or every step) could not be read back; the message names the steps, why, and the fix."""
+
+
+def checkpoint_steps(run_dir: str | Path) -> list[int]:
+    """The complete checkpoint steps in RUN_DIR/checkpoints, without opening Orbax (a step's directory
+    is renamed to its number only when complete)."""
+    ckpt = Path(run_dir).expanduser() / "checkpoints"
+    return sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit() and p.is_dir()) if ckpt.is_dir() else []
 
 
 class RunCheckpointer:
@@ -20,15 +35,20 @@ class RunCheckpointer:
     disk mid-save leaves the previous checkpoint as the latest valid one.
     """
 
-    def __init__(self, directory: str | Path, keep: int = 3, async_save: bool = True):
+    def __init__(self, directory: str | Path, keep: int | None = 3, async_save: bool = True, read_only: bool = False):
+        """keep: steps kept (None: all); read_only: for reading a run's checkpoints (nothing is created or deleted)."""
         self.directory = Path(directory).expanduser().resolve()
         self._manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save),
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
+                                                 read_only=read_only, create=not read_only),
         )
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
 
     def save(self, step: int, arrays: dict[str, Any], meta: dict[str, Any] | None = None) -> None:
         """Starts saving `arrays` (name -> pytree of arrays) and `meta` (name -> JSON-able dict)
@@ -40,17 +60,56 @@ class RunCheckpointer:
     def restore(
         self, step: int | None, arrays: dict[str, Any], meta: Sequence[str] = ()
     ) -> tuple[int, dict[str, Any], dict[str, Any]]:
-        """Restores `step` (None: the latest). `arrays` maps names to abstract targets
-        (pytrees of jax.ShapeDtypeStruct with shardings, or concrete arrays to mirror).
-        Returns (step, arrays, meta)."""
-        step = self.latest_step() if step is None else step
-        if step is None:
+        """Restores `step`, or with None the latest step that reads back (newer unreadable ones are
+        skipped with a warning that names them). `arrays` maps names to abstract targets (pytrees of
+        jax.ShapeDtypeStruct with shardings, or concrete arrays to mirror). Returns (step, arrays, meta).
+
+        Raises FileNotFoundError when there is no checkpoint, UnreadableCheckpoint when the step (or
+        every step) fails to read."""
+        steps = self.all_steps()
+        if not steps:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        if step is not None and step not in steps:
+            raise FileNotFoundError(f"no checkpoint step {step} in {self.directory}; its steps: {_listed(steps)}")
+        failures: list[tuple[int, str]] = []
+        for candidate in [step] if step is not None else steps[::-1]:
+            try:
+                restored = self._restore(candidate, arrays, meta)
+            except Exception as e:  # noqa: BLE001 - Orbax/TensorStore raise bare Exceptions for damaged files
+                failures.append((candidate, _first_line(e)))
+                continue
+            for bad, why in failures:
+                log.warning("checkpoint step %d in %s is unreadable (%s); using step %d", bad, self.directory, why, candidate)
+            return candidate, *restored
+        raise UnreadableCheckpoint(_unreadable_message(self.directory, failures, steps, step is not None))
+
+    def _restore(self, step: int, arrays: dict[str, Any], meta: Sequence[str]) -> tuple[dict, dict]:
         targets = {name: jax.tree.map(_abstract, tree) for name, tree in arrays.items()}
         items = {name: ocp.args.StandardRestore(tree) for name, tree in targets.items()}
         items |= {name: ocp.args.JsonRestore() for name in meta}
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
-        return step, {n: restored[n] for n in arrays}, {n: restored[n] for n in meta}
+        return {n: restored[n] for n in arrays}, {n: restored[n] for n in meta}
+
+    def set_aside(self, steps: Sequence[int]) -> Path | None:
+        """Moves the given step directories (unreadable ones) out of the way, into DIR.unreadable/, so
+        later saves of those step numbers are written afresh; returns where they went. Every process
+        calls it (process 0 moves, all re-read the step list)."""
+        if not steps:
+            return None
+        where = self.directory.parent / f"{self.directory.name}.unreadable"
+        if jax.process_index() == 0:
+            where.mkdir(exist_ok=True)
+            for step in steps:
+                target = where / str(step)
+                if target.exists():
+                    shutil.rmtree(target)
+                (self.directory / str(step)).rename(target)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("fastrl-jax checkpoint steps set aside")
+        self._manager.reload()
+        return where
 
     def wait(self) -> None:
         """Blocks until the last save is on disk."""
@@ -71,3 +130,25 @@ def _abstract(x):
     if isinstance(x, jax.ShapeDtypeStruct):
         return x
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+
+def _first_line(e: BaseException) -> str:
+    """The root cause's type and first line: TensorStore's own error names the damaged file."""
+    while e.__cause__ is not None or e.__context__ is not None:
+        e = e.__cause__ or e.__context__
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200] if text else ''}"
+
+
+def _listed(steps: Sequence[int]) -> str:
+    return ", ".join(map(str, steps)) or "none"
+
+
+def _unreadable_message(directory: Path, failures: list[tuple[int, str]], steps: list[int], explicit: bool) -> str:
+    why = "; ".join(f"step {s}: {reason}" for s, reason in failures)
+    if explicit:
+        others = [s for s in steps if s != failures[0][0]]
+        return (f"checkpoint step {failures[0][0]} in {directory} is unreadable ({why}); "
+                f"other steps: {_listed(others)}")
+    return (f"no checkpoint in {directory} reads back ({why}), and no earlier step is left to fall back to: its "
+            "files are damaged (a full disk, a copy cut short), or the config no longer matches the run's")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -17,22 +18,28 @@ def _config(args: argparse.Namespace, defaults: Sequence[str] = ()):
     """A sub-command's config (--config, --model, train's KEY=VALUE overrides and --set, over
     `defaults`), with the compilation cache it names (rollout.compile_cache_dir) turned on."""
     from fastrl_jax.config import load_config
-    from fastrl_jax.rollout.pool import enable_persistent_cache
 
     model = [f"model.path={args.model}"] if getattr(args, "model", None) else []
-    cfg = load_config(args.config, [*defaults, *model, *getattr(args, "overrides", []), *args.set])
+    return _with_cache(load_config(args.config, [*defaults, *model, *getattr(args, "overrides", []), *args.set]))
+
+
+def _with_cache(cfg):
+    """`cfg`, with the compilation cache it names (rollout.compile_cache_dir) turned on."""
+    from fastrl_jax.rollout.pool import enable_persistent_cache
+
     if cfg.rollout.compile_cache_dir:
         enable_persistent_cache(cfg.rollout.compile_cache_dir)
     return cfg
 
 
-def _policy(cfg):
+def _policy(cfg, tokenizer=None):
     """The policy in the engines' dtype (model.rollout_dtype, else model.dtype): every command but
-    `train` uses it for inference (train-drafter reads its features, never updates it)."""
+    `train` uses it for inference (train-drafter reads its features, never updates it). tokenizer: one
+    a command already loaded to check its prompts."""
     from fastrl_jax.models.loading import load_policy
     from fastrl_jax.sharding import make_mesh
 
-    return load_policy(cfg.model, make_mesh(cfg.mesh), cfg.model.engine_dtype)
+    return load_policy(cfg.model, make_mesh(cfg.mesh), cfg.model.engine_dtype, tokenizer)
 
 
 def _read_prompts(args, tokenizer) -> list[list[int]]:
@@ -47,48 +54,116 @@ def _read_prompts(args, tokenizer) -> list[list[int]]:
     return read_prompt_file(args.prompts, encode)
 
 
-def cmd_generate(args: argparse.Namespace) -> None:
-    from fastrl_jax.models.drafter_io import make_drafter
-    from fastrl_jax.rollout.engine import Request, RolloutEngine
+def check_output_file(path: str, flag: str) -> Path:
+    """An output file's path, checked before any work: not a directory, in an existing writable directory."""
+    out = Path(path).expanduser()
+    if out.is_dir():
+        raise ValueError(f"{flag} {out} is a directory; give the path of a file (in it, or elsewhere)")
+    if not out.parent.is_dir():
+        raise FileNotFoundError(f"{flag} {out}: directory {out.parent} does not exist; create it first")
+    if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise ValueError(f"{flag} {out} is not writable")
+    return out
 
-    # A one-off generation compiles only the programs it reaches.
-    tree = [(key, value) for key, value in (("steps", args.spec_steps), ("topk", args.spec_topk),
-                                            ("verify_tokens", args.spec_verify_tokens)) if value is not None]
-    spec = [f"sd.{key}={value!r}" for key, value in [("mode", args.sd), ("accept", args.spec_accept), *tree] if value is not None]
+
+_SPEC_FLAGS = (("spec_steps", "steps"), ("spec_topk", "topk"), ("spec_verify_tokens", "verify_tokens"),
+               ("spec_accept", "accept"), ("spec_strategy", "strategies"))
+_TREE_FLAGS = ("spec_steps", "spec_topk", "spec_verify_tokens")
+
+
+def _generate_config(args: argparse.Namespace):
+    """generate's config: --sd and --spec-* over the config's sd section, programs compiled when reached."""
+    spec_flags = [f"--{name.replace('_', '-')}" for name, _ in _SPEC_FLAGS if getattr(args, name) is not None]
+    if args.sd == "off" and (args.drafter or spec_flags):
+        used = (["--drafter"] if args.drafter else []) + spec_flags
+        raise ConfigError(f"{', '.join(used)} {'applies' if len(used) == 1 else 'apply'} only to speculative decoding: "
+                          "add --sd on or --sd adaptive (or drop it)")
+    spec = [f"sd.mode={args.sd!r}"] + [f"sd.{key}={getattr(args, name)!r}" for name, key in _SPEC_FLAGS
+                                       if getattr(args, name) is not None and name != "spec_strategy"]
     if args.spec_strategy:
         spec.append(f"sd.strategies=[{args.spec_strategy!r}]")
-    elif tree:  # the tree flags name the strategy: the config's list must not take precedence
-        spec.append("sd.strategies=[]")
-    cfg = _config(args, ["rollout.warm_up=false", *spec])
-    policy = _policy(cfg)
-    prompts = _read_prompts(args, policy.tokenizer)
-    requests = [
-        Request(p, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed + i, policy.stop_ids)
-        for i, p in enumerate(prompts)
-    ]
+    elif any(getattr(args, name) is not None for name in _TREE_FLAGS):
+        spec.append("sd.strategies=[]")  # the tree flags name the strategy: the config's list must not win
+    return _config(args, ["rollout.warm_up=false", *spec])
+
+
+def _checked_requests(args: argparse.Namespace, cfg, path: Path):
+    """(tokenizer, prompts, requests, problems): every request built and checked before the model loads;
+    all invalid is an error here, some invalid a warning (they fail alone, the command exits 1)."""
+    from fastrl_jax.models.loading import read_model_config
+    from fastrl_jax.models.tokenizer import load_tokenizer, stop_ids
+    from fastrl_jax.rollout.engine import Request
+    from fastrl_jax.rollout.requests import draft_margin, request_problem
+
+    tokenizer, model_cfg = load_tokenizer(path), read_model_config(path)
+    prompts = _read_prompts(args, tokenizer)
+    stops = stop_ids(model_cfg, tokenizer)
+    requests = [Request(p, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed + i, stops)
+                for i, p in enumerate(prompts)]
+    margin = draft_margin(cfg.sd)
+    problems = [request_problem(r, cfg.rollout, margin, model_cfg.vocab_size) for r in requests]
+    bad = [(i, why) for i, why in enumerate(problems) if why]
+    listed = "; ".join(f"request {i}: {why}" for i, why in bad[:3]) + ("; ..." if len(bad) > 3 else "")
+    if bad and len(bad) == len(requests):
+        raise ConfigError(f"no request can run ({listed})")
+    if bad:
+        print(f"[fastrl-jax] {len(bad)} of {len(requests)} requests cannot run ({listed}); the other "
+              f"{len(requests) - len(bad)} run, and the command exits 1", file=sys.stderr)
+    return tokenizer, prompts, requests, problems
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from fastrl_jax.models.drafter_io import drafter_dir, make_drafter
+    from fastrl_jax.models.hub import resolve_model_path
+    from fastrl_jax.rollout.engine import RolloutEngine
+    from fastrl_jax.rollout.requests import draft_margin, sampling_problem
+
+    output = check_output_file(args.output, "--output") if args.output else None
+    cfg = _generate_config(args)
+    problem = sampling_problem(args.max_new_tokens, args.temperature, args.top_k, args.top_p, cfg.rollout,
+                               draft_margin(cfg.sd))
+    if problem:
+        raise ConfigError(f"bad sampling settings: {problem}")
+    if args.drafter:
+        drafter_dir(args.drafter)
+    tokenizer, prompts, requests, _ = _checked_requests(args, cfg, resolve_model_path(cfg.model.path))
+    policy = _policy(cfg, tokenizer)
     drafter = make_drafter(cfg, policy.cfg, args.drafter, cfg.model.engine_dtype) if cfg.sd.uses_drafter() else None
     engine = RolloutEngine(policy.model, cfg.rollout, sd=cfg.sd, drafter=drafter)
     t0 = time.perf_counter()
     results = engine.generate(requests)
     seconds = time.perf_counter() - t0
-    rows = []
-    for p, r in zip(prompts, results):
-        ids = r.tokens[:-1] if r.finish_reason == "stop" else r.tokens
-        row = {"prompt_ids": p, "completion_ids": ids, "completion": policy.tokenizer.decode(ids), "finish_reason": r.finish_reason}
-        if r.error:
-            row["error"] = r.error
-            print(f"[fastrl-jax] request {len(rows)}: {r.error}", file=sys.stderr)
-        rows.append(row)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.writelines(json.dumps(row) + "\n" for row in rows)
+    rows = [_completion_row(p, r, tokenizer) for p, r in zip(prompts, results)]
+    failed = [i for i, row in enumerate(rows) if "error" in row]
+    for i in failed:
+        print(f"[fastrl-jax] request {i}: {rows[i]['error']}", file=sys.stderr)
+    if output:
+        output.write_text("".join(json.dumps(row) + "\n" for row in rows))
     else:
         for row in rows:
             print(row["completion"])
     tokens = sum(len(r.tokens) for r in results)
-    print(f"[fastrl-jax] {len(rows)} completions, {tokens} tokens in {seconds:.1f}s "
+    print(f"[fastrl-jax] {len(rows) - len(failed)} completions, {tokens} tokens in {seconds:.1f}s "
           f"({tokens / seconds:.1f} tok/s, compilation included; {engine.pool.report()})", file=sys.stderr)
-    st = engine.stats
+    _report_speculation(engine.stats)
+    if failed:
+        where = f"rows with an \"error\" in {output}" if output else "the errors above"
+        print(f"[fastrl-jax] {len(failed)} of {len(rows)} requests failed (requests {failed[:10]}); see {where}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _completion_row(prompt: list[int], r, tokenizer) -> dict:
+    ids = r.tokens[:-1] if r.finish_reason == "stop" else r.tokens
+    row = {"prompt_ids": prompt, "completion_ids": ids, "completion": tokenizer.decode(ids),
+           "finish_reason": r.finish_reason}
+    if r.error:
+        row["error"] = r.error
+    return row
+
+
+def _report_speculation(st) -> None:
     if st.sd_steps:
         by_strategy = ", ".join(f"{k} {v:.2f}" for k, v in st.acceptance_by_strategy().items())
         print(f"[fastrl-jax] speculative: {st.sd_steps} row-steps, acceptance length "
@@ -113,17 +188,18 @@ def cmd_train(args: argparse.Namespace) -> None:
     from fastrl_jax.rl.trainer import train
 
     t0 = time.perf_counter()
-    history = train(cfg, resume=args.resume)
+    history = train(cfg, resume=args.resume, overwrite=args.overwrite)
     print(f"[fastrl-jax] {len(history)} steps in {time.perf_counter() - t0:.1f}s; metrics in "
           f"{Path(cfg.rl.out_dir) / 'metrics.jsonl'}", file=sys.stderr)
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> None:
     from fastrl_jax.config import check_trainable
-    from fastrl_jax.drafter.warmup import train_drafter
+    from fastrl_jax.drafter.warmup import check_restart, train_drafter
 
     cfg = _config(args, ["rollout.warm_up=false"])
     check_trainable(cfg, "train-drafter")
+    check_restart(cfg, resume=not args.restart)
     policy = _policy(cfg)
     summary = train_drafter(cfg, policy.model, policy.tokenizer, resume=not args.restart)
     final = summary.get("final_eval", {})
@@ -134,20 +210,178 @@ def cmd_train_drafter(args: argparse.Namespace) -> None:
 
 def cmd_export_drafter(args: argparse.Namespace) -> None:
     from fastrl_jax.drafter.export import export_eagle
-    from fastrl_jax.models.drafter_io import load_drafter, save_drafter
+    from fastrl_jax.models.drafter_io import drafter_dir, load_drafter, save_drafter
+    from fastrl_jax.models.export import check_export_dir
     from fastrl_jax.models.hub import resolve_model_path
     from fastrl_jax.models.loading import read_model_config
 
+    out = check_export_dir(args.out)
+    source = drafter_dir(args.drafter)
     cfg = _config(args)
     model_cfg = read_model_config(resolve_model_path(cfg.model.path))
-    drafter = load_drafter(args.drafter, model_cfg, cfg.model.dtype)
-    out = Path(args.out).expanduser()
-    if out.exists() and any(out.iterdir()):
-        raise ValueError(f"--out {out} exists and is not empty; choose a new directory")
+    drafter = load_drafter(source, model_cfg, cfg.model.dtype)
     orbax_dir = save_drafter(out / "orbax", drafter)
     eagle_dir = export_eagle(drafter, model_cfg, out / "eagle")
     print(f"[fastrl-jax] wrote {orbax_dir} (Orbax, fastrl-jax generate --drafter) and {eagle_dir} "
           f"(safetensors, SGLang LlamaForCausalLMEagle)", file=sys.stderr)
+
+
+def _export_mesh():
+    """Every visible device along fsdp: any device count works, and no device holds the whole model."""
+    from fastrl_jax.config import MeshConfig
+    from fastrl_jax.sharding import make_mesh
+
+    return make_mesh(MeshConfig(fsdp=-1))
+
+
+def _source_files(path: Path) -> tuple[dict | None, dict | None]:
+    """An HF source checkpoint's config.json and generation_config.json (None for a GGUF file or when absent)."""
+    if not path.is_dir():
+        return None, None
+    read = lambda name: json.loads((path / name).read_text()) if (path / name).is_file() else None  # noqa: E731
+    return read("config.json"), read("generation_config.json")
+
+
+def cmd_export_policy(args: argparse.Namespace) -> None:
+    from fastrl_jax.models.export import check_export_dir, export_hf
+    from fastrl_jax.models.hub import resolve_model_path
+    from fastrl_jax.models.loading import load_policy
+
+    if args.run and (args.model or args.config):
+        raise ConfigError("export-policy takes --run RUN_DIR (a trained run, with its own config) or --model PATH, not both")
+    if not args.run and not args.model:
+        raise ConfigError("export-policy needs --run RUN_DIR (a trained policy) or --model PATH|smollm2 (a base model)")
+    if args.step is not None and not args.run:
+        raise ConfigError("--step picks a checkpoint of --run RUN_DIR; a --model has none")
+    if args.max_shard_mb < 1:
+        raise ConfigError(f"--max-shard-mb must be >= 1, got {args.max_shard_mb}")
+    out = check_export_dir(args.out)
+    if args.run:
+        from fastrl_jax.rl.run_dir import load_run_policy
+
+        policy, step, cfg = load_run_policy(args.run, _export_mesh(), args.step, args.set)
+        source = f"step {step} of run {args.run}"
+    else:
+        cfg = _config(args)
+        resolve_model_path(cfg.model.path)
+        policy = load_policy(cfg.model, _export_mesh())
+        source = str(policy.path)
+    base_config, base_generation = _source_files(policy.path)
+    t0 = time.perf_counter()
+    export_hf(policy.model, policy.tokenizer, out, dtype=args.dtype or cfg.model.dtype, stop_ids=policy.stop_ids,
+              max_shard_bytes=args.max_shard_mb * 10**6, base_config=base_config,
+              base_generation_config=base_generation,
+              on_file=lambda name: print(f"[fastrl-jax] wrote {name}", file=sys.stderr))
+    print(f"[fastrl-jax] exported {source} to {out} in {time.perf_counter() - t0:.1f}s (HF safetensors, "
+          f"{args.dtype or cfg.model.dtype}; transformers.AutoModelForCausalLM.from_pretrained loads it)",
+          file=sys.stderr)
+
+
+def _eval_policy_config(args: argparse.Namespace, defaults: list[str]):
+    """(config, model path) of eval's policy, checked without reading weights: a run's config.yaml and
+    base model (--run), or --config / --model; `defaults`, then --set, over either."""
+    from fastrl_jax.models.hub import resolve_model_path
+    from fastrl_jax.rl.run_dir import base_model_path, check_run
+
+    if args.run and (args.model or args.config):
+        raise ConfigError("eval takes --run RUN_DIR (a trained run, with its own config) or --config / --model, not both")
+    if args.step is not None and not args.run:
+        raise ConfigError("--step picks a checkpoint of --run RUN_DIR; a --model has none")
+    if args.sd == "off" and args.drafter:
+        raise ConfigError("--drafter applies only to speculative decoding: add --sd on or --sd adaptive (or drop it)")
+    if args.run:
+        cfg = _with_cache(check_run(args.run, args.step, [*defaults, *args.set]))
+        return cfg, base_model_path(cfg, args.run)
+    cfg = _config(args, defaults)
+    return cfg, resolve_model_path(cfg.model.path)
+
+
+def _eval_settings(args: argparse.Namespace, cfg) -> tuple[int, float, int, int]:
+    """(prompts, samples, temperature, max_new_tokens): the flags, or the config's rl.eval_* settings."""
+    from fastrl_jax.rl.evaluate import MAX_COMPLETIONS, MAX_SAMPLES
+    from fastrl_jax.rollout.requests import draft_margin, sampling_problem
+
+    rl = cfg.rl
+    prompts = rl.eval_prompts if args.num_prompts is None else args.num_prompts
+    samples = rl.eval_samples if args.samples is None else args.samples
+    if prompts < 1:
+        raise ConfigError(f"--num-prompts must be >= 1, got {prompts}")
+    if not 1 <= samples <= MAX_SAMPLES:
+        raise ConfigError(f"--samples must be in 1 .. {MAX_SAMPLES} (completions per prompt; pass@k needs k <= samples), "
+                          f"got {samples}")
+    if prompts * samples > MAX_COMPLETIONS:
+        raise ConfigError(f"--num-prompts {prompts} x --samples {samples} is {prompts * samples:,} completions; "
+                          f"one evaluation takes at most {MAX_COMPLETIONS:,}")
+    temperature = args.temperature
+    if temperature is None:  # greedy for one sample; several samples need a temperature: eval's, else training's
+        temperature = rl.eval_temperature if samples == 1 or rl.eval_temperature > 0 else rl.temperature
+    if samples > 1 and temperature == 0:
+        raise ConfigError(f"--samples {samples} at temperature 0 gives {samples} identical greedy completions: "
+                          "give --temperature > 0, or --samples 1")
+    max_new = rl.max_new_tokens if args.max_new_tokens is None else args.max_new_tokens
+    problem = sampling_problem(max_new, temperature, rl.top_k, rl.top_p, cfg.rollout, draft_margin(cfg.sd))
+    if problem:
+        raise ConfigError(f"bad sampling settings: {problem}")
+    return prompts, samples, temperature, max_new
+
+
+def _eval_requests(cfg, path: Path, records, samples: int, temperature: float, max_new: int):
+    """(tokenizer, requests) of the records, every prompt checked against the engine's rules."""
+    from fastrl_jax.data.prompts import record_prompt_ids
+    from fastrl_jax.models.loading import read_model_config
+    from fastrl_jax.models.tokenizer import load_tokenizer, stop_ids
+    from fastrl_jax.rl.evaluate import eval_requests
+    from fastrl_jax.rollout.requests import draft_margin, request_problem
+
+    tokenizer, model_cfg = load_tokenizer(path), read_model_config(path)
+    d, rl = cfg.data, cfg.rl
+    prompts = [record_prompt_ids(r, tokenizer, d.instruction, d.chat_template) for r in records]
+    requests = eval_requests(prompts, samples, max_new, temperature, rl.top_k, rl.top_p, cfg.seed,
+                             stop_ids(model_cfg, tokenizer))
+    margin = draft_margin(cfg.sd)
+    bad = [(g, why) for g in range(len(records))
+           if (why := request_problem(requests[g * samples], cfg.rollout, margin, model_cfg.vocab_size))]
+    if bad:
+        listed = "; ".join(f"prompt {g}: {why}" for g, why in bad[:3])
+        raise ConfigError(f"{len(bad)} of {len(records)} evaluation prompts cannot run ({listed})")
+    return tokenizer, requests
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from fastrl_jax.models.drafter_io import drafter_dir, make_drafter
+    from fastrl_jax.rl.evaluate import evaluate, format_table, held_out_records, model_workers
+
+    out = check_output_file(args.out, "--out") if args.out else None
+    defaults = ["rollout.warm_up=false", f"sd.mode={args.sd!r}"]  # programs compile when reached
+    cfg, path = _eval_policy_config(args, defaults)
+    num_prompts, samples, temperature, max_new = _eval_settings(args, cfg)
+    if args.drafter:
+        drafter_dir(args.drafter)
+    source = args.prompts or cfg.data.eval_source
+    records = held_out_records(cfg, num_prompts, source)
+    if len(records) < num_prompts:
+        print(f"[fastrl-jax] {source} holds {len(records)} records; evaluating all of them", file=sys.stderr)
+    tokenizer, requests = _eval_requests(cfg, path, records, samples, temperature, max_new)
+    if args.run:
+        from fastrl_jax.rl.run_dir import load_run_policy
+        from fastrl_jax.sharding import make_mesh
+
+        policy, step, _ = load_run_policy(args.run, make_mesh(cfg.mesh), args.step, [*defaults, *args.set], tokenizer)
+    else:
+        policy, step = _policy(cfg, tokenizer), None
+    drafter = make_drafter(cfg, policy.cfg, args.drafter) if cfg.sd.mode != "off" else None
+    result = evaluate(model_workers(cfg, policy.model, drafter), tokenizer, records, requests, samples)
+    print(format_table(result["results"]))
+    accept = f", acceptance length {result['acceptance_length']:.2f}" if result["acceptance_length"] else ""
+    print(f"[fastrl-jax] {len(requests)} completions ({len(records)} prompts x {samples}, T={temperature:g}), "
+          f"{result['tokens']} tokens in {result['generate_s']:.1f}s ({result['tokens_per_s']:.1f} tok/s, "
+          f"compilation included; sd {cfg.sd.mode}{accept})", file=sys.stderr)
+    if out:
+        settings = {"run": args.run, "step": step, "model": cfg.model.path, "prompts": source, "num_prompts": len(records),
+                    "samples": samples, "temperature": temperature, "top_k": cfg.rl.top_k, "top_p": cfg.rl.top_p,
+                    "max_new_tokens": max_new, "seed": cfg.seed, "sd": cfg.sd.mode}
+        out.write_text(json.dumps(settings | result, indent=1) + "\n")
+        print(f"[fastrl-jax] wrote {out}", file=sys.stderr)
 
 
 def cmd_bench_sd(args: argparse.Namespace) -> None:
@@ -156,7 +390,8 @@ def cmd_bench_sd(args: argparse.Namespace) -> None:
     from fastrl_jax.config import StrategySpec
     from fastrl_jax.data.prompts import held_out_sets, read_jsonl_prompts
     from fastrl_jax.drafter import bench
-    from fastrl_jax.models.drafter_io import make_drafter
+    from fastrl_jax.machine import format_machine, machine_facts
+    from fastrl_jax.models.drafter_io import drafter_dir, make_drafter
 
     names = [*args.prompt_sets, *(Path(p).stem for p in args.prompt_file)]  # a prompt file's set: its stem
     if not names:
@@ -167,6 +402,11 @@ def cmd_bench_sd(args: argparse.Namespace) -> None:
     if any(s.parts()[0] for s in strategies) and not args.drafter:
         raise ConfigError("bench-sd: EAGLE strategies (S/K/V) need --drafter DIR; history ones (hD) do not")
     cfg = _config(args, ["rollout.warm_up=false"])
+    if args.drafter:
+        drafter_dir(args.drafter)
+    check_output_file(args.out, "--out")
+    if args.plot:
+        check_output_file(args.plot, "--plot")
     policy = _policy(cfg)
     drafter = make_drafter(cfg, policy.cfg, args.drafter, cfg.model.engine_dtype) if args.drafter else None
     held_out = held_out_sets(cfg, policy.tokenizer, args.prompts) if args.prompt_sets else {}
@@ -174,7 +414,9 @@ def cmd_bench_sd(args: argparse.Namespace) -> None:
     for path in args.prompt_file:
         prompt_sets[Path(path).stem] = read_jsonl_prompts(path, policy.tokenizer)[: args.prompts]
     result = {"model": cfg.model.path, "dtype": cfg.model.engine_dtype, "drafter": str(args.drafter),
-              "new_tokens": args.new_tokens, "repeats": args.repeats, "backend": jax.default_backend()}
+              "new_tokens": args.new_tokens, "repeats": args.repeats, "backend": jax.default_backend(),
+              "machine": machine_facts()}
+    print(f"[bench-sd] machine: {format_machine(result['machine'])}", file=sys.stderr)
     if args.profile:
         if drafter is None:
             raise ConfigError("bench-sd --profile times an EAGLE step's phases: give --drafter DIR")
@@ -203,6 +445,38 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML config (configs/*.yaml); defaults apply without it")
     parser.add_argument("--model", help="HF checkpoint dir, .gguf file, or 'smollm2' (overrides model.path)")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides, e.g. mesh.tensor=2")
+
+
+def _add_export_policy(sub) -> None:
+    ep = sub.add_parser("export-policy", help="write a trained (or base) policy as an HF checkpoint directory")
+    ep.add_argument("--run", help="GRPO run directory (rl.out_dir): exports its latest readable checkpoint")
+    ep.add_argument("--step", type=int, help="with --run: the checkpoint step to export")
+    _common(ep)
+    ep.add_argument("--out", required=True, help="new directory: config.json, safetensors, tokenizer files")
+    ep.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                    help="weights' dtype in the export (default: the policy's, model.dtype)")
+    ep.add_argument("--max-shard-mb", type=int, default=5000,
+                    help="safetensors files of at most this size (MB), with model.safetensors.index.json when several")
+    ep.set_defaults(func=cmd_export_policy)
+
+
+def _add_eval(sub) -> None:
+    ev = sub.add_parser("eval", help="pass@1 / pass@k and response lengths of a trained run or a model on held-out prompts")
+    ev.add_argument("--run", help="GRPO run directory (rl.out_dir): its latest readable checkpoint, with its config")
+    ev.add_argument("--step", type=int, help="with --run: the checkpoint step to evaluate")
+    _common(ev)
+    ev.add_argument("--prompts", help="'math' (held-out built-in problems, per level) or a .jsonl / .parquet file of "
+                                      "records with an answer (default: data.eval_source)")
+    ev.add_argument("--num-prompts", type=int, help="held-out prompts (default: rl.eval_prompts)")
+    ev.add_argument("--samples", type=int, help="completions per prompt, n of pass@k (default: rl.eval_samples)")
+    ev.add_argument("--temperature", type=float,
+                    help="default: rl.eval_temperature (0, greedy) for one sample, else rl.temperature")
+    ev.add_argument("--max-new-tokens", type=int, help="default: rl.max_new_tokens")
+    ev.add_argument("--sd", choices=["off", "on", "adaptive"], default="off",
+                    help="speculative decoding (the same completions, sooner with a trained drafter)")
+    ev.add_argument("--drafter", help="drafter checkpoint directory for --sd; a random drafter when omitted")
+    ev.add_argument("--out", help="JSON file: settings, results per subset, every completion")
+    ev.set_defaults(func=cmd_eval)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -235,6 +509,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. rl.steps=10")
     train.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more config overrides")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in rl.out_dir")
+    train.add_argument("--overwrite", action="store_true",
+                       help="rl.out_dir holds an earlier run: move it aside (renamed with a timestamp) and start afresh")
     train.add_argument("--dry-run", action="store_true",
                        help="build the abstract model, mesh and shardings; print memory per device and the program plan")
     train.add_argument("--devices", type=int, help="--dry-run: devices to plan for (default: the mesh sizes' product)")
@@ -254,6 +530,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--drafter", required=True, help="train-drafter out_dir, or a drafter checkpoint directory")
     ex.add_argument("--out", required=True, help="new directory: OUT/orbax and OUT/eagle are written")
     ex.set_defaults(func=cmd_export_drafter)
+    _add_export_policy(sub)
+    _add_eval(sub)
     bs = sub.add_parser("bench-sd", help="plain vs speculative decoding tokens/s per batch size, strategy, temperature")
     _common(bs)
     bs.add_argument("--drafter", help="train-drafter out_dir, or a drafter checkpoint directory (EAGLE strategies)")
@@ -283,11 +561,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="[%(name)s] %(message)s")
     args = build_parser().parse_args(argv)
     try:
-        args.func(args)
+        return args.func(args) or 0  # a command returns 1 when part of its work failed (and says so)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"fastrl-jax {args.command}: error: {e}", file=sys.stderr)
         return 2
-    return 0
+    except OSError as e:  # a full disk, a permission: the system's own words, without a traceback
+        print(f"fastrl-jax {args.command}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -312,8 +312,11 @@ def longtail_summary(args, runs, k: int, drafter_name: str) -> dict:
 
 
 def print_longtail(summary: dict, runs: list[dict]) -> None:
+    from fastrl_jax.machine import format_machine
+
     k = summary["threshold_live_batch"]
     n = len(runs[0]["outputs"])
+    print(f"machine: {format_machine(summary['machine'])}")
     print(f"\n{summary['workload']}; drafter {summary['drafter']}; response tokens p50 {summary['response_tokens']['p50']:.0f}"
           f" p90 {summary['response_tokens']['p90']:.0f} max {summary['response_tokens']['max']}; median of {summary['repeats']}")
     print(f"{'run':>16} {'seconds':>8} {'tok/s':>7} {'speedup':>8} {'s@<=' + str(k):>7} {'x@<=' + str(k):>7}"
@@ -364,7 +367,7 @@ def main(argv=None) -> int:
 
     from fastrl_jax.config import load_config
     from fastrl_jax.data.prompts import chat_prompt_ids
-    from fastrl_jax.machine import machine_facts
+    from fastrl_jax.machine import format_machine, machine_facts
 
     cfg = load_config(args.config, args.set)
     policy = load_smollm2(cfg)
@@ -373,7 +376,8 @@ def main(argv=None) -> int:
     prompt_ids = [chat_prompt_ids(tokenizer, q) for q in make_prompts(64)]
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
     facts = machine_facts()
-    bandwidth = facts["copy_bandwidth_gbs"]
+    print(f"machine: {format_machine(facts)}", file=sys.stderr)
+    bandwidth = facts["copy_gbs"]
     floor = bandwidth * 1e9 / weight_bytes
 
     print(f"SmolLM2-135M {dtype} ({weight_bytes / 1e6:.0f} MB), {args.new_tokens} new tokens, greedy", file=sys.stderr)

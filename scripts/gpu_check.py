@@ -59,7 +59,7 @@ class Sizes:
     new_tokens: int
     profile_shapes: tuple[str, ...]
     profile_batches: tuple[int, ...]
-    strategies: tuple[tuple[int, int, int], ...]
+    strategies: tuple[str, ...]  # draft strategies in config notation (S/K/V)
     draft_vocab: int
     prompts: int  # greedy_vs_hf and sd_lossless prompts (one batch)
     check_tokens: int
@@ -73,7 +73,7 @@ class Sizes:
 
 FULL = Sizes(
     shapes=("model", "qwen2.5-1.5b", "qwen2.5-7b"), decode_batches=(1, 16, 64), new_tokens=128,
-    profile_shapes=("model", "qwen2.5-1.5b"), profile_batches=(1, 4, 16), strategies=((3, 1, 4), (6, 4, 16), (8, 4, 48)),
+    profile_shapes=("model", "qwen2.5-1.5b"), profile_batches=(1, 4, 16), strategies=("3/1/4", "6/4/16", "8/4/48"),
     draft_vocab=4096, prompts=16, check_tokens=64,
     drafter_overrides=("drafter_train.num_prompts=512", "drafter_train.max_new_tokens=128", "drafter_train.steps=400",
                        "drafter_train.batch_rows=8", "drafter_train.seq_len_tokens=256", "drafter_train.eval_prompts=0",
@@ -84,7 +84,7 @@ FULL = Sizes(
 )
 REDUCED = Sizes(
     shapes=("model",), decode_batches=(1, 4), new_tokens=8, profile_shapes=("model",), profile_batches=(1,),
-    strategies=((3, 1, 4),), draft_vocab=64, prompts=4, check_tokens=8,
+    strategies=("3/1/4",), draft_vocab=64, prompts=4, check_tokens=8,
     drafter_overrides=("drafter_train.num_prompts=4", "drafter_train.max_new_tokens=8", "drafter_train.steps=2",
                        "drafter_train.batch_rows=2", "drafter_train.seq_len_tokens=16", "drafter_train.eval_prompts=0",
                        "drafter_train.checkpoint_every_steps=2", "drafter_train.draft_vocab_size=32",
@@ -246,6 +246,7 @@ def sd_lossless(ctx: Ctx) -> dict:
     """bench.run_bench's same-token check: plain vs SD with a random drafter, per dtype and temperature."""
     from flax import nnx
 
+    from fastrl_jax.config import StrategySpec
     from fastrl_jax.drafter import bench
     from fastrl_jax.models.decoder import DTYPES, cast_floating
     from fastrl_jax.models.drafter import Drafter
@@ -258,7 +259,7 @@ def sd_lossless(ctx: Ctx) -> dict:
         drafter = Drafter(policy.cfg, nnx.Rngs(0), DTYPES[dtype])
         for row in bench.run_bench(
                 model, drafter, prompts, policy.stop_ids, base_cfg=ctx.config().rollout,
-                batch_sizes=[len(prompts["facts"])], strategies=[ctx.sizes.strategies[-1]], temperatures=[0.0, 0.7],
+                batch_sizes=[len(prompts["facts"])], strategies=[StrategySpec(ctx.sizes.strategies[-1])], temperatures=[0.0, 0.7],
                 vocabs=["full"], new_tokens=ctx.sizes.check_tokens, repeats=1, log=lambda line: None):
             rows.append({"dtype": dtype, **row})
     return {"summary": ", ".join(f"{r['dtype']} T={r['temperature']:g} {r['same_tokens']}/{r['requests']}" for r in rows),
@@ -354,6 +355,7 @@ def sd_step_profile(ctx: Ctx) -> dict:
     import numpy as np
     from flax import nnx
 
+    from fastrl_jax.config import StrategySpec
     from fastrl_jax.drafter import bench
     from fastrl_jax.models.decoder import DTYPES
     from fastrl_jax.models.drafter import Drafter
@@ -366,11 +368,11 @@ def sd_step_profile(ctx: Ctx) -> dict:
         for batch in sizes.profile_batches:
             for strategy in sizes.strategies:
                 if ctx.left() < 15:
-                    rows.append({"model": shape, "batch": batch, "strategy": "/".join(map(str, strategy)), "skipped": "budget"})
+                    rows.append({"model": shape, "batch": batch, "strategy": strategy, "skipped": "budget"})
                     continue
-                ms = bench.profile_step(model, drafter, strategy, batch=batch, repeats=5)
+                ms = bench.profile_step(model, drafter, StrategySpec(strategy), batch=batch, repeats=5)
                 rows.append({"model": ctx.label(shape), "dtype": ctx.dtype, "batch": batch,
-                             "strategy": "/".join(map(str, strategy)),
+                             "strategy": strategy,
                              "draft_vocab": len(vocab), **ms, "sd_over_plain": ms["sd_step"] / ms["plain_decode_step"]})
     done = [r for r in rows if "sd_over_plain" in r]
     return {"summary": ", ".join(f"{r['model']} {r['strategy']} bs{r['batch']} {r['sd_over_plain']:.2f}x" for r in done[:6]),
@@ -381,7 +383,7 @@ def trained_drafter(ctx: Ctx) -> dict:
     """`train-drafter` (train_drafter, what the command runs) on this device with a small budget, then bench-sd at batch 1."""
     import shutil
 
-    from fastrl_jax.config import check_trainable
+    from fastrl_jax.config import StrategySpec, check_trainable
     from fastrl_jax.data.prompts import held_out_sets
     from fastrl_jax.drafter import bench
     from fastrl_jax.drafter.warmup import train_drafter
@@ -400,10 +402,10 @@ def trained_drafter(ctx: Ctx) -> dict:
     prompts = held_out_sets(cfg, policy.tokenizer, max(ctx.sizes.prompts // 2, 2))["math"]
     rows = [{"dtype": cfg.model.engine_dtype, **row} for row in bench.run_bench(
         policy.model, drafter, {"math": prompts}, policy.stop_ids, base_cfg=cfg.rollout, batch_sizes=[1],
-        strategies=[(3, 1, 4), (6, 4, 16)], temperatures=[0.0], vocabs=["reduced"], new_tokens=ctx.sizes.new_tokens,
+        strategies=[StrategySpec("3/1/4"), StrategySpec("6/4/16")], temperatures=[0.0], vocabs=["reduced"], new_tokens=ctx.sizes.new_tokens,
         repeats=1, log=lambda line: None)]
     return {"summary": f"train-drafter {wall:.0f}s; bench-sd bs1 " + ", ".join(
-                f"{'/'.join(map(str, r['strategy']))} {r['speedup']:.2f}x (accept {r['acceptance_length']:.2f}, "
+                f"{r['strategy']} {r['speedup']:.2f}x (accept {r['acceptance_length']:.2f}, "
                 f"same {r['same_tokens']}/{r['requests']})" for r in rows),
             "train_drafter_wall_s": wall, "collect": summary.get("collect"), "data": summary.get("data"),
             "drafter": summary["drafter"], "rows": rows}
@@ -527,7 +529,7 @@ def markdown(results: dict) -> str:
     bench_rows = [*results.get("sd_lossless", {}).get("rows", []), *results.get("trained_drafter", {}).get("rows", [])]
     lines += _table("Plain vs speculative (bench-sd rows)", ["dtype", "prompts", "T", "batch", "strategy", "vocab",
                                                              "plain tok/s", "SD tok/s", "accept", "speedup", "same"], [
-        [r.get("dtype", ""), r["prompts"], f"{r['temperature']:g}", r["batch"], "/".join(map(str, r["strategy"])),
+        [r.get("dtype", ""), r["prompts"], f"{r['temperature']:g}", r["batch"], r["strategy"],
          r["vocab"], f"{r['plain_tok_s']:.0f}", f"{r['sd_tok_s']:.0f}", f"{r['acceptance_length']:.2f}",
          f"{r['speedup']:.2f}x", f"{r['same_tokens']}/{r['requests']}"] for r in bench_rows])
     return "\n".join(lines) + "\n"

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fastrl_jax.checkpoint import RunCheckpointer
+from fastrl_jax.checkpoint import RunCheckpointer, UnreadableCheckpoint
 
 
 def test_keeps_last_k_and_restores_latest(tmp_path):
@@ -34,3 +34,48 @@ def test_an_unfinished_save_is_not_a_checkpoint(tmp_path):
 def test_restore_from_an_empty_directory_says_so(tmp_path):
     with RunCheckpointer(tmp_path) as ckpt, pytest.raises(FileNotFoundError, match="no checkpoint"):
         ckpt.restore(None, {"policy": {"w": jnp.zeros(2)}})
+
+
+def _damage(step_dir):
+    """Cuts the largest file of a checkpoint step in half, as a full disk or an interrupted copy leaves it."""
+    files = [p for p in step_dir.rglob("*") if p.is_file()]
+    biggest = max(files, key=lambda p: p.stat().st_size)
+    with open(biggest, "r+b") as f:
+        f.truncate(biggest.stat().st_size // 2)
+
+
+def _save_steps(directory, steps, keep=3):
+    rng = np.random.default_rng(0)
+    with RunCheckpointer(directory, keep=keep) as ckpt:
+        for step in steps:  # random values: compressed, ones would fit a file too small to damage
+            ckpt.save(step, {"policy": {"w": jnp.asarray(rng.random((256, 256), np.float32)) + step}})
+
+
+def test_a_damaged_latest_step_falls_back_to_the_previous_one_and_says_so(tmp_path, caplog):
+    _save_steps(tmp_path, [1, 2])
+    _damage(tmp_path / "2")
+    with RunCheckpointer(tmp_path) as ckpt:
+        step, arrays, _ = ckpt.restore(None, {"policy": {"w": jnp.zeros((256, 256))}})
+        assert step == 1 and float(arrays["policy"]["w"].min()) >= 1
+        assert "checkpoint step 2 in" in caplog.text and "is unreadable" in caplog.text and "using step 1" in caplog.text
+        with pytest.raises(UnreadableCheckpoint, match="checkpoint step 2 in .* is unreadable .*other steps: 1"):
+            ckpt.restore(2, {"policy": {"w": jnp.zeros((256, 256))}})
+        with pytest.raises(FileNotFoundError, match="no checkpoint step 7 .*its steps: 1, 2"):
+            ckpt.restore(7, {"policy": {"w": jnp.zeros((256, 256))}})
+        ckpt.set_aside([2])
+        assert ckpt.all_steps() == [1]
+        ckpt.save(2, {"policy": {"w": jnp.full((256, 256), 5.0)}})  # the step number is free again
+        ckpt.wait()
+        step, arrays, _ = ckpt.restore(None, {"policy": {"w": jnp.zeros((256, 256))}})
+    assert step == 2 and float(arrays["policy"]["w"][0, 0]) == 5.0
+    assert (tmp_path.parent / f"{tmp_path.name}.unreadable" / "2").is_dir()  # set aside, not deleted
+
+
+def test_no_readable_step_is_one_clear_error(tmp_path):
+    _save_steps(tmp_path, [3], keep=1)
+    _damage(tmp_path / "3")
+    with RunCheckpointer(tmp_path, keep=1) as ckpt, pytest.raises(UnreadableCheckpoint) as e:
+        ckpt.restore(None, {"policy": {"w": jnp.zeros((256, 256))}})
+    message = str(e.value)
+    assert "step 3: ValueError: OUT_OF_RANGE" in message and "no earlier step is left to fall back to" in message
+    assert len(message.splitlines()) == 1

@@ -27,3 +27,57 @@ def test_bad_input_is_one_clear_line(tmp_path):
     assert "Traceback" not in run.stderr
     run = fastrl_jax("generate", "--model", str(tmp_path / "nowhere"), "--prompt", "hi")
     assert run.returncode == 2 and "nowhere" in run.stderr and "Traceback" not in run.stderr
+
+
+TINY_ROLLOUT = ["--set", "rollout.length_buckets=[32, 64]", "rollout.prompt_buckets=[8, 16]", "rollout.batch_buckets=[1, 4]",
+                "rollout.compile_cache_dir="]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from helpers.tiny_run import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-new-tokens", "0"], "max_new_tokens must be >= 1, got 0"),
+    (["--max-new-tokens", "-5"], "max_new_tokens must be >= 1, got -5"),
+    (["--max-new-tokens", "100000"], "max_new_tokens (100000) leaves no room for a prompt in the KV cache (64 slots"),
+    (["--temperature", "-1"], "need temperature >= 0"),
+    (["--top-p", "0"], "0 < top_p <= 1; got 0.0, 0, 0.0"),
+    (["--top-p", "1.5"], "0 < top_p <= 1; got 0.0, 0, 1.5"),
+    (["--top-k", "-1"], "top_k >= 0"),
+    (["--sd", "on", "--max-new-tokens", "60"], "max_new_tokens (60) + 7 draft-tree slots leaves no room"),
+    (["--drafter", "{tmp}"], "--drafter applies only to speculative decoding: add --sd on or --sd adaptive"),
+    (["--spec-steps", "2", "--spec-topk", "2"], "--spec-steps, --spec-topk apply only to speculative decoding"),
+    (["--sd", "on", "--drafter", "{tmp}/none"], "drafter checkpoint {tmp}/none not found"),
+    (["--output", "{tmp}/missing/out.jsonl"], "directory {tmp}/missing does not exist; create it first"),
+    (["--output", "{tmp}"], "--output {tmp} is a directory"),
+    (["--raw", "--prompt", "1+1=1+1=1+1=1+1=1+1=1+1="], "no request can run (request 0: the prompt has 24 tokens, more than "
+                                                       "the largest prompt bucket (16)"),
+])
+def test_generate_refuses_bad_input_before_loading_the_model(tiny_dir, tmp_path, args, message):
+    args = [a.format(tmp=tmp_path) for a in args]
+    prompt = [] if "--prompt" in args else ["--prompt", "1+1="]
+    run = fastrl_jax("generate", "--model", str(tiny_dir), *prompt, "--max-new-tokens", "8", *args, *TINY_ROLLOUT)
+    assert run.returncode == 2, run.stderr
+    assert message.format(tmp=tmp_path) in run.stderr and "Traceback" not in run.stderr
+    assert "loaded" not in run.stderr  # checked before the weights were read
+
+
+def test_a_batch_with_invalid_requests_writes_the_rest_and_exits_1(tiny_dir, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    rows = [{"prompt": "1+2="}, {"prompt_ids": [3, 500]}, {"prompt_ids": list(range(3, 30))}, {"prompt_ids": [4, 5]}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out.jsonl"
+    run = fastrl_jax("generate", "--model", str(tiny_dir), "--raw", "--prompts", str(prompts), "--output", str(out),
+                     "--max-new-tokens", "6", *TINY_ROLLOUT)
+    assert run.returncode == 1, run.stderr
+    assert "2 of 4 requests cannot run (request 1: prompt token ids must be in [0, 128); request 2: the prompt has 27 " \
+           "tokens" in run.stderr
+    assert "2 of 4 requests failed (requests [1, 2])" in run.stderr and "Traceback" not in run.stderr
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["finish_reason"] for r in got] == ["length", "error", "error", "length"]
+    assert len(got[0]["completion_ids"]) == 6 and len(got[3]["completion_ids"]) == 6
+    assert "error" in got[1] and "error" not in got[0]

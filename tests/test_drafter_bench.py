@@ -37,3 +37,11 @@ def test_history_strategies_draft_from_earlier_samples_of_a_prompt():
     )
     assert [(r["strategy"], r["vocab"], r["requests"]) for r in rows] == [("h4", "-", 6)]
     assert rows[0]["same_tokens"] == 6 and rows[0]["drafts_per_step"]["history"] > 1.0
+
+
+def test_machine_facts_are_measured():
+    from fastrl_jax.machine import format_machine, machine_facts
+
+    facts = machine_facts()
+    assert facts["copy_gbs"] > 0 and facts["matmul_f32_gflops"] > 0 and 1 <= facts["cores_usable"] <= facts["cpu_count"]
+    assert facts["backend"] == "cpu" and "GB/s" in format_machine(facts)

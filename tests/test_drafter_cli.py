@@ -39,10 +39,28 @@ def test_export_drafter_writes_orbax_and_eagle(tmp_path):
     assert again.returncode == 2 and "not empty" in again.stderr and "Traceback" not in again.stderr
 
 
-def test_missing_drafter_is_one_clear_line(tmp_path):
-    res = fastrl_jax("export-drafter", "--model", str(tiny_model_dir(tmp_path)), "--drafter", str(tmp_path / "none"),
-                     "--out", str(tmp_path / "o"))
-    assert res.returncode == 2 and "none" in res.stderr and "Traceback" not in res.stderr
+def test_missing_unfinished_or_foreign_drafters_are_one_clear_line(tmp_path):
+    policy = str(tiny_model_dir(tmp_path))
+    unfinished = tmp_path / "warmup"
+    (unfinished / "checkpoints" / "500").mkdir(parents=True)  # what a train-drafter run leaves before its end
+    (unfinished / "config.yaml").write_text("seed: 0\n")
+    foreign = tmp_path / "notes"
+    foreign.mkdir()
+    cases = {tmp_path / "none": "not found", unfinished: "a train-drafter run that has not finished (it has no drafter/ yet)",
+             foreign: "is not a drafter checkpoint (no Orbax metadata)"}
+    for drafter, message in cases.items():
+        res = fastrl_jax("export-drafter", "--model", policy, "--drafter", str(drafter), "--out", str(tmp_path / "o"))
+        assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr
+        assert not (tmp_path / "o").exists()
+
+
+def test_export_drafter_onto_a_file_is_one_clear_line(tmp_path):
+    save_drafter(tmp_path / "run" / "drafter", Drafter(TINY, nnx.Rngs(0)))
+    (tmp_path / "taken").write_text("mine")
+    res = fastrl_jax("export-drafter", "--model", str(tiny_model_dir(tmp_path)), "--drafter", str(tmp_path / "run"),
+                     "--out", str(tmp_path / "taken"))
+    assert res.returncode == 2 and "is a file; give a new directory" in res.stderr and "Traceback" not in res.stderr
+    assert (tmp_path / "taken").read_text() == "mine"
 
 
 def test_bench_sd_without_prompts_or_with_clashing_sets_is_one_clear_line(tmp_path):
@@ -51,3 +69,19 @@ def test_bench_sd_without_prompts_or_with_clashing_sets_is_one_clear_line(tmp_pa
     clash = fastrl_jax("bench-sd", "--model", str(tmp_path / "policy"), "--drafter", str(tmp_path),
                        "--prompt-file", str(tmp_path / "a" / "math.jsonl"))
     assert clash.returncode == 2 and "distinct names" in clash.stderr and "Traceback" not in clash.stderr
+
+
+def test_train_drafter_restart_over_checkpoints_is_refused_before_loading(tmp_path):
+    (tmp_path / "warmup" / "checkpoints" / "100").mkdir(parents=True)
+    res = fastrl_jax("train-drafter", "--model", str(tiny_model_dir(tmp_path)), "--restart",
+                     "--set", f"drafter_train.out_dir={tmp_path / 'warmup'}")
+    assert res.returncode == 2 and "already holds checkpoints (up to step 100): resume (drop --restart)" in res.stderr
+    assert "loaded" not in res.stderr and "Traceback" not in res.stderr
+
+
+def test_bench_sd_output_paths_are_checked_before_the_benchmark(tmp_path):
+    save_drafter(tmp_path / "run" / "drafter", Drafter(TINY, nnx.Rngs(0)))
+    res = fastrl_jax("bench-sd", "--model", str(tiny_model_dir(tmp_path)), "--drafter", str(tmp_path / "run"),
+                     "--out", str(tmp_path / "missing" / "bench.json"))
+    assert res.returncode == 2 and f"directory {tmp_path / 'missing'} does not exist" in res.stderr
+    assert "loaded" not in res.stderr and "Traceback" not in res.stderr

@@ -131,7 +131,8 @@ def test_tensors_the_decoder_cannot_use_are_refused(tmp_path, extra):
         gguf_loader.read_gguf_tensors(path)
 
 
-def test_corrupt_and_truncated_files_say_delete_and_refetch(tmp_path):
+def test_corrupt_and_truncated_files_say_replace_or_refetch(tmp_path, monkeypatch):
+    """A user's own damaged file is to be replaced; only the copy fastrl-jax fetched comes back by deleting it."""
     corrupt = tmp_path / "x.gguf"
     corrupt.write_bytes(np.random.default_rng(0).bytes(4096))
     truncated = tmp_path / "t.gguf"
@@ -140,8 +141,15 @@ def test_corrupt_and_truncated_files_say_delete_and_refetch(tmp_path):
     truncated.write_bytes(whole[: len(whole) // 2])
     for path in (corrupt, truncated):
         for read in (gguf_loader.read_gguf_config, gguf_loader.read_gguf_tensors, gguf_loader.load_gguf_tokenizer):
-            with pytest.raises(ValueError, match=f"{re.escape(str(path))}.*corrupt.*Delete it"):
+            with pytest.raises(ValueError, match=f"{re.escape(str(path))}.*corrupt.*Replace it with a complete copy") as e:
                 read(path)
+            assert "Delete it" not in str(e.value)
+    monkeypatch.setenv("FASTRL_JAX_CACHE", str(tmp_path / "cache"))
+    fetched = tmp_path / "cache" / hub.SMOLLM2_FILE
+    fetched.parent.mkdir()
+    fetched.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match="corrupt or truncated. Delete it so it is fetched again"):
+        gguf_loader.read_gguf_config(fetched)
 
 
 def test_missing_gguf_file_names_the_path(tmp_path):

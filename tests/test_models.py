@@ -8,31 +8,13 @@ from helpers.precision import model_rtol, tolerance
 
 torch = pytest.importorskip("torch")
 import transformers  # noqa: E402
+from helpers.hf_tiny import FAMILIES, TINY, save_random_hf_model  # noqa: E402
 
 from fastrl_jax.config import MeshConfig  # noqa: E402
 from fastrl_jax.models.config import ModelConfig  # noqa: E402
 from fastrl_jax.models.decoder import KVCache  # noqa: E402
 from fastrl_jax.models.loading import load_model  # noqa: E402
 from fastrl_jax.sharding import make_mesh  # noqa: E402
-
-TINY = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
-)
-CONFIGS = {
-    "llama": lambda: transformers.LlamaConfig(**TINY, tie_word_embeddings=False),
-    "llama3-rope-tied": lambda: transformers.LlamaConfig(
-        **TINY, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-    ),
-    "qwen2": lambda: transformers.Qwen2Config(**TINY, tie_word_embeddings=True),
-    "qwen3-yarn": lambda: transformers.Qwen3Config(
-        **TINY, head_dim=24, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                         "original_max_position_embeddings": 64},
-    ),
-}
 
 
 def single_device_mesh():
@@ -43,16 +25,11 @@ def relative_error(ours, ref):
     return float(np.max(np.abs(np.asarray(ours) - ref)) / np.max(np.abs(ref)))
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
+@pytest.fixture(scope="module", params=FAMILIES)
 def tiny(request, tmp_path_factory):
     """A random HF model (every weight perturbed, biases and norms included) saved with save_pretrained."""
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(CONFIGS[request.param]()).float().eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(0.05 * torch.randn_like(p))
     path = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(path)
+    hf = save_random_hf_model(request.param, path)
     model, cfg = load_model(path, single_device_mesh())
     return hf, model, cfg
 

@@ -100,6 +100,31 @@ def test_bad_requests_fail_alone(engine):
     assert "unknown stop token ids [128]" in errors[3]
 
 
+def test_request_rules_need_no_model_and_are_the_engines(engine):
+    """rollout.requests' rules (what commands check before loading a model) are the engine's: on random
+    requests they agree with RolloutEngine.validate, and without a vocabulary only the id check is left out."""
+    from fastrl_jax.config import SpecConfig
+    from fastrl_jax.rollout.requests import draft_margin, request_problem, sampling_problem
+
+    rng = np.random.default_rng(0)
+    seen = set()
+    for _ in range(300):
+        n = int(rng.integers(0, 20))
+        r = Request(rng.integers(-2, TINY.vocab_size + 3, n).tolist(), int(rng.integers(-2, 70)),
+                    float(rng.choice([-0.5, 0.0, 0.7])), int(rng.choice([-1, 0, 5])), float(rng.choice([0.0, 0.5, 1.0, 1.5])),
+                    stop_ids=rng.integers(0, TINY.vocab_size + 2, int(rng.integers(0, 6))).tolist())
+        full = request_problem(r, CFG, 0, TINY.vocab_size)
+        assert full == engine.validate(r)
+        modelless = request_problem(r, CFG)
+        assert modelless == full or (modelless is None and ("token ids" in full or "stop token" in full))
+        seen.add(full.split(" ")[0] if full else None)
+    assert len(seen) >= 5  # the random requests reached most rules
+    assert sampling_problem(8, 0.0, 0, 1.0, CFG) is None and "leaves no room" in sampling_problem(64, 0.0, 0, 1.0, CFG)
+    assert draft_margin(SpecConfig()) == 0 and draft_margin(SpecConfig(mode="on", verify_tokens=6)) == 5
+    adaptive = SpecConfig(mode="adaptive", strategies=((3, 1, 4), (4, 2, 6)), group_live_batch_ranges=((4, 1, 4), (6, 5, 8)))
+    assert draft_margin(adaptive) == 5
+
+
 def test_hidden_states_returned(model):
     engine = RolloutEngine(model, CFG, keep_hidden=True, progress=False)
     p = prompts(1, seed=6)[0]

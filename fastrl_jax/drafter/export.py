@@ -14,7 +14,6 @@ Features are the target's last hidden state after its final norm, as SGLang capt
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -22,29 +21,24 @@ from flax import nnx
 
 from fastrl_jax.models.config import ModelConfig
 from fastrl_jax.models.drafter import Drafter
-from fastrl_jax.models.loading import hf_layer_tensors
+from fastrl_jax.models.loading import HFTensor, hf_layer_tensors
 
 _FILE = "model.safetensors"
 
 
-def _eagle_layer_names(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]]:
-    """Our layer parameter -> (EAGLE tensor name, HF -> ours conversion): the policy's HF names for
-    layer 0 without the "model." prefix, and no input_layernorm (the drafter's layer has none)."""
+def _eagle_layer_names(cfg: ModelConfig) -> dict[str, HFTensor]:
+    """Our layer parameter -> its EAGLE tensor (the policy's HF name for layer 0 without the "model."
+    prefix) and conversions; no input_layernorm (the drafter's layer has none)."""
     if cfg.qkv_bias or cfg.qk_norm:
         raise ValueError(f"EAGLE export supports Llama-style layers only (family {cfg.family} has q/k/v bias or q/k norm)")
-    return {ours: (template.format(0).removeprefix("model."), convert)
-            for ours, (template, convert) in hf_layer_tensors(cfg).items() if ours != "attn_norm"}
+    return {ours: hf._replace(template=hf.template.format(0).removeprefix("model."))
+            for ours, hf in hf_layer_tensors(cfg).items() if ours != "attn_norm"}
 
 
 def _layer_tensors(drafter: Drafter) -> dict[str, np.ndarray]:
+    """The drafter's layer in torch nn.Linear layout [out, in], under its EAGLE names."""
     p = {k: np.asarray(v)[0] for k, v in nnx.to_pure_dict(nnx.state(drafter.layers, nnx.Param)).items()}
-    H = drafter.cfg.hidden_size
-    to_hf = {  # the inverses of hf_layer_tensors' conversions (torch nn.Linear layout [out, in])
-        "wq": lambda w: w.reshape(H, -1).T, "wk": lambda w: w.reshape(H, -1).T, "wv": lambda w: w.reshape(H, -1).T,
-        "wo": lambda w: w.reshape(-1, H).T, "w_gate": lambda w: w.T, "w_up": lambda w: w.T, "w_down": lambda w: w.T,
-        "mlp_norm": lambda w: w,
-    }
-    return {name: to_hf[ours](p[ours]) for ours, (name, _) in _eagle_layer_names(drafter.cfg).items()}
+    return {hf.template: hf.to_hf(p[ours]) for ours, hf in _eagle_layer_names(drafter.cfg).items()}
 
 
 def eagle_config(cfg: ModelConfig, draft_vocab_size: int | None, dtype: str) -> dict:
@@ -117,7 +111,7 @@ def load_eagle(path: str | Path, policy_cfg: ModelConfig) -> Drafter:
         raise ValueError(f"{path}: fc.bias is non-zero; this drafter has no fc bias")
     vocab = t["d2t"] + np.arange(len(t["d2t"])) if "d2t" in t else None
     drafter = Drafter(policy_cfg, nnx.Rngs(0), t["fc.weight"].dtype, draft_vocab=vocab)
-    values = {ours: convert(t[name]) for ours, (name, convert) in _eagle_layer_names(drafter.cfg).items()}
+    values = {ours: hf.to_ours(t[hf.template]) for ours, hf in _eagle_layer_names(drafter.cfg).items()}
     state = nnx.state(drafter.layers, nnx.Param)
     pure = nnx.to_pure_dict(state)
     for name, value in values.items():

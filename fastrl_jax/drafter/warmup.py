@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from fastrl_jax.checkpoint import RunCheckpointer
+from fastrl_jax.checkpoint import RunCheckpointer, checkpoint_steps
 from fastrl_jax.config import Config, SpecConfig, save_config
 from fastrl_jax.data.prompts import drafter_training_prompts, held_out_sets
 from fastrl_jax.drafter.buffer import SampleBuffer
@@ -69,12 +69,22 @@ def acceptance(engine: RolloutEngine, prompts: list[list[int]], max_new_tokens: 
     return engine.stats.acceptance_length()
 
 
+def check_restart(cfg: Config, resume: bool) -> None:
+    """Refuses (before anything is loaded or generated) to start drafter_train.out_dir afresh when it
+    already holds checkpoints and `resume` is off."""
+    steps = checkpoint_steps(cfg.drafter_train.out_dir)
+    if steps and not resume:
+        raise ValueError(f"{Path(cfg.drafter_train.out_dir).expanduser() / 'checkpoints'} already holds checkpoints "
+                         f"(up to step {steps[-1]}): resume (drop --restart), or choose another drafter_train.out_dir")
+
+
 def train_drafter(cfg: Config, policy: Decoder, tokenizer, *, resume: bool = True, progress: bool = True) -> dict:
     """Runs the whole warm-up (collect, choose the draft vocabulary, train, evaluate, save); returns the summary.
 
     policy: in the engines' dtype (model.rollout_dtype); it generates the data and its features train
     the drafter, whose own weights train in model.dtype (float32) and are cast for the evaluations."""
     dt = cfg.drafter_train
+    check_restart(cfg, resume)
     t_start = time.perf_counter()
     out_dir = Path(dt.out_dir).expanduser().resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -89,8 +99,6 @@ def train_drafter(cfg: Config, policy: Decoder, tokenizer, *, resume: bool = Tru
         print(f"[train-drafter] draft vocabulary: {len(vocab)} tokens cover "
               f"{summary['data']['draft_vocab_coverage']:.2%} of completion tokens", file=sys.stderr)
     ckpt = RunCheckpointer(out_dir / "checkpoints", keep=dt.keep_checkpoints)
-    if ckpt.latest_step() is not None and not resume:
-        raise ValueError(f"{ckpt.directory} already holds checkpoints: resume, or choose another drafter_train.out_dir")
     sink = MetricsSink(out_dir, dt.tensorboard, ckpt.latest_step())  # a resumed run drops the later lines
     evaluate = HeldOutEvaluator(cfg, policy, tokenizer, stop, sink)
     drafter = Drafter(policy.cfg, nnx.Rngs(cfg.seed), DTYPES[cfg.model.dtype], draft_vocab=vocab)

@@ -33,16 +33,29 @@ def abstract_drafter(cfg: ModelConfig, dtype="float32", draft_vocab_size: int = 
     return nnx.eval_shape(lambda: Drafter(cfg, nnx.Rngs(0), dtype, draft_vocab=vocab))
 
 
-def load_drafter(path: str | Path, cfg: ModelConfig, dtype="float32") -> Drafter:
-    """Reads a drafter saved by save_drafter, or the final drafter of a train-drafter out_dir
-    (its drafter/), for a policy of config `cfg`."""
+def drafter_dir(path: str | Path) -> Path:
+    """The drafter checkpoint directory `path` names: itself (written by save_drafter, e.g. export-drafter's
+    orbax/), or a finished train-drafter out_dir's drafter/. Raises FileNotFoundError / ValueError with
+    the fix for anything else (a missing path, an unfinished train-drafter run, another directory)."""
     path = Path(path).expanduser().resolve()
     if (path / "drafter").is_dir():
         path = path / "drafter"
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"drafter checkpoint {path} not found (expected a directory written by save_drafter, or a train-drafter out_dir)"
-        )
+    elif not path.exists():
+        raise FileNotFoundError(f"drafter checkpoint {path} not found (expected a train-drafter out_dir, or a "
+                                "directory written by save_drafter such as export-drafter's OUT/orbax)")
+    elif any((path / name).exists() for name in ("checkpoints", "data.npz", "summary.json")):
+        raise ValueError(f"{path} is a train-drafter run that has not finished (it has no drafter/ yet): let "
+                         f"`fastrl-jax train-drafter --set drafter_train.out_dir={path}` run to the end (it resumes)")
+    if not (path / "_CHECKPOINT_METADATA").is_file() and not (path / "_METADATA").is_file():
+        raise ValueError(f"{path} is not a drafter checkpoint (no Orbax metadata): give a train-drafter out_dir, or "
+                         "a directory written by save_drafter such as export-drafter's OUT/orbax")
+    return path
+
+
+def load_drafter(path: str | Path, cfg: ModelConfig, dtype="float32") -> Drafter:
+    """Reads a drafter saved by save_drafter, or the final drafter of a train-drafter out_dir
+    (its drafter/), for a policy of config `cfg`."""
+    path = drafter_dir(path)
     with ocp.StandardCheckpointer() as ckptr:
         try:
             saved = ckptr.metadata(path).item_metadata

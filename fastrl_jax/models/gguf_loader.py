@@ -16,6 +16,8 @@ import gguf
 import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from fastrl_jax.models import hub
+
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 # GGUF tensor name -> HF parameter name; `{i}` is the layer index.
@@ -239,9 +241,11 @@ def _open(path: str | Path) -> gguf.GGUFReader:
         return _reader(path.resolve(), stat.st_size, stat.st_mtime_ns)
     except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as e:
         # A short download or a stray file fails deep inside the reader's memmap parsing.
+        # Only the copy fastrl-jax fetched itself comes back by deleting it; a user's own file does not.
+        fetched = path.resolve() == (hub.cache_dir() / hub.SMOLLM2_FILE).resolve()
+        fix = "Delete it so it is fetched again." if fetched else "Replace it with a complete copy (download or convert it again)."
         raise ValueError(
-            f"{path} is not a readable GGUF file ({type(e).__name__}: {e}): it is corrupt or truncated. "
-            f"Delete it so it is fetched again."
+            f"{path} is not a readable GGUF file ({type(e).__name__}: {e}): it is corrupt or truncated. {fix}"
         ) from e
 
 

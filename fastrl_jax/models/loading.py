@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import ml_dtypes
@@ -51,14 +52,15 @@ class Policy:
         return self.model.cfg
 
 
-def load_policy(spec: ModelSpec, mesh: Mesh, dtype: str | None = None) -> Policy:
+def load_policy(spec: ModelSpec, mesh: Mesh, dtype: str | None = None, tokenizer=None) -> Policy:
     """The policy named by the config's model section (`smollm2`, a .gguf file or an HF checkpoint
-    directory) on `mesh`, with its tokenizer; says on stderr how long loading took. dtype: the weights'
-    dtype name, spec.dtype (the training dtype) when None; spec.engine_dtype for inference only."""
+    directory) on `mesh`, with its tokenizer (loaded here unless given: a command that checked its
+    prompts first has it already); says on stderr how long loading took. dtype: the weights' dtype
+    name, spec.dtype (the training dtype) when None; spec.engine_dtype for inference only."""
     t0 = time.perf_counter()
     path = resolve_model_path(spec.path)
     model, model_cfg = load_model(path, mesh, dtype or spec.dtype)
-    tokenizer = load_tokenizer(path)
+    tokenizer = load_tokenizer(path) if tokenizer is None else tokenizer
     print(f"[fastrl-jax] loaded {spec.path} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return Policy(model, tokenizer, stop_ids(model_cfg, tokenizer), path)
 
@@ -153,29 +155,46 @@ def _read_header(file: Path) -> tuple[dict, int]:
     return header, data_start
 
 
-def hf_layer_tensors(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]]:
-    """Our stacked layer parameter -> (HF per-layer name template, conversion of one layer's tensor)."""
+class HFTensor(NamedTuple):
+    """Where one of our stacked layer parameters lives in an HF checkpoint, and how one layer's tensor converts."""
+
+    template: str  # HF per-layer name, `{}` the layer index
+    to_ours: Callable[[np.ndarray], np.ndarray]  # HF (torch nn.Linear [out, in]) -> our layout
+    to_hf: Callable[[np.ndarray], np.ndarray]  # its inverse
+
+
+def hf_layer_tensors(cfg: ModelConfig) -> dict[str, HFTensor]:
+    """Our stacked layer parameter -> its HF name template and the conversions of one layer's tensor."""
     H, D, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     att = "model.layers.{}.self_attn."
     mlp = "model.layers.{}.mlp."
+    same = lambda w: w  # noqa: E731
+    transpose = lambda w: w.T  # noqa: E731
+
+    def projection(heads: int) -> tuple:  # [heads * D, H] <-> [H, heads, D]
+        return lambda w: w.T.reshape(H, heads, D), lambda w: w.reshape(H, heads * D).T
+
+    def bias(heads: int) -> tuple:  # [heads * D] <-> [heads, D]
+        return lambda b: b.reshape(heads, D), lambda b: b.reshape(heads * D)
+
     names = {
-        "attn_norm": ("model.layers.{}.input_layernorm.weight", lambda w: w),
-        "wq": (att + "q_proj.weight", lambda w: w.T.reshape(H, nh, D)),
-        "wk": (att + "k_proj.weight", lambda w: w.T.reshape(H, nkv, D)),
-        "wv": (att + "v_proj.weight", lambda w: w.T.reshape(H, nkv, D)),
-        "wo": (att + "o_proj.weight", lambda w: w.T.reshape(nh, D, H)),
-        "mlp_norm": ("model.layers.{}.post_attention_layernorm.weight", lambda w: w),
-        "w_gate": (mlp + "gate_proj.weight", lambda w: w.T),
-        "w_up": (mlp + "up_proj.weight", lambda w: w.T),
-        "w_down": (mlp + "down_proj.weight", lambda w: w.T),
+        "attn_norm": HFTensor("model.layers.{}.input_layernorm.weight", same, same),
+        "wq": HFTensor(att + "q_proj.weight", *projection(nh)),
+        "wk": HFTensor(att + "k_proj.weight", *projection(nkv)),
+        "wv": HFTensor(att + "v_proj.weight", *projection(nkv)),
+        "wo": HFTensor(att + "o_proj.weight", lambda w: w.T.reshape(nh, D, H), lambda w: w.reshape(nh * D, H).T),
+        "mlp_norm": HFTensor("model.layers.{}.post_attention_layernorm.weight", same, same),
+        "w_gate": HFTensor(mlp + "gate_proj.weight", transpose, transpose),
+        "w_up": HFTensor(mlp + "up_proj.weight", transpose, transpose),
+        "w_down": HFTensor(mlp + "down_proj.weight", transpose, transpose),
     }
     if cfg.qkv_bias:
-        names["bq"] = (att + "q_proj.bias", lambda b: b.reshape(nh, D))
-        names["bk"] = (att + "k_proj.bias", lambda b: b.reshape(nkv, D))
-        names["bv"] = (att + "v_proj.bias", lambda b: b.reshape(nkv, D))
+        names["bq"] = HFTensor(att + "q_proj.bias", *bias(nh))
+        names["bk"] = HFTensor(att + "k_proj.bias", *bias(nkv))
+        names["bv"] = HFTensor(att + "v_proj.bias", *bias(nkv))
     if cfg.qk_norm:
-        names["q_norm"] = (att + "q_norm.weight", lambda w: w)
-        names["k_norm"] = (att + "k_norm.weight", lambda w: w)
+        names["q_norm"] = HFTensor(att + "q_norm.weight", same, same)
+        names["k_norm"] = HFTensor(att + "k_norm.weight", same, same)
     return names
 
 
@@ -202,8 +221,8 @@ def decoder_from_hf_tensors(
     }
     if not cfg.tie_word_embeddings:
         sources[("lm_head",)] = whole("lm_head.weight", lambda w: w.T)
-    for ours, (template, convert) in hf_layer_tensors(cfg).items():
-        sources[("layers", ours)] = stacked(template, convert)
+    for ours, hf in hf_layer_tensors(cfg).items():
+        sources[("layers", ours)] = stacked(hf.template, hf.to_ours)
 
     flat_abstract = dict(nnx.to_flat_state(abstract_state))
     flat_shardings = dict(nnx.to_flat_state(shardings))

@@ -22,26 +22,25 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fastrl_jax.checkpoint import RunCheckpointer
-from fastrl_jax.config import Config, check_trainable, save_config, to_dict
+from fastrl_jax.checkpoint import RunCheckpointer, UnreadableCheckpoint
+from fastrl_jax.config import Config, ConfigError, check_trainable, save_config, to_dict
 from fastrl_jax.data import pipeline
-from fastrl_jax.data.prompt_files import read_records
 from fastrl_jax.data.prompts import record_prompt_ids
 from fastrl_jax.drafter.online import SpotTrainer
 from fastrl_jax.models.decoder import Decoder
-from fastrl_jax.models.drafter_io import make_drafter
+from fastrl_jax.models.drafter_io import drafter_dir, make_drafter
 from fastrl_jax.models.loading import load_policy
 from fastrl_jax.models.tokenizer import stop_ids
-from fastrl_jax.rl import grpo, rewards, update
+from fastrl_jax.rl import grpo, rewards, run_dir, update
+from fastrl_jax.rl.evaluate import completion_text, eval_requests, evaluate, held_out_records
 from fastrl_jax.rl.step_metrics import MetricsLog, rollout_summary
-from fastrl_jax.rl.workers import RolloutWorkers
+from fastrl_jax.rl.workers import RolloutWorkers, request_seed
 from fastrl_jax.rollout.engine import Completion, Request
 from fastrl_jax.rollout.history import HistoryStore
 from fastrl_jax.sharding import make_mesh, shardings_for
 
 log = logging.getLogger(__name__)
 
-EVAL_SEED_OFFSET = 1_000_003  # the held-out math stream is a different seed from the training stream
 TRAIN_LENGTH_QUANTUM = 32  # prompt and completion widths of a training batch are multiples of this
 
 
@@ -61,11 +60,6 @@ def token_digest(sequences) -> str:
     return h.hexdigest()
 
 
-def request_seed(seed: int, step: int, index: int) -> int:
-    """Sampling seed of request `index` of RL step `step` (independent of the replica that runs it)."""
-    return int(np.random.SeedSequence([seed, step, index]).generate_state(1)[0])
-
-
 class Trainer:
     """Owns the policy, optimizer, engines, data and checkpoints of one GRPO run."""
 
@@ -74,6 +68,7 @@ class Trainer:
         updates; the rollout engines get copies in model.rollout_dtype at every hand-off."""
         check_trainable(cfg, "train")
         self.cfg, rl = cfg, cfg.rl
+        run_dir.prepare_run_dir(cfg, resume=resume)  # never half-overwrite an earlier run
         self.tokenizer = tokenizer
         self.mesh = make_mesh(cfg.mesh)
         update.check_batch_fits_mesh(rl, self.mesh)
@@ -114,7 +109,7 @@ class Trainer:
         fields = dict(prompt_field=d.prompt_field, messages_field=d.messages_field, answer_field=d.answer_field)
         train_src = pipeline.source(d.source, cfg.seed, d.math_levels, **fields)
         self.data = pipeline.PromptIterator(pipeline.prompt_batches(train_src, rl.prompts_per_step, cfg.seed, d.shuffle))
-        self.eval_records = self._eval_records(fields) if rl.eval_every_steps else []
+        self.eval_records = held_out_records(cfg, rl.eval_prompts) if rl.eval_every_steps else []
 
         self.out_dir = Path(rl.out_dir).expanduser()
         if jax.process_index() == 0:  # what this start ran with: the file plus its overrides
@@ -128,13 +123,6 @@ class Trainer:
                                   enabled=jax.process_index() == 0, stream=stream)
 
     # ---- set-up -------------------------------------------------------------------------------
-    def _eval_records(self, fields: dict) -> list[dict]:
-        d, n = self.cfg.data, self.cfg.rl.eval_prompts
-        if d.eval_source == pipeline.MATH_SOURCE:
-            src = pipeline.MathSource(self.cfg.seed + EVAL_SEED_OFFSET, d.math_levels)
-            return [src[i] for i in range(n)]
-        return read_records(d.eval_source, **fields)[:n]
-
     def _prompt(self, record: dict) -> list[int]:
         d = self.cfg.data
         ids = record_prompt_ids(record, self.tokenizer, d.instruction, d.chat_template)
@@ -184,8 +172,7 @@ class Trainer:
         return out
 
     def _text(self, c: Completion) -> str:
-        ids = c.tokens[:-1] if c.finish_reason == "stop" else c.tokens
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return completion_text(self.tokenizer, c)
 
     def build_batch(self, requests: list[Request], completions: list[Completion], advantages: np.ndarray):
         """Host arrays of one rollout batch: prompts left-padded to P slots, completions right-padded to C
@@ -256,12 +243,10 @@ class Trainer:
         rl.eval_temperature. Sampling seeds are the same at every evaluation (step 0 of the seed stream,
         which no training step uses), so evaluations differ only by the policy."""
         rl, n = self.cfg.rl, self.cfg.rl.eval_samples
-        records = [r for r in self.eval_records for _ in range(n)]
         prompts = [self._prompt(r) for r in self.eval_records]
-        requests = [Request(prompts[i // n], rl.max_new_tokens, rl.eval_temperature, rl.top_k, rl.top_p,
-                            request_seed(self.cfg.seed, 0, i), self.stop_ids) for i in range(len(records))]
-        completions, _ = self.workers.generate(requests, n)
-        return float(np.mean([rewards.correctness_reward(self._text(c), r["answer"]) for c, r in zip(completions, records)]))
+        requests = eval_requests(prompts, n, rl.max_new_tokens, rl.eval_temperature, rl.top_k, rl.top_p,
+                                 self.cfg.seed, self.stop_ids)
+        return evaluate(self.workers, self.tokenizer, self.eval_records, requests, n)["results"]["all"]["pass@1"]
 
     def _evaluation(self) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -356,11 +341,21 @@ class Trainer:
               f"(step {self.checkpointer.latest_step()}) stays valid; training continues", file=sys.stderr)
 
     def _restore(self) -> None:
-        if self.checkpointer is None or self.checkpointer.latest_step() is None:
-            where = self.out_dir / "checkpoints"
-            raise FileNotFoundError(f"--resume: no checkpoint in {where} (rl.out_dir={self.cfg.rl.out_dir})")
-        names = ("data", "run", "history") if self.history is not None else ("data", "run")
-        step, arrays, meta = self.checkpointer.restore(None, self._arrays(), meta=names)
+        """Continues from the latest readable checkpoint; newer unreadable steps are set aside (their step
+        numbers are saved afresh when the run gets there again)."""
+        ckpt = self.checkpointer
+        if ckpt is None:
+            raise ConfigError("--resume needs checkpoints: rl.checkpoint_every_steps is 0")
+        try:
+            names = ("data", "run", "history") if self.history is not None else ("data", "run")
+            step, arrays, meta = ckpt.restore(None, self._arrays(), meta=names)
+        except UnreadableCheckpoint as e:
+            raise UnreadableCheckpoint(f"--resume: {e}. Restore {ckpt.directory} from a backup, or start the run "
+                                       "again with --overwrite (the old run is moved aside)") from None
+        unreadable = [s for s in ckpt.all_steps() if s > step]
+        if unreadable:
+            where = ckpt.set_aside(unreadable)
+            print(f"[fastrl-jax] moved unreadable checkpoint steps {unreadable} to {where}", file=sys.stderr)
         self.params, self.opt_state = arrays["policy"], arrays["optimizer"]
         self.ref_params = arrays.get("reference", self.ref_params)
         if self.drafter is not None:
@@ -373,7 +368,7 @@ class Trainer:
         if self.history is not None:
             self.history.restore(meta["history"])
         self.step = int(meta["run"]["step"])
-        print(f"[fastrl-jax] resumed from step {step} in {self.checkpointer.directory}", file=sys.stderr)
+        print(f"[fastrl-jax] resumed from step {step} in {ckpt.directory}", file=sys.stderr)
 
     def close(self) -> None:
         if self.checkpointer is not None:
@@ -391,9 +386,16 @@ def _state_from(module: nnx.Module, pure: dict) -> nnx.State:
     return state
 
 
-def train(cfg: Config, *, resume: bool = False, stream=sys.stdout) -> list[dict[str, Any]]:
-    """Loads the policy and tokenizer named by cfg.model, then runs GRPO to cfg.rl.steps."""
+def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, stream=sys.stdout) -> list[dict[str, Any]]:
+    """Checks rl.out_dir (run_dir.prepare_run_dir: --resume needs a checkpoint, a fresh run never writes
+    over an earlier one unless `overwrite` moves it aside), loads the policy and tokenizer named by
+    cfg.model, then runs GRPO to cfg.rl.steps."""
     check_trainable(cfg, "train")  # before loading a model it could not train
+    run_dir.prepare_run_dir(cfg, resume=resume, overwrite=overwrite)
+    if cfg.rl.drafter_path and cfg.sd.mode == "off":
+        log.warning("rl.drafter_path is set but sd.mode is off: the drafter is not used (set sd.mode=adaptive)")
+    elif cfg.rl.drafter_path:
+        drafter_dir(cfg.rl.drafter_path)  # before the model loads
     policy = load_policy(cfg.model, make_mesh(cfg.mesh))
     trainer = Trainer(cfg, policy.model, policy.tokenizer, resume=resume, stream=stream)
     return trainer.run()

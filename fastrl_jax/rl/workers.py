@@ -44,11 +44,16 @@ class Replica:
     engine: RolloutEngine
 
 
+def request_seed(seed: int, step: int, index: int) -> int:
+    """Sampling seed of request `index` of RL step `step` (independent of the replica that runs it)."""
+    return int(np.random.SeedSequence([seed, step, index]).generate_state(1)[0])
+
+
 class RolloutWorkers:
     """The local replicas' engines; `generate` runs this process's share and returns every completion."""
 
     def __init__(self, cfg: Config, graphdef, params: dict, mesh: Mesh, drafter: Drafter | None,
-                 history: HistoryStore | None = None):
+                 history: HistoryStore | None = None, progress: bool = False):
         self.graphdef = graphdef
         self.dtype = DTYPES[cfg.model.engine_dtype]
         self.num_replicas = mesh.shape["data"]
@@ -76,7 +81,7 @@ class RolloutWorkers:
             if drafter is not None:
                 d_graph, d_state = nnx.split(drafter)
                 local_drafter = nnx.merge(d_graph, jax.device_put(d_state, shardings_for(d_state, sub)))
-            engine = RolloutEngine(model, cfg.rollout, sd=cfg.sd, drafter=local_drafter, progress=False, history=history)
+            engine = RolloutEngine(model, cfg.rollout, sd=cfg.sd, drafter=local_drafter, progress=progress, history=history)
             self.replicas.append(Replica(i, sub, shardings, engine))
 
     def update_weights(self, params: dict) -> None:

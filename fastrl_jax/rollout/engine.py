@@ -33,6 +33,7 @@ from fastrl_jax.rollout import programs, speculative
 from fastrl_jax.rollout.controller import OnOff, StrategyChooser
 from fastrl_jax.rollout.history import HistoryStore
 from fastrl_jax.rollout.pool import ProgramPool
+from fastrl_jax.rollout.requests import draft_margin, request_problem
 from fastrl_jax.rollout.sampling import SamplingParams
 from fastrl_jax.rollout.stats import Call, Recorder, RolloutStats
 
@@ -258,32 +259,8 @@ class RolloutEngine:
 
     # ---- requests -------------------------------------------------------------------------
     def validate(self, r: Request) -> str | None:
-        """The reason a request cannot run, or None."""
-        n, c, vocab = len(r.prompt_ids), self.cfg, self.model_cfg.vocab_size
-        if n == 0:
-            return "the prompt is empty"
-        if n > c.prompt_buckets[-1]:
-            return f"the prompt has {n} tokens, more than the largest prompt bucket ({c.prompt_buckets[-1]}); raise rollout.prompt_buckets"
-        if r.max_new_tokens < 1:
-            return f"max_new_tokens must be >= 1, got {r.max_new_tokens}"
-        # A speculative step writes its whole draft tree after the last token.
-        margin = max((s.num_nodes - 1 for s in self.strategies), default=0)
-        if n + r.max_new_tokens + margin > self.max_len:
-            extra = f" + {margin} draft-tree slots" if margin else ""
-            return (
-                f"prompt ({n}) + max_new_tokens ({r.max_new_tokens}){extra} exceeds the KV cache ({self.max_len} "
-                "slots, the largest rollout.length_buckets entry)"
-            )
-        if any(not 0 <= t < vocab for t in r.prompt_ids):
-            return f"prompt token ids must be in [0, {vocab})"
-        bad = [t for t in r.stop_ids if not 0 <= t < vocab]
-        if bad:
-            return f"unknown stop token ids {bad}: the vocabulary has {vocab} tokens"
-        if len(r.stop_ids) > c.max_stop_ids:
-            return f"{len(r.stop_ids)} stop ids, more than rollout.max_stop_ids={c.max_stop_ids}"
-        if r.temperature < 0 or r.top_k < 0 or not 0 < r.top_p <= 1:
-            return f"need temperature >= 0, top_k >= 0, 0 < top_p <= 1; got {r.temperature}, {r.top_k}, {r.top_p}"
-        return None
+        """The reason a request cannot run, or None (rollout.requests' rules, with this model's vocabulary)."""
+        return request_problem(r, self.cfg, draft_margin(self.sd), self.model_cfg.vocab_size)
 
     def _admission(self, reqs: list[Request], rows: list[int], groups: list[int]) -> tuple[programs.Admission, int, int]:
         c = self.cfg

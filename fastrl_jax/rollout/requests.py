@@ -1,0 +1,70 @@
+"""The rules a request must meet to run on a rollout engine, as pure functions of the request and the
+engine's configs.
+
+The engine applies them to every request (RolloutEngine.validate); a command applies them before it
+loads a model, so a bad --max-new-tokens or an over-long prompt fails in a second, not after the
+weights are read. Only the token-id range needs the model (its vocabulary size).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from fastrl_jax.config import RolloutConfig, SpecConfig
+
+if TYPE_CHECKING:
+    from fastrl_jax.rollout.engine import Request
+
+
+def draft_margin(sd: SpecConfig) -> int:
+    """KV-cache slots a speculative step writes past a row's last token (its largest draft tree, root excluded)."""
+    return 0 if sd.mode == "off" else max(spec.nodes() - 1 for spec in sd.strategy_list())
+
+
+def sampling_problem(max_new_tokens: int, temperature: float, top_k: int, top_p: float, cfg: RolloutConfig,
+                     margin: int = 0) -> str | None:
+    """The reason these sampling settings cannot run on an engine of `cfg` (whatever the prompt), or None."""
+    if max_new_tokens < 1:
+        return f"max_new_tokens must be >= 1, got {max_new_tokens}"
+    max_len = cfg.length_buckets[-1]
+    if max_new_tokens + margin >= max_len:
+        extra = f" + {margin} draft-tree slots" if margin else ""
+        return (f"max_new_tokens ({max_new_tokens}){extra} leaves no room for a prompt in the KV cache ({max_len} slots, "
+                "the largest rollout.length_buckets entry): lower it or raise rollout.length_buckets")
+    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+        return f"need temperature >= 0, top_k >= 0, 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}"
+    return None
+
+
+def request_problem(r: Request, cfg: RolloutConfig, margin: int = 0, vocab_size: int | None = None) -> str | None:
+    """The reason request `r` cannot run on an engine of `cfg` whose speculative steps write `margin`
+    slots past the last token, or None; vocab_size None skips the token-id range check."""
+    n = len(r.prompt_ids)
+    if n == 0:
+        return "the prompt is empty"
+    if n > cfg.prompt_buckets[-1]:
+        return (f"the prompt has {n} tokens, more than the largest prompt bucket ({cfg.prompt_buckets[-1]}); "
+                "raise rollout.prompt_buckets")
+    problem = sampling_problem(r.max_new_tokens, r.temperature, r.top_k, r.top_p, cfg, margin)
+    if problem:
+        return problem
+    max_len = cfg.length_buckets[-1]
+    if n + r.max_new_tokens + margin > max_len:
+        extra = f" + {margin} draft-tree slots" if margin else ""
+        return (f"prompt ({n}) + max_new_tokens ({r.max_new_tokens}){extra} exceeds the KV cache ({max_len} "
+                "slots, the largest rollout.length_buckets entry)")
+    if len(r.stop_ids) > cfg.max_stop_ids:
+        return f"{len(r.stop_ids)} stop ids, more than rollout.max_stop_ids={cfg.max_stop_ids}"
+    if vocab_size is not None:
+        return _id_problem(r.prompt_ids, r.stop_ids, vocab_size)
+    return None
+
+
+def _id_problem(prompt_ids: Sequence[int], stop_ids: Sequence[int], vocab: int) -> str | None:
+    if any(not 0 <= t < vocab for t in prompt_ids):
+        return f"prompt token ids must be in [0, {vocab})"
+    bad = [t for t in stop_ids if not 0 <= t < vocab]
+    if bad:
+        return f"unknown stop token ids {bad}: the vocabulary has {vocab} tokens"
+    return None
