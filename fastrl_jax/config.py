@@ -103,6 +103,7 @@ class RolloutConfig:
     length_buckets: tuple[int, ...] = (256, 512, 1024)  # KV-cache slots attention reads (prompt + completion)
     prompt_buckets: tuple[int, ...] = (64, 128, 256)  # padded prompt lengths for prefill
     steps_per_call: int = 32  # decode steps per program call between host visits
+    refill_rows: int = 4  # while requests wait, a call runs until this many rows (<= 1/8 of the table) finish; one prefill refills them
     max_stop_ids: int = 4
     compile_cache_dir: str = "~/.cache/fastrl_jax/xla"  # JAX persistent compilation cache; "" disables
     warm_up: bool = True  # compile every program at engine start
@@ -119,7 +120,7 @@ class RolloutConfig:
                 f"rollout.prompt_buckets max ({self.prompt_buckets[-1]}) must be below rollout.length_buckets max "
                 f"({self.length_buckets[-1]}): completions need cache slots after the prompt"
             )
-        _check_at_least("rollout", self, ("steps_per_call", "max_stop_ids"), 1)
+        _check_at_least("rollout", self, ("steps_per_call", "max_stop_ids", "refill_rows"), 1)
 
 
 class StrategySpec(str):

@@ -17,6 +17,15 @@ by source (EAGLE / history), the machine's facts, and a PNG timeline (live batch
 and strategy over time).
 
     python scripts/bench_rollout.py --workload longtail --drafter DRAFTER_DIR --repeats 3 --out longtail.json
+
+--workload stream: continuous batching, 512 requests of long-tailed lengths (lognormal, median 114,
+p90 ~193 new tokens, as SmolLM2's answers to math problems at T=0.7) through a 64-row table, every
+program compiled before the clock starts. Reports tok/s, the steady full-batch rate (decode calls with
+all 64 rows decoding, in the same run), their ratio `stream_vs_full_batch`, the mean live rows, the
+shares of time in prefill and in compilation (a length-bucket move that compiled), the idle row-steps
+of finished rows waiting for their refill, the median of --repeats runs, and a timeline PNG.
+
+    python scripts/bench_rollout.py --workload stream --repeats 3 --out stream.json
 """
 
 from __future__ import annotations
@@ -196,6 +205,139 @@ def run_longtail(name, model, drafter, rollout_cfg, sd, requests, repeats: int):
             "identical_across_repeats": all(r["outputs"] == runs[0]["outputs"] for r in runs)}
 
 
+# ---- stream workload ---------------------------------------------------------------------------
+
+STREAM_SEED = 2027  # problem stream of the stream workload
+
+
+def stream_requests(policy, args):
+    """args.requests math prompts, each with a max_new_tokens drawn from the long tail and no stop id,
+    so the work is the same in every run."""
+    from fastrl_jax.data.math_problems import problems
+    from fastrl_jax.data.prompts import chat_prompt_ids
+    from fastrl_jax.rollout.engine import Request
+
+    rng = np.random.default_rng(args.seed)
+    lengths = np.clip(np.rint(np.exp(rng.normal(np.log(114), 0.41, args.requests))), 8, args.max_new_tokens)
+    texts = [f"{p.question} {INSTRUCTION}" for p in problems(STREAM_SEED, args.requests, levels=(1, 2, 3, 4, 5))]
+    return [Request(chat_prompt_ids(policy.tokenizer, t), int(n), args.temperature, seed=args.seed + i)
+            for i, (t, n) in enumerate(zip(texts, lengths))]
+
+
+def stream_rollout_config(cfg, requests, batch: int):
+    """Batch buckets down to 1; prompt buckets by 32 tokens; length buckets every 128 slots."""
+    longest = max(len(r.prompt_ids) for r in requests)
+    prompts = tuple(range(32, -(-longest // 32) * 32 + 1, 32))
+    full = -(-(prompts[-1] + max(r.max_new_tokens for r in requests)) // 128) * 128
+    buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < batch) + (batch,)
+    return dataclasses.replace(cfg.rollout, batch_buckets=buckets, prompt_buckets=prompts,
+                               length_buckets=tuple(range(128, full + 1, 128)), warm_up=False)
+
+
+def stream_metrics(engine, seconds: float, batch: int) -> dict:
+    """What a stream run measures, from the engine's stats and timeline."""
+    s, calls = engine.stats, engine.timeline
+    # Full batch: every row of the table emits a token per step (a plain step costs the same whatever
+    # rows are live, so calls that started with the table full time it, also where rows finished in them).
+    full = [c for c in calls if c.live == batch and not c.speculative]
+    device = sum(c.seconds for c in calls)
+    full_rate = sum(c.steps * batch for c in full) / sum(c.seconds for c in full) if full else float("nan")
+    kv = [c.kv_len for c in calls]
+    return {
+        "seconds": seconds, "tokens": s.tokens, "tok_s": s.tokens / seconds, "full_batch_tok_s": full_rate,
+        "stream_vs_full_batch": s.tokens / seconds / full_rate,
+        "mean_live_rows": sum(live_rows(c) * c.seconds for c in calls) / device,
+        "prefill_share": s.seconds["prefill"] / seconds, "compile_share": s.seconds["compile"] / seconds,
+        "host_share": s.seconds["host"] / seconds, "bucket_moves": sum(a != b for a, b in zip(kv, kv[1:])),
+        "idle_row_steps": s.idle_row_steps, "decode_calls": len(calls), "prefill_calls": s.calls["prefill"],
+        "stats": s.as_dict(), "timeline": [c._asdict() for c in calls],
+    }
+
+
+def live_rows(call) -> float:
+    """Mean rows decoding in a call: its tokens per step for plain decoding (rows that finished in
+    the call stop counting), the rows live at its start for speculation."""
+    return call.tokens / call.steps if call.steps and not call.speculative else call.live
+
+
+def bench_stream(args) -> int:
+    from fastrl_jax.config import SpecConfig, load_config
+    from fastrl_jax.machine import format_machine, machine_facts
+    from fastrl_jax.models.drafter_io import make_drafter
+    from fastrl_jax.rollout.engine import RolloutEngine
+
+    cfg = load_config(args.config, args.set)
+    policy = load_smollm2(cfg)
+    requests = stream_requests(policy, args)
+    sd = dataclasses.replace(cfg.sd, mode=args.sd) if args.sd != "off" else SpecConfig()
+    rollout_cfg = stream_rollout_config(cfg, requests, args.batch)
+    drafter = make_drafter(cfg, policy.cfg, args.drafter, cfg.model.engine_dtype) if sd.uses_drafter() else None
+    engine = RolloutEngine(policy.model, rollout_cfg, sd=sd, drafter=drafter, progress=False)
+    t0 = time.perf_counter()
+    engine.pool.warm_up(engine.warm_up_keys(), progress=True)  # every program the stream can reach
+    print(f"[stream] {engine.pool_report()}; {time.perf_counter() - t0:.0f}s; {len(requests)} requests, "
+          f"batch {args.batch}, refill {rollout_cfg.refill_rows} rows, length buckets {rollout_cfg.length_buckets}",
+          file=sys.stderr)
+    runs = []
+    for r in range(args.repeats):
+        engine.reset_controller()
+        t0 = time.perf_counter()
+        out = engine.generate(requests)
+        runs.append(stream_metrics(engine, time.perf_counter() - t0, args.batch))
+        runs[-1]["outputs"] = [o.tokens for o in out]
+        print(f"[stream] run {r + 1}: {runs[-1]['tok_s']:.1f} tok/s, {runs[-1]['stream_vs_full_batch']:.2f} of full batch",
+              file=sys.stderr)
+    median = sorted(runs, key=lambda m: m["seconds"])[len(runs) // 2]
+    identical = all(m["outputs"] == runs[0]["outputs"] for m in runs)
+    facts = machine_facts()
+    keys = ("tok_s", "full_batch_tok_s", "stream_vs_full_batch", "mean_live_rows", "prefill_share", "compile_share",
+            "host_share", "bucket_moves", "idle_row_steps", "prefill_calls", "decode_calls")
+    print(f"machine: {format_machine(facts)}")
+    print(f"{len(requests)} requests (new tokens p50 {np.median([r.max_new_tokens for r in requests]):.0f}, max "
+          f"{max(r.max_new_tokens for r in requests)}), batch {args.batch}, sd {sd.mode}; median of {args.repeats}")
+    for k in keys:
+        print(f"  {k:<22} {median[k]:.3f}" if isinstance(median[k], float) else f"  {k:<22} {median[k]}")
+    print(f"  runs tok/s {[round(m['tok_s'], 1) for m in runs]}; outputs identical across runs: {identical}")
+    summary = {k: median[k] for k in keys} | {"runs_tok_s": [m["tok_s"] for m in runs], "identical_across_runs": identical,
+                                              "requests": len(requests), "batch": args.batch, "sd": sd.mode,
+                                              "rollout": dataclasses.asdict(rollout_cfg), "machine": facts}
+    with open(args.out, "w") as f:
+        json.dump({"summary": summary, "runs": [{k: v for k, v in m.items() if k != "outputs"} for m in runs]}, f, indent=1)
+    png = args.plot or str(Path(args.out).with_suffix(".png"))
+    if plot_stream(median, args.batch, png):
+        print(f"timeline plot: {png}")
+    return 0 if identical else 1
+
+
+def plot_stream(run: dict, batch: int, path: str) -> bool:
+    try:
+        import matplotlib
+    except ImportError:
+        print("no matplotlib: no timeline plot (pip install 'fastrl-jax[plot]')", file=sys.stderr)
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    calls = run["timeline"]
+    t = np.array([0.0] + [c["end_s"] for c in calls])
+    fig, (ax_b, ax_t) = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
+    ax_b.stairs([c["live"] for c in calls], t, baseline=None, label="live rows")
+    ax_b.stairs([c["kv_len"] / 16 for c in calls], t, baseline=None, label="length bucket / 16")
+    ax_b.axhline(batch, color="gray", ls=":", lw=1)
+    ax_b.legend()
+    ax_t.stairs([c["tokens"] / max(c["seconds"], 1e-9) for c in calls], t, baseline=None, label="decode tok/s (device)")
+    ax_t.axhline(run["full_batch_tok_s"], color="gray", ls=":", lw=1, label="full-batch rate")
+    ax_t.set_ylabel("tokens/s")
+    ax_t.set_xlabel("seconds")
+    ax_t.legend()
+    fig.suptitle(f"stream: {run['tok_s']:.0f} tok/s = {run['stream_vs_full_batch']:.2f} of full batch; "
+                 f"prefill {run['prefill_share']:.0%} of the time; mean live rows {run['mean_live_rows']:.1f}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def plot_timelines(runs, threshold: int, title: str, path: str) -> bool:
     try:
         import matplotlib
@@ -338,7 +480,7 @@ def print_longtail(summary: dict, runs: list[dict]) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", choices=["throughput", "longtail"], default="throughput")
+    parser.add_argument("--workload", choices=["throughput", "longtail", "stream"], default="throughput")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2,
@@ -358,9 +500,15 @@ def main(argv=None) -> int:
     longtail.add_argument("--max-new-tokens", type=int, default=512)
     longtail.add_argument("--seed", type=int, default=0)
     longtail.add_argument("--plot", help="timeline PNG (default: --out with .png)")
+    stream = parser.add_argument_group("stream")
+    stream.add_argument("--requests", type=int, default=512)
+    stream.add_argument("--batch", type=int, default=64, help="rows of the table")
+    stream.add_argument("--sd", choices=["off", "adaptive"], default="off", help="speculation in the stream's tail")
     args = parser.parse_args(argv)
     if args.workload == "longtail":
         return bench_longtail(args)
+    if args.workload == "stream":
+        return bench_stream(args)
 
     import jax
     from flax import nnx

@@ -285,3 +285,26 @@ def test_smollm2_greedy_matches_transformers(smollm2):
     print("mismatches (position, top-2 logit gap):", mismatches)
     assert len(mismatches) <= 1
     assert all(gap < 0.05 for _, gap in mismatches)
+
+
+def test_stream_refills_rows_and_matches_one_request_at_a_time(model):
+    """30 requests of mixed lengths through a 16-row table, refilled 2 rows at a time: every output is
+    what the request gives alone, errors come first, and finished rows wait a few steps at most."""
+    cfg = dataclasses.replace(CFG, batch_buckets=(1, 2, 16), refill_rows=2, steps_per_call=6)
+    engine = RolloutEngine(model, cfg, progress=False)
+    reqs = [Request(p, max_new_tokens=3 + (7 * i) % 19, temperature=0.9 * (i % 2), top_k=10 * (i % 3), seed=i)
+            for i, p in enumerate(prompts(30, seed=9))]
+    reqs[5] = Request([], max_new_tokens=4)  # cannot run
+    order = [i for i, _ in engine.stream(reqs)]
+    assert order[0] == 5 and sorted(order) == list(range(30))
+    streamed = engine.generate(reqs)
+    assert streamed[5].finish_reason == "error"
+    prefills = engine.stats.calls["prefill"]
+    assert prefills < 29 / 1.5  # refills came in batches, not one per finished row
+    assert 0 < engine.stats.idle_row_steps < 29 * cfg.steps_per_call
+    alone = RolloutEngine(model, dataclasses.replace(CFG, batch_buckets=(1,)), progress=False)
+    for i in (0, 1, 2, 11, 29):
+        single = alone.generate([reqs[i]])[0]
+        assert single.tokens == streamed[i].tokens and len(single.tokens) == reqs[i].max_new_tokens
+        np.testing.assert_allclose(single.logprobs, streamed[i].logprobs, rtol=1e-4, atol=1e-4)
+    assert all(c.live == 16 for c in engine.timeline[:3])  # the table stays full while requests wait

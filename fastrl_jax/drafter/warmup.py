@@ -41,24 +41,24 @@ from fastrl_jax.rollout.engine import Request, RolloutEngine
 
 
 def collect(engine: RolloutEngine, requests: list[Request], buffer: SampleBuffer, step: int = 0,
-            chunk: int = 512, progress: bool = True) -> dict[str, float]:
-    """Generates `requests` and adds (prompt + completion, hidden states, completion mask) to buffer.
-
-    Requests go to the engine `chunk` at a time: the engine refills finished rows from its queue, so
-    a large chunk keeps the batch full; the chunk bounds the completions' hidden states held at once."""
-    t0, tokens, skipped = time.perf_counter(), 0, 0
+            progress: bool = True) -> dict[str, float]:
+    """Generates `requests` as one stream and adds (prompt + completion, hidden states, completion mask)
+    to the buffer in request order (so the buffer does not depend on which rows finished first);
+    a completion leaves memory once it and every earlier one are in the buffer."""
+    t0, tokens, added, waiting, next_i = time.perf_counter(), 0, 0, {}, 0
     bar = tqdm(total=len(requests), desc="collect", unit="seq", file=sys.stderr, disable=not progress)
-    for lo in range(0, len(requests), chunk):
-        part = requests[lo : lo + chunk]
-        added, new_tokens = buffer.add_rollouts(part, engine.generate(part), step)
-        skipped += len(part) - added
-        tokens += new_tokens
-        bar.update(len(part))
+    for i, completion in engine.stream(requests):
+        waiting[i] = completion
+        while next_i in waiting:
+            seqs, new_tokens = buffer.add_rollouts([requests[next_i]], [waiting.pop(next_i)], step)
+            added, tokens, next_i = added + seqs, tokens + new_tokens, next_i + 1
+        bar.update(1)
         bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
     bar.close()
     seconds = time.perf_counter() - t0
-    return {"generated_tokens": tokens, "generate_seconds": seconds, "skipped": skipped,
-            "generate_tok_s": tokens / seconds}
+    return {"generated_tokens": tokens, "generate_seconds": seconds, "skipped": len(requests) - added,
+            "generate_tok_s": tokens / seconds, "idle_row_steps": engine.stats.idle_row_steps,
+            "prefill_share": engine.stats.seconds["prefill"] / seconds}
 
 
 def acceptance(engine: RolloutEngine, prompts: list[list[int]], max_new_tokens: int, temperature: float,

@@ -114,11 +114,16 @@ class Decoder(nnx.Module):
           logits [B, T, vocab] float32, last-layer hidden states [B, T, hidden] (before the final
           norm: the drafter's input), and the updated cache.
         """
+        hidden, cache = self.hidden(tokens, positions, cache, start, block_mask, kv_len, mask)
+        return self.logits(hidden), hidden, cache
+
+    def hidden(self, tokens, positions, cache: KVCache, start, block_mask=None, kv_len=None, mask=None):
+        """__call__ without the LM head: (last-layer hidden states, cache), for callers that need
+        the logits of a few positions only (a prefill samples from each prompt's last)."""
         kv_len = cache.max_len if kv_len is None else kv_len
         if mask is None:
             mask = attention_mask(start, block_mask, tokens.shape[1], kv_len)
-        hidden, cache = run_layers(self.cfg, self.layers, self.embed[tokens], positions, cache, start, mask)
-        return self.logits(hidden), hidden, cache
+        return run_layers(self.cfg, self.layers, self.embed[tokens], positions, cache, start, mask)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final norm and LM head: [..., hidden] -> [..., vocab] float32."""

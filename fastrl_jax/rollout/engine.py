@@ -16,7 +16,7 @@ import logging
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -163,7 +163,10 @@ class RolloutEngine:
             keys += [("sd", b, n, s) for b in buckets for n in c.length_buckets]
             sd_buckets.update(buckets if s.uses_drafter else ())
         keys += [("draft_prefill", b, n) for b in sorted(sd_buckets) for n in c.length_buckets]
+        # A first admission fills a table; refills of the largest table (a stream) admit fewer rows.
+        top = c.batch_buckets[-1]
         keys += [("prefill", b, b, t) for b in c.batch_buckets for t in c.prompt_buckets]
+        keys += [("prefill", top, p, t) for p in c.batch_buckets if p < top for t in c.prompt_buckets]
         keys += [("resize", b, s) for b in c.batch_buckets for s in c.batch_buckets if s < b]
         return keys
 
@@ -199,19 +202,18 @@ class RolloutEngine:
         # Outputs pinned to the row table's sharding: left free, XLA may shard e.g. hidden states like
         # the weights (fsdp), and the next program, compiled for replicated inputs, would reject them.
         out = self._replicated
+        scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated)  # max_steps, min_finished
         if phase == "decode":
-            fn = jax.jit(programs.decode, static_argnums=(0, 4), donate_argnums=(2,), out_shardings=out)
-            steps = jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated)
-            return fn, (self.graphdef, self.state, slots, steps, key[2])
+            fn = jax.jit(programs.decode, static_argnums=(0, 5), donate_argnums=(2,), out_shardings=out)
+            return fn, (self.graphdef, self.state, slots, scalar, scalar, key[2])
         if phase == "prefill":
             _, _, p, t = key
             adm = self._admission_shapes(p, t)
             fn = jax.jit(programs.prefill, static_argnums=(0,), donate_argnums=(2,), out_shardings=out)
             return fn, (self.graphdef, self.state, slots, adm)
         if phase == "sd":
-            fn = jax.jit(speculative.sd_program, static_argnums=(0, 2, 6, 7, 8, 9), donate_argnums=(4,), out_shardings=out)
-            steps = jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated)
-            args = (self.graphdef, self.state, self.drafter_graphdef, self.drafter_state, slots, steps)
+            fn = jax.jit(speculative.sd_program, static_argnums=(0, 2, 7, 8, 9, 10), donate_argnums=(4,), out_shardings=out)
+            args = (self.graphdef, self.state, self.drafter_graphdef, self.drafter_state, slots, scalar, scalar)
             return fn, (*args, key[3], key[2], self.sd.accept, self.match)
         if phase == "draft_prefill":
             fn = jax.jit(speculative.drafter_prefill_program, static_argnums=(0, 2, 5), donate_argnums=(4,), out_shardings=out)
@@ -294,32 +296,46 @@ class RolloutEngine:
         )
         return jax.device_put(adm, self._replicated), p, t
 
-    def _plan(self, live_batch: int) -> tuple[speculative.Strategy, bool]:
+    def _plan(self, live_batch: int, queued: bool) -> tuple[speculative.Strategy, bool]:
         """The strategy of this host step (speculative.PLAIN for plain decoding), and whether the bandit
-        chose it (its reward then goes back to the bandit)."""
+        chose it (its reward then goes back to the bandit). Adaptive speculation waits for the queue to
+        empty: until then finished rows are refilled and the batch stays full."""
         if self.sd.mode == "on":
             return self.strategies[0], False
-        if self.sd.mode == "adaptive" and self.onoff.update(live_batch):
+        if self.sd.mode == "adaptive" and not queued and self.onoff.update(live_batch):
             choice = self.chooser.choose(live_batch)
             if choice is not None:
                 return choice, True
         return speculative.PLAIN, False
 
     def generate(self, requests: Sequence[Request], between_steps: Callable[[int], None] | None = None) -> list[Completion]:
-        """Completes every request; a request that cannot run gets finish_reason 'error', the rest still run.
-
-        between_steps(live_batch), when given, runs on the host after every decode call (the online
-        drafter trainer interleaves its steps into the tail there)."""
+        """Completes every request (stream's completions in request order); a request that cannot run
+        gets finish_reason 'error', the rest still run."""
         results: list[Completion | None] = [None] * len(requests)
+        for i, completion in self.stream(requests, between_steps):
+            results[i] = completion
+        return results
+
+    def stream(self, requests: Sequence[Request],
+               between_steps: Callable[[int], None] | None = None) -> Iterator[tuple[int, Completion]]:
+        """Yields (request index, completion) as requests finish: one stream through one row table.
+
+        A finished row is refilled from the queue at the next host visit; while the queue holds
+        requests, a device call runs until rollout.refill_rows rows have finished (or steps_per_call),
+        so refills come in one prefill instead of one per row. Once the queue is empty, live rows move
+        to smaller batch buckets as they finish, and adaptive speculation may start. Errors (requests
+        that cannot run) come first. between_steps(live_batch), when given, runs on the host after
+        every decode call (the online drafter trainer interleaves its steps into the tail there).
+        engine.stats and engine.timeline describe the stream once it is exhausted."""
         queue: deque[int] = deque()
         for i, r in enumerate(requests):
             error = self.validate(r)
             if error:
-                results[i] = Completion([], [], "error", error)
+                yield i, Completion([], [], "error", error)
             else:
                 queue.append(i)
         if not queue:
-            return results
+            return
         c = self.cfg
         table = _Table(self._placed_empty(bucket_for(min(len(queue), c.batch_buckets[-1]), c.batch_buckets)))
         table.text = history_lib.GroupCorpus([r.prompt_ids for r in requests], self.history,
@@ -328,18 +344,19 @@ class RolloutEngine:
         self.onoff.reset()
         with tqdm(total=len(queue), desc="rollout", unit="req", file=sys.stderr, disable=not self.progress) as bar:
             while queue or table.busy():
-                self._admit(table, queue, requests, rec)
-                bar.update(self._collect_finished(table, requests, results, rec))
+                done = self._collect_finished(table, requests, rec)
+                bar.update(len(done))
+                yield from done
+                self._admit(table, queue, requests, rec)  # into the rows just freed
                 live = table.busy()
                 if not live:
                     continue
                 if not queue:
                     self._compact(table, rec)
-                self._advance(table, *self._plan(live), rec)
+                self._advance(table, *self._plan(live, bool(queue)), rec, refill=bool(queue))
                 if between_steps is not None:
                     between_steps(live)
         self.stats, self.timeline = rec.finish(self.pool.compile_seconds()), rec.timeline
-        return results
 
     # ---- the steps of one host visit ------------------------------------------------------------
     def _placed_empty(self, batch: int) -> programs.Slots:
@@ -368,18 +385,19 @@ class RolloutEngine:
         table.draft_fresh = False
         table.text.dirty = True
 
-    def _collect_finished(self, table: _Table, requests, results: list, rec: Recorder) -> int:
-        """Moves the finished rows' completions into results and frees the rows; returns how many."""
+    def _collect_finished(self, table: _Table, requests, rec: Recorder) -> list[tuple[int, Completion]]:
+        """The finished rows' (request index, completion); frees their rows."""
         live = jax.device_get(table.slots.live)
-        done = [r for r in range(table.batch) if table.row_req[r] >= 0 and not live[r]]
-        if not done:
-            return 0
-        for r, completion in zip(done, self._harvest(table.slots, done, [requests[table.row_req[r]] for r in done])):
-            results[table.row_req[r]] = completion
+        rows = [r for r in range(table.batch) if table.row_req[r] >= 0 and not live[r]]
+        if not rows:
+            return []
+        done = []
+        for r, completion in zip(rows, self._harvest(table.slots, rows, [requests[table.row_req[r]] for r in rows])):
+            done.append((table.row_req[r], completion))
             rec.stats.tokens += len(completion.tokens)
             table.text.finished(table.row_req[r], completion.tokens)
             table.row_req[r] = -1
-        return len(done)
+        return done
 
     def _compact(self, table: _Table, rec: Recorder) -> None:
         """Moves the live rows into the smallest batch bucket that holds them (the queue is empty)."""
@@ -393,12 +411,14 @@ class RolloutEngine:
                                    jax.device_put(index, self._replicated))
         table.row_req = [table.row_req[r] for r in live_rows] + [-1] * (target - len(live_rows))
 
-    def _advance(self, table: _Table, strategy: speculative.Strategy, pulled: bool, rec: Recorder) -> None:
-        """One device call: plain decoding, or speculative steps of `strategy`, until a row finishes.
-        pulled: the bandit chose the strategy; it gets the call's tokens per second back."""
+    def _advance(self, table: _Table, strategy: speculative.Strategy, pulled: bool, rec: Recorder, refill: bool) -> None:
+        """One device call: plain decoding, or speculative steps of `strategy`, until rows finish: one
+        row, or rollout.refill_rows (at most an eighth of the table) when `refill` (queued requests wait
+        for the rows). pulled: the bandit
+        chose the strategy; it gets the call's tokens per second back."""
         c, batch, live = self.cfg, table.batch, table.busy()
-        before = _counters(table.slots)  # [5, B]: tokens, speculative steps, EAGLE / history drafts, length
-        longest = int(max(before[4, r] for r in range(batch) if table.row_req[r] >= 0))
+        before = _counters(table.slots)  # [6, B]: tokens, speculative steps, EAGLE / history drafts, idle, length
+        longest = int(max(before[5, r] for r in range(batch) if table.row_req[r] >= 0))
         prefill_s = 0.0
         if strategy.is_plain:
             kv_len = bucket_for(longest + 1, c.length_buckets)
@@ -413,14 +433,17 @@ class RolloutEngine:
             key, args = ("sd", batch, kv_len, strategy), (self.state, self.drafter_state, table.slots)
         if pulled and self.chooser.exploring:  # a short call: an arm that loses costs little to try
             steps = min(steps, self.sd.explore_steps)
-        args = (*args, jnp.int32(steps))
+        # Waiting rows idle: at most an eighth of the table waits for a refill.
+        min_finished = min(c.refill_rows, max(1, batch // 8)) if refill else 1
+        args = (*args, jnp.int32(steps), jnp.int32(min_finished))
         table.slots, seconds = self._run(rec, key, *args)
-        diff = _counters(table.slots)[:4] - before[:4]  # [4, B] per row
-        tokens, row_steps, eagle, hist = (int(x) for x in diff.sum(1))
+        diff = _counters(table.slots)[:5] - before[:5]  # [5, B] per row
+        tokens, row_steps, eagle, hist, idle = (int(x) for x in diff.sum(1))
+        rec.stats.idle_row_steps += idle
         if strategy.is_plain:
-            rec.decode_call(live, tokens, int(diff[0].max()))
+            rec.decode_call(live, tokens, int(diff[0].max()), seconds, kv_len, batch)
         else:
-            rec.sd_call(strategy.label, live, tokens, row_steps, int(diff[1].max()), seconds, eagle, hist)
+            rec.sd_call(strategy.label, live, tokens, row_steps, int(diff[1].max()), seconds, eagle, hist, kv_len, batch)
         if pulled:  # the drafter prefill a switch to EAGLE needed is part of the arm's cost
             self.chooser.record(strategy, live, tokens / (seconds + prefill_s) / live)
 
@@ -492,7 +515,7 @@ def _check_dtypes(what: str, new, current) -> None:
 
 
 def _counters(slots: programs.Slots) -> np.ndarray:
-    """[5, B] int64 of every row so far: completion tokens, speculative steps, emitted drafts EAGLE
-    proposed, emitted drafts the history proposed, and its cached length."""
-    n_out, counts, length = jax.device_get((slots.n_out, slots.spec_counts, slots.length))
-    return np.concatenate([n_out[None], counts.T, length[None]]).astype(np.int64)
+    """[6, B] int64 of every row so far: completion tokens, speculative steps, emitted drafts EAGLE
+    proposed, emitted drafts the history proposed, steps waited finished, and its cached length."""
+    n_out, counts, idle, length = jax.device_get((slots.n_out, slots.spec_counts, slots.idle, slots.length))
+    return np.concatenate([n_out[None], counts.T, idle[None], length[None]]).astype(np.int64)

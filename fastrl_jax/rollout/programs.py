@@ -37,6 +37,7 @@ class Slots:
     history: jax.Array  # [B, S + 1] int32 token at every position up to and including `token`
     group: jax.Array  # [B] int32 prompt group (rows of one group draft from each other's text)
     spec_counts: jax.Array  # [B, 3] int32 speculative steps, emitted drafts from EAGLE, from history
+    idle: jax.Array  # [B] int32 device steps the row waited finished, for its refill
     corpus: jax.Array | None = None  # [B, M] int32 earlier text of each row's group (history drafting)
     draft: Any = None  # speculative.DraftState when an EAGLE drafter speculates
 
@@ -70,6 +71,7 @@ class Slots:
             history=jnp.zeros((batch, max_len + 1), jnp.int32),
             group=zeros_i(),
             spec_counts=jnp.zeros((batch, 3), jnp.int32),
+            idle=zeros_i(),
             corpus=jnp.full((batch, corpus_tokens), -1, jnp.int32) if corpus_tokens else None,
         )
 
@@ -99,9 +101,9 @@ def prefill(graphdef, state, slots: Slots, adm: Admission) -> Slots:
     P, Tp = adm.tokens.shape
     tmp = KVCache.zeros(model.cfg, P, Tp, slots.cache.k.dtype)
     positions = jnp.broadcast_to(jnp.arange(Tp, dtype=jnp.int32), (P, Tp))
-    logits, hidden, tmp = model(adm.tokens, positions, tmp, jnp.zeros(P, jnp.int32))
+    hidden, tmp = model.hidden(adm.tokens, positions, tmp, jnp.zeros(P, jnp.int32))
     last = adm.lengths - 1
-    token, logprob = sample(logits[jnp.arange(P), last], adm.params, adm.lengths)
+    token, logprob = sample(model.logits(hidden[jnp.arange(P), last]), adm.params, adm.lengths)
 
     def write(p, tables):
         cache, hid = tables
@@ -146,24 +148,30 @@ def prefill(graphdef, state, slots: Slots, adm: Admission) -> Slots:
     )
 
 
-def steps_until_a_row_finishes(step: Callable[[Slots], Slots], slots: Slots, max_steps: jax.Array) -> Slots:
-    """Runs step(slots) on device until max_steps steps have run or a live row has finished: the loop
-    of plain decoding and of speculative decoding alike (the host harvests a finished row at once)."""
-    n_live = jnp.sum(slots.live)
+def steps_until_rows_finish(step: Callable[[Slots], Slots], slots: Slots, max_steps: jax.Array,
+                            min_finished: jax.Array) -> Slots:
+    """Runs step(slots) on device until max_steps steps have run, or min_finished of the rows live at
+    the start have finished (all of them, if fewer are live): the loop of plain and speculative decoding
+    alike. The host refills finished rows in one prefill when the loop returns; meanwhile they wait,
+    counted in `idle`."""
+    started = slots.live
+    n_live = jnp.sum(started)
+    goal = jnp.minimum(jnp.maximum(min_finished, 1), n_live)
 
     def cond(carry):
         i, s = carry
-        return (i < max_steps) & (jnp.sum(s.live) == n_live) & (n_live > 0)
+        return (i < max_steps) & (n_live - jnp.sum(s.live) < goal) & (n_live > 0)
 
     def body(carry):
         i, s = carry
-        return i + 1, step(s)
+        s = step(s)
+        return i + 1, s.replace(idle=s.idle + (started & ~s.live))
 
     return jax.lax.while_loop(cond, body, (jnp.int32(0), slots))[1]
 
 
-def decode(graphdef, state, slots: Slots, max_steps: jax.Array, kv_len: int) -> Slots:
-    """Decodes up to max_steps tokens per live row, returning early as soon as a row finishes.
+def decode(graphdef, state, slots: Slots, max_steps: jax.Array, min_finished: jax.Array, kv_len: int) -> Slots:
+    """Decodes up to max_steps tokens per live row, returning early once min_finished rows have finished.
 
     Every live row's length must stay < kv_len (the new token's slot is inside the attention
     window): the host passes max_steps <= kv_len - max(length).
@@ -192,7 +200,7 @@ def decode(graphdef, state, slots: Slots, max_steps: jax.Array, kv_len: int) -> 
             history=s.history.at[rows, jnp.where(live, s.length + 1, s.history.shape[1])].set(token, mode="drop"),
         )
 
-    return steps_until_a_row_finishes(step, slots, max_steps)
+    return steps_until_rows_finish(step, slots, max_steps, min_finished)
 
 
 def resize(slots: Slots, index: jax.Array) -> Slots:

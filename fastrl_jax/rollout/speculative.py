@@ -24,7 +24,7 @@ from fastrl_jax.models.decoder import KVCache
 from fastrl_jax.models.drafter import policy_features
 from fastrl_jax.rollout import accept as accept_lib
 from fastrl_jax.rollout import history as history_lib
-from fastrl_jax.rollout.programs import Slots, steps_until_a_row_finishes
+from fastrl_jax.rollout.programs import Slots, steps_until_rows_finish
 from fastrl_jax.rollout.sampling import SamplingParams, gumbel_at
 
 
@@ -428,9 +428,9 @@ def drafter_prefill(policy, drafter, s: Slots, ds: DraftState, kv_len: int) -> D
     )
 
 
-def sd_program(graphdef, state, dgraphdef, dstate, s: Slots, max_steps, strategy: Strategy, kv_len: int, mode: str,
-               match: history_lib.MatchSettings):
-    """Speculative steps until a row finishes or max_steps (the host keeps rows inside kv_len)."""
+def sd_program(graphdef, state, dgraphdef, dstate, s: Slots, max_steps, min_finished, strategy: Strategy, kv_len: int,
+               mode: str, match: history_lib.MatchSettings):
+    """Speculative steps until min_finished rows finish or max_steps (the host keeps rows inside kv_len)."""
     policy = nnx.merge(graphdef, state)
     drafter = nnx.merge(dgraphdef, dstate) if strategy.uses_drafter else None
 
@@ -438,7 +438,7 @@ def sd_program(graphdef, state, dgraphdef, dstate, s: Slots, max_steps, strategy
         s, ds = sd_step(policy, drafter, s.replace(draft=None), s.draft, strategy, kv_len, mode, match)
         return s.replace(draft=ds)
 
-    return steps_until_a_row_finishes(step, s, max_steps)
+    return steps_until_rows_finish(step, s, max_steps, min_finished)
 
 
 def drafter_prefill_program(graphdef, state, dgraphdef, dstate, s: Slots, kv_len: int) -> Slots:

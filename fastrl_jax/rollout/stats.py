@@ -17,7 +17,11 @@ class Call(NamedTuple):
     live: int  # live rows during the call
     tokens: int  # tokens the call emitted
     speculative: bool
-    strategy: str  # the draft tree as 'steps/topk/verify_tokens'; '' for plain decoding
+    strategy: str  # the draft strategy's label; '' for plain decoding
+    seconds: float = 0.0  # the program's own time (end_s also counts the host work before it)
+    kv_len: int = 0  # cache slots attention read (the length bucket)
+    batch: int = 0  # rows of the table (the batch bucket)
+    steps: int = 0  # device steps the call ran
 
 
 @dataclasses.dataclass
@@ -41,6 +45,7 @@ class RolloutStats:
     steps_sd: int = 0  # speculative steps on device (likewise)
     sd_tokens: int = 0  # tokens emitted by speculative steps
     sd_steps: int = 0  # speculative row-steps
+    idle_row_steps: int = 0  # device steps finished rows waited for their refill (streaming)
     drafts_eagle: int = 0  # emitted tokens the EAGLE drafter had drafted
     drafts_history: int = 0  # emitted tokens drafted from history (a draft both proposed counts twice)
     calls: Counter = dataclasses.field(default_factory=Counter)  # program calls per phase
@@ -53,6 +58,7 @@ class RolloutStats:
         labels = self.strategies.keys() | other.strategies.keys()
         return RolloutStats(
             tokens=self.tokens + other.tokens, steps_plain=self.steps_plain + other.steps_plain,
+            idle_row_steps=self.idle_row_steps + other.idle_row_steps,
             steps_sd=self.steps_sd + other.steps_sd, sd_tokens=self.sd_tokens + other.sd_tokens,
             sd_steps=self.sd_steps + other.sd_steps, drafts_eagle=self.drafts_eagle + other.drafts_eagle,
             drafts_history=self.drafts_history + other.drafts_history, calls=self.calls + other.calls,
@@ -102,12 +108,12 @@ class Recorder:
         self.stats.calls[phase] += 1
         self.stats.seconds[phase] += seconds
 
-    def decode_call(self, live: int, tokens: int, device_steps: int) -> None:
+    def decode_call(self, live: int, tokens: int, device_steps: int, seconds: float, kv_len: int, batch: int) -> None:
         self.stats.steps_plain += device_steps
-        self.timeline.append(Call(self.elapsed(), live, tokens, False, ""))
+        self.timeline.append(Call(self.elapsed(), live, tokens, False, "", seconds, kv_len, batch, device_steps))
 
     def sd_call(self, label: str, live: int, tokens: int, row_steps: int, device_steps: int, seconds: float,
-                drafts_eagle: int, drafts_history: int) -> None:
+                drafts_eagle: int, drafts_history: int, kv_len: int, batch: int) -> None:
         s = self.stats
         s.steps_sd += device_steps
         s.sd_tokens += tokens
@@ -115,7 +121,7 @@ class Recorder:
         s.drafts_eagle += drafts_eagle
         s.drafts_history += drafts_history
         s.strategies[label] = s.strategies.get(label, StrategyStats()) + StrategyStats(tokens, row_steps, seconds)
-        self.timeline.append(Call(self.elapsed(), live, tokens, True, label))
+        self.timeline.append(Call(self.elapsed(), live, tokens, True, label, seconds, kv_len, batch, device_steps))
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
