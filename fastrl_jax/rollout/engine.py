@@ -409,11 +409,15 @@ class RolloutEngine:
         return out, seconds
 
     def _admit(self, table: _Table, queue: deque[int], requests: Sequence[Request], rec: Recorder) -> None:
-        """Prefills queued requests into the free rows."""
+        """Prefills queued requests into the free rows (while more wait than fit, a batch bucket's worth:
+        the rows left over wait for the next visit instead of padding the prefill)."""
         free = table.free_rows()
         if not queue or not free:
             return
-        take = [queue.popleft() for _ in range(min(len(queue), len(free)))]
+        n = min(len(queue), len(free))
+        if len(queue) > len(free):  # more wait: admit a whole batch bucket, no padded prefill rows
+            n = max([b for b in self.cfg.batch_buckets if b <= n], default=n)
+        take = [queue.popleft() for _ in range(n)]
         skip = table.prefix.tokens.shape[0]
         adm, p, t = self._admission([requests[i] for i in take], free[: len(take)], [table.text.group_of[i] for i in take], skip)
         table.slots, _ = self._run(rec, ("prefill", table.batch, p, t, skip), self.state, table.slots, adm, table.prefix)
