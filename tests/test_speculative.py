@@ -87,9 +87,9 @@ def model():
     return tiny_model()
 
 
-@pytest.fixture(scope="module")
-def drafter():
-    return Drafter(TINY, nnx.Rngs(5))
+@pytest.fixture(scope="module", params=["eagle", "eagle3"])
+def drafter(request):
+    return Drafter(TINY, nnx.Rngs(5), kind=request.param)
 
 
 STRATEGIES = [(3, 1, 4), (3, 2, 6), (2, 3, 7)]
@@ -112,7 +112,8 @@ def test_coupled_sampling_equals_plain_sampling(model, drafter, temperature):
         Request(p, max_new_tokens=14, temperature=temperature, top_p=0.9, seed=i, stop_ids=(7,))
         for i, p in enumerate(prompts(6, seed=2))
     ]
-    plain = RolloutEngine(model, SD_CFG, keep_hidden=True, progress=False).generate(reqs)
+    plain = RolloutEngine(model, SD_CFG, keep_hidden=True, progress=False,
+                          feature_layers=drafter.feature_layers).generate(reqs)
     sd = SpecConfig(mode="on", steps=3, topk=2, verify_tokens=6)
     spec = RolloutEngine(model, SD_CFG, sd=sd, drafter=drafter, progress=False).generate(reqs)
     for a, b in zip(plain, spec):
@@ -202,6 +203,7 @@ def test_drafter_checkpoint_round_trip(drafter, tmp_path):
 
     save_drafter(tmp_path / "d", drafter)
     back = load_drafter(tmp_path / "d", TINY)
+    assert back.kind == drafter.kind and back.feature_layers == drafter.feature_layers
     for a, b in zip(jax.tree.leaves(nnx.state(drafter, nnx.Param)), jax.tree.leaves(nnx.state(back, nnx.Param))):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(FileNotFoundError, match="save_drafter"):

@@ -57,7 +57,7 @@ class Completion:
     logprobs: list[float]
     finish_reason: str  # "stop", "length" or "error"
     error: str | None = None
-    # [len(prompt) + len(tokens) - 1, hidden] last-layer hidden state of every token fed to the
+    # [len(prompt) + len(tokens) - 1, F] policy features (last-layer hidden state, or EAGLE-3's three layers) of every token fed to the
     # policy (all but the last completion token); only when the engine keeps hidden states.
     hidden_states: np.ndarray | None = None
 
@@ -95,9 +95,12 @@ class RolloutEngine:
         keep_hidden: bool = False,
         progress: bool = True,
         history: HistoryStore | None = None,
+        feature_layers: tuple[int, ...] | None = None,
     ):
         """history: earlier completions per prompt that history strategies draft from (the caller adds
-        to it, e.g. the trainer after each RL step); within a call, finished siblings count anyway."""
+        to it, e.g. the trainer after each RL step); within a call, finished siblings count anyway.
+        feature_layers: the policy features kept as hidden states (Decoder capture indices; () the
+        last-layer hidden state); None: the drafter's (Drafter.feature_layers), () without one."""
         self.cfg = cfg
         self.model_cfg = model.cfg
         self.graphdef, self.state = nnx.split(model)
@@ -120,6 +123,11 @@ class RolloutEngine:
         ) if ranges else None
         self.drafter_graphdef, self.drafter_state = (
             nnx.split(drafter) if drafter is not None and self.uses_drafter else (None, None))
+        if feature_layers is None:
+            feature_layers = drafter.feature_layers if drafter is not None else ()
+        if self.uses_drafter and tuple(feature_layers) != drafter.feature_layers:
+            raise ValueError(f"feature_layers {feature_layers} differ from the drafter's {drafter.feature_layers}")
+        self.feature_layers = tuple(feature_layers)
         # Speculation restarts the drafter from stored policy hidden states, so it keeps them.
         self.keep_hidden = keep_hidden or self.uses_drafter
         self.progress = progress
@@ -180,7 +188,7 @@ class RolloutEngine:
     def _empty(self, batch: int) -> programs.Slots:
         slots = programs.Slots.empty(
             self.model_cfg, batch, self.max_len, self.cfg.max_stop_ids, self.keep_hidden, self.dtype,
-            self.sd.history.corpus_tokens if self.uses_history else 0,
+            self.sd.history.corpus_tokens if self.uses_history else 0, self.feature_layers,
         )
         if not self.uses_drafter:
             return slots
@@ -190,8 +198,7 @@ class RolloutEngine:
         scratch = max(s.scratch_slots for s in eagle)
         drafter = nnx.merge(self.drafter_graphdef, self.drafter_state)
         draft = speculative.DraftState.empty(
-            drafter.empty_cache(batch, self.max_len + scratch, self.dtype), pending, self.model_cfg.hidden_size,
-            self.dtype,
+            drafter.empty_cache(batch, self.max_len + scratch, self.dtype), pending, drafter.feature_size, self.dtype,
         )
         return slots.replace(draft=draft)
 
