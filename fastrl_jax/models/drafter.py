@@ -14,9 +14,10 @@ an index back to a full-vocabulary id. The policy still verifies every drafted t
 decoding stays lossless; tokens outside the draft vocabulary are simply never drafted.
 
 kind "eagle3" (EAGLE-3, as SGLang's llama_eagle3.py serves it): the features are the policy's
-residual stream entering three layers (`feature_layers`: [2, L//2, L-3], clamped into [0, L] for
-models of few layers), concatenated [.., 3H] and stored raw; fc fuses them 3H -> H at the first draft
-step, and later steps feed the drafter's own output h (already H wide) instead. The layer's attention
+residual stream entering three layers (`feature_layers`: SGLang's default [2, L//2, L-3], clamped
+into [0, L-1] for models of few layers, where SGLang can still capture them), concatenated [.., 3H]
+and stored raw; fc fuses them 3H -> H at the first draft step, and later steps feed the drafter's
+own output h (already H wide) instead. The layer's attention
 reads concat(rmsnorm(embed(x_{t+1})), rmsnorm(h)) (2H) with h as the residual stream, and the
 drafter's own final norm precedes the head. It trains on cross-entropy alone (drafter/train.py).
 """
@@ -47,12 +48,13 @@ def policy_features(policy: Decoder, hidden: jax.Array) -> jax.Array:
 
 def feature_layers(kind: str, num_layers: int) -> tuple[int, ...]:
     """The policy layers whose input hidden states a drafter of `kind` reads (Decoder capture indices):
-    () for EAGLE (the last hidden state), SGLang's [2, L//2, L-3] clamped into [0, L] for EAGLE-3."""
+    () for EAGLE (the last hidden state), SGLang's [2, L//2, L-3] clamped into [0, L-1] for EAGLE-3 (SGLang
+    captures the input of layers 0 .. L-1 only)."""
     if kind not in KINDS:
         raise ValueError(f"drafter kind must be one of {', '.join(KINDS)}, got {kind!r}")
     if kind == "eagle":
         return ()
-    return tuple(min(max(i, 0), num_layers) for i in (2, num_layers // 2, num_layers - 3))
+    return tuple(min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3))
 
 
 class Drafter(nnx.Module):
