@@ -392,6 +392,7 @@ class DrafterTrainConfig:
     out_dir: str = "~/.cache/fastrl_jax/drafters/smollm2"  # run dir: data, checkpoints, metrics, drafter/
     # "eagle": fc(embed, last hidden state) + SmoothL1 + CE; "eagle3": fc over three policy layers' features,
     # cross-entropy on the policy's tokens only (models/drafter.py). A loaded drafter keeps its own kind.
+    # eagle accepted more on a small SmolLM2 warm-up (docs/measurements.md), so it stays the default.
     kind: str = "eagle"
     prompts: str = "builtin"  # 'builtin' (math problems + general chat) or a JSONL file of {"prompt": text}
     num_prompts: int = 512  # prompts generated from (before samples_per_prompt)

@@ -211,7 +211,8 @@ def test_drafter_checkpoint_round_trip(drafter, tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_speculative_greedy_equals_plain(smollm2):
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_smollm2_speculative_greedy_equals_plain(smollm2, kind):
     """The real SmolLM2 with a random drafter: 16 prompts x 64 tokens, token for token."""
     from fastrl_jax.data.prompts import chat_prompt_ids
 
@@ -221,7 +222,7 @@ def test_smollm2_speculative_greedy_equals_plain(smollm2):
     cfg = dataclasses.replace(CFG, batch_buckets=(4, 16), length_buckets=(128,), prompt_buckets=(64,))
     plain = RolloutEngine(model, cfg, progress=False).generate(reqs)
     sd = SpecConfig(mode="on", steps=3, topk=2, verify_tokens=6)
-    spec = RolloutEngine(model, cfg, sd=sd, drafter=Drafter(model_cfg, nnx.Rngs(0)), progress=False).generate(reqs)
+    spec = RolloutEngine(model, cfg, sd=sd, drafter=Drafter(model_cfg, nnx.Rngs(0), kind=kind), progress=False).generate(reqs)
     same = sum(a.tokens == b.tokens for a, b in zip(plain, spec))
     assert same >= 15, [(i, a.tokens, b.tokens) for i, (a, b) in enumerate(zip(plain, spec)) if a.tokens != b.tokens]
 
