@@ -104,6 +104,9 @@ class RolloutConfig:
     prompt_buckets: tuple[int, ...] = (64, 128, 256)  # padded prompt lengths for prefill
     steps_per_call: int = 32  # decode steps per program call between host visits
     refill_rows: int = 4  # while requests wait, a call runs until this many rows (<= 1/8 of the table) finish; one prefill refills them
+    # Requests of a stream that share this many leading prompt tokens (a chat template's system turn,
+    # a GRPO group's prompt) prefill them once, in multiples of it; 0 disables.
+    shared_prefix_min: int = 8
     max_stop_ids: int = 4
     compile_cache_dir: str = "~/.cache/fastrl_jax/xla"  # JAX persistent compilation cache; "" disables
     warm_up: bool = True  # compile every program at engine start
@@ -121,6 +124,7 @@ class RolloutConfig:
                 f"({self.length_buckets[-1]}): completions need cache slots after the prompt"
             )
         _check_at_least("rollout", self, ("steps_per_call", "max_stop_ids", "refill_rows"), 1)
+        _check_at_least("rollout", self, ("shared_prefix_min",), 0)
 
 
 class StrategySpec(str):

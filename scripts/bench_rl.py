@@ -64,13 +64,10 @@ def summary(off: dict, adaptive: dict, all_off: list[dict], all_on: list[dict]) 
 
 
 def plot(off: dict, adaptive: dict, path: str) -> bool:
-    try:
-        import matplotlib
-    except ImportError:
-        print("no matplotlib: no plot (pip install 'fastrl-jax[plot]')", file=sys.stderr)
+    from fastrl_jax.plotting import pyplot
+
+    if (plt := pyplot()) is None:
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 4))
     width = 0.38

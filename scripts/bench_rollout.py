@@ -225,9 +225,9 @@ def stream_requests(policy, args):
 
 
 def stream_rollout_config(cfg, requests, batch: int):
-    """Batch buckets down to 1; prompt buckets by 32 tokens; length buckets every 128 slots."""
+    """Batch buckets down to 1; prompt buckets by 16 tokens; length buckets every 128 slots."""
     longest = max(len(r.prompt_ids) for r in requests)
-    prompts = tuple(range(32, -(-longest // 32) * 32 + 1, 32))
+    prompts = tuple(range(16, -(-longest // 16) * 16 + 1, 16))
     full = -(-(prompts[-1] + max(r.max_new_tokens for r in requests)) // 128) * 128
     buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < batch) + (batch,)
     return dataclasses.replace(cfg.rollout, batch_buckets=buckets, prompt_buckets=prompts,
@@ -274,9 +274,11 @@ def bench_stream(args) -> int:
     drafter = make_drafter(cfg, policy.cfg, args.drafter, cfg.model.engine_dtype) if sd.uses_drafter() else None
     engine = RolloutEngine(policy.model, rollout_cfg, sd=sd, drafter=drafter, progress=False)
     t0 = time.perf_counter()
-    engine.pool.warm_up(engine.warm_up_keys(), progress=True)  # every program the stream can reach
+    shared = engine.shared_prefix_len(requests)  # every program the stream can reach, compiled first:
+    engine.pool.warm_up(engine.warm_up_keys(shared) + [("prefix", 1, shared)] * bool(shared), progress=True)
     print(f"[stream] {engine.pool_report()}; {time.perf_counter() - t0:.0f}s; {len(requests)} requests, "
-          f"batch {args.batch}, refill {rollout_cfg.refill_rows} rows, length buckets {rollout_cfg.length_buckets}",
+          f"batch {args.batch}, refill {rollout_cfg.refill_rows} rows, shared prompt prefix {shared} tokens, "
+          f"length buckets {rollout_cfg.length_buckets}",
           file=sys.stderr)
     runs = []
     for r in range(args.repeats):
@@ -310,13 +312,10 @@ def bench_stream(args) -> int:
 
 
 def plot_stream(run: dict, batch: int, path: str) -> bool:
-    try:
-        import matplotlib
-    except ImportError:
-        print("no matplotlib: no timeline plot (pip install 'fastrl-jax[plot]')", file=sys.stderr)
+    from fastrl_jax.plotting import pyplot
+
+    if (plt := pyplot()) is None:
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     calls = run["timeline"]
     t = np.array([0.0] + [c["end_s"] for c in calls])
@@ -339,14 +338,10 @@ def plot_stream(run: dict, batch: int, path: str) -> bool:
 
 
 def plot_timelines(runs, threshold: int, title: str, path: str) -> bool:
-    try:
-        import matplotlib
-    except ImportError:
-        print("no matplotlib: no timeline plot (pip install 'fastrl-jax[plot]')", file=sys.stderr)
-        return False
+    from fastrl_jax.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    if (plt := pyplot()) is None:
+        return False
 
     fig, (ax_b, ax_t, ax_s) = plt.subplots(3, 1, figsize=(11, 8), sharex=True,
                                           gridspec_kw={"height_ratios": [3, 3, 1.4]})

@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 RANKS = {
-    "fastrl_jax": 0, "config": 0, "sharding": 0, "data": 0, "checkpoint": 0, "metric_sink": 0, "machine": 0,
+    "fastrl_jax": 0, "config": 0, "sharding": 0, "data": 0, "checkpoint": 0, "metric_sink": 0, "machine": 0, "plotting": 0,
     "kernels": 1, "models": 2, "rollout": 3, "drafter": 4, "rl": 5, "cli": 6,
 }
 

@@ -23,6 +23,7 @@ from flax import nnx
 from fastrl_jax.config import RolloutConfig, SpecConfig, StrategySpec
 from fastrl_jax.models.decoder import Decoder, KVCache
 from fastrl_jax.models.drafter import Drafter
+from fastrl_jax.plotting import pyplot
 from fastrl_jax.rollout import accept as accept_lib
 from fastrl_jax.rollout import speculative
 from fastrl_jax.rollout.engine import Request, RolloutEngine
@@ -164,12 +165,7 @@ def format_row(r: dict) -> str:
 
 def plot(rows: list[dict], path: str | Path) -> bool:
     """Speedup vs batch size, one line per (prompt set, strategy, vocab), one panel per temperature; False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    if (plt := pyplot()) is None:
         return False
     temps = sorted({r["temperature"] for r in rows})
     fig, axes = plt.subplots(1, len(temps), figsize=(5 * len(temps), 4), squeeze=False)

@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from fastrl_jax.config import RolloutConfig, SpecConfig
-from fastrl_jax.models.decoder import Decoder
+from fastrl_jax.models.decoder import Decoder, KVCache
 from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.rollout import history as history_lib
 from fastrl_jax.rollout import programs, speculative
@@ -161,7 +161,8 @@ class RolloutEngine:
             out[s] = [b for b in buckets if bucket_for(lo, buckets) <= b <= bucket_for(hi, buckets)] if lo <= hi else []
         return out
 
-    def warm_up_keys(self) -> list[tuple]:
+    def warm_up_keys(self, prefix_len: int = 0) -> list[tuple]:
+        """Every program a stream can reach; prefix_len: the shared prompt prefix its prefills skip."""
         c = self.cfg
         keys = []
         if self.sd.mode != "on":
@@ -173,8 +174,8 @@ class RolloutEngine:
         keys += [("draft_prefill", b, n) for b in sorted(sd_buckets) for n in c.length_buckets]
         # A first admission fills a table; refills of the largest table (a stream) admit fewer rows.
         top = c.batch_buckets[-1]
-        keys += [("prefill", b, b, t) for b in c.batch_buckets for t in c.prompt_buckets]
-        keys += [("prefill", top, p, t) for p in c.batch_buckets if p < top for t in c.prompt_buckets]
+        keys += [("prefill", b, b, t, prefix_len) for b in c.batch_buckets for t in c.prompt_buckets]
+        keys += [("prefill", top, p, t, prefix_len) for p in c.batch_buckets if p < top for t in c.prompt_buckets]
         keys += [("resize", b, s) for b in c.batch_buckets for s in c.batch_buckets if s < b]
         return keys
 
@@ -214,10 +215,16 @@ class RolloutEngine:
             fn = jax.jit(programs.decode, static_argnums=(0, 5), donate_argnums=(2,), out_shardings=out)
             return fn, (self.graphdef, self.state, slots, scalar, scalar, key[2])
         if phase == "prefill":
-            _, _, p, t = key
+            _, _, p, t, prefix_len = key
             adm = self._admission_shapes(p, t)
+            prefix = jax.eval_shape(lambda: self._no_prefix(prefix_len))
+            prefix = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self._replicated), prefix)
             fn = jax.jit(programs.prefill, static_argnums=(0,), donate_argnums=(2,), out_shardings=out)
-            return fn, (self.graphdef, self.state, slots, adm)
+            return fn, (self.graphdef, self.state, slots, adm, prefix)
+        if phase == "prefix":
+            tokens = jax.ShapeDtypeStruct((key[2],), jnp.int32, sharding=self._replicated)
+            fn = jax.jit(programs.prefix_program, static_argnums=(0, 3, 4, 5), out_shardings=out)
+            return fn, (self.graphdef, self.state, tokens, self.dtype, self.keep_hidden, self.feature_layers)
         if phase == "sd":
             fn = jax.jit(speculative.sd_program, static_argnums=(0, 2, 7, 8, 9, 10), donate_argnums=(4,), out_shardings=out)
             args = (self.graphdef, self.state, self.drafter_graphdef, self.drafter_state, slots, scalar, scalar)
@@ -241,6 +248,32 @@ class RolloutEngine:
             max_new=s((p,), i32), stop_ids=s((p, self.cfg.max_stop_ids), i32),
             params=SamplingParams(s((p,), f32), s((p,), i32), s((p,), f32), s((p,), jnp.uint32)), group=s((p,), i32),
         )
+
+    def shared_prefix_len(self, requests: Sequence[Request]) -> int:
+        """How many leading prompt tokens a stream of `requests` prefills once for all: their common
+        prefix in multiples of rollout.shared_prefix_min, leaving every prompt a token of its own
+        (0 for fewer than two requests or a shorter prefix)."""
+        block, prompts = self.cfg.shared_prefix_min, [r.prompt_ids for r in requests]
+        if not block or len(prompts) < 2:
+            return 0
+        first, shortest = prompts[0], min(len(p) for p in prompts)
+        n = 0
+        while n < shortest - 1 and all(p[n] == first[n] for p in prompts):
+            n += 1
+        n = min(n, self.max_len - self.cfg.prompt_buckets[-1])  # prefix + prompt bucket fit a row
+        return n // block * block
+
+    def _no_prefix(self, length: int = 0) -> programs.Prefix:
+        width = self.model_cfg.hidden_size * max(len(self.feature_layers), 1)
+        hidden = jnp.zeros((1, length, width), self.dtype) if self.keep_hidden else None
+        return programs.Prefix(jnp.zeros(length, jnp.int32), KVCache.zeros(self.model_cfg, 1, length, self.dtype), hidden)
+
+    def _prefix(self, tokens: list[int], rec: Recorder) -> programs.Prefix:
+        if not tokens:
+            return jax.device_put(self._no_prefix(), self._replicated)
+        ids = jax.device_put(np.asarray(tokens, np.int32), self._replicated)
+        prefix, _ = self._run(rec, ("prefix", 1, len(tokens)), self.state, ids)
+        return prefix
 
     def reset_controller(self) -> None:
         """Forgets what the adaptive controller learned (benchmarks time cold rollouts with it)."""
@@ -271,14 +304,16 @@ class RolloutEngine:
         """The reason a request cannot run, or None (rollout.requests' rules, with this model's vocabulary)."""
         return request_problem(r, self.cfg, draft_margin(self.sd), self.model_cfg.vocab_size)
 
-    def _admission(self, reqs: list[Request], rows: list[int], groups: list[int]) -> tuple[programs.Admission, int, int]:
+    def _admission(self, reqs: list[Request], rows: list[int], groups: list[int],
+                   skip: int) -> tuple[programs.Admission, int, int]:
+        """The device admission of reqs into rows; prompts start after the shared prefix's `skip` tokens."""
         c = self.cfg
         p = bucket_for(len(reqs), c.batch_buckets)
-        t = bucket_for(max(len(r.prompt_ids) for r in reqs), c.prompt_buckets)
+        t = bucket_for(max(len(r.prompt_ids) for r in reqs) - skip, c.prompt_buckets)
         tokens = np.zeros((p, t), np.int32)
         stop = np.full((p, c.max_stop_ids), -1, np.int32)
         for i, r in enumerate(reqs):
-            tokens[i, : len(r.prompt_ids)] = r.prompt_ids
+            tokens[i, : len(r.prompt_ids) - skip] = r.prompt_ids[skip:]
             stop[i, : len(r.stop_ids)] = r.stop_ids
 
         def col(values, dtype, fill=0):
@@ -348,6 +383,8 @@ class RolloutEngine:
         table.text = history_lib.GroupCorpus([r.prompt_ids for r in requests], self.history,
                                              self.sd.history.corpus_tokens, self.sd.history.match_tokens)
         rec = Recorder(self.pool.compile_seconds())
+        shared = self.shared_prefix_len([requests[i] for i in queue])
+        table.prefix = self._prefix(list(requests[queue[0]].prompt_ids[:shared]), rec)
         self.onoff.reset()
         with tqdm(total=len(queue), desc="rollout", unit="req", file=sys.stderr, disable=not self.progress) as bar:
             while queue or table.busy():
@@ -385,8 +422,9 @@ class RolloutEngine:
         if not queue or not free:
             return
         take = [queue.popleft() for _ in range(min(len(queue), len(free)))]
-        adm, p, t = self._admission([requests[i] for i in take], free[: len(take)], [table.text.group_of[i] for i in take])
-        table.slots, _ = self._run(rec, ("prefill", table.batch, p, t), self.state, table.slots, adm)
+        skip = table.prefix.tokens.shape[0]
+        adm, p, t = self._admission([requests[i] for i in take], free[: len(take)], [table.text.group_of[i] for i in take], skip)
+        table.slots, _ = self._run(rec, ("prefill", table.batch, p, t, skip), self.state, table.slots, adm, table.prefix)
         for row, i in zip(free, take):
             table.row_req[row] = i
         table.draft_fresh = False
@@ -497,6 +535,7 @@ class _Table:
     row_req: list[int] = dataclasses.field(default_factory=list)  # request index per row, -1 when free
     draft_fresh: bool = False  # whether the drafter cache holds every row's prefix
     text: history_lib.GroupCorpus | None = None  # what the rows' prompt groups wrote (history drafting)
+    prefix: programs.Prefix | None = None  # the prompt prefix every request shares, prefilled once
 
     def __post_init__(self):
         self.row_req = self.row_req or [-1] * self.slots.batch

@@ -94,21 +94,50 @@ class Admission:
     group: jax.Array  # [P] int32
 
 
+@struct.dataclass
+class Prefix:
+    """Leading prompt tokens every request of a stream shares (the chat template's system turn),
+    prefilled once and copied into each admitted row. Lp = 0 when there is none."""
+
+    tokens: jax.Array  # [Lp] int32
+    cache: KVCache  # [layers, 1, kv_heads, Lp, head_dim]
+    hidden: jax.Array | None  # [1, Lp, F] the table's features (Slots.hidden), kept when the table keeps them
+
+
+def prefix_program(graphdef, state, tokens: jax.Array, dtype, with_hidden: bool, capture: tuple[int, ...] = ()) -> Prefix:
+    """Runs the shared prefix tokens [Lp] once; capture: the table's feature_layers."""
+    model = nnx.merge(graphdef, state)
+    Lp = tokens.shape[0]
+    _, features, cache = model.hidden_and_features(tokens[None], jnp.arange(Lp, dtype=jnp.int32)[None],
+                                                   KVCache.zeros(model.cfg, 1, Lp, dtype), jnp.zeros(1, jnp.int32),
+                                                   capture=capture)
+    return Prefix(tokens=tokens, cache=cache, hidden=features.astype(dtype) if with_hidden else None)
+
+
 def _finished(token: jax.Array, n_out: jax.Array, slots_or_adm) -> jax.Array:
     stopped = jnp.any(token[:, None] == slots_or_adm.stop_ids, axis=-1)
     return stopped | (n_out >= slots_or_adm.max_new)
 
 
-def prefill(graphdef, state, slots: Slots, adm: Admission) -> Slots:
-    """Runs the new prompts, samples each one's first token, and writes them into their rows."""
+def prefill(graphdef, state, slots: Slots, adm: Admission, prefix: Prefix) -> Slots:
+    """Runs the new prompts (adm.tokens: what follows the shared prefix), samples each one's first
+    token, and writes prefix + prompt into their rows."""
     model = nnx.merge(graphdef, state)
-    P, Tp = adm.tokens.shape
-    tmp = KVCache.zeros(model.cfg, P, Tp, slots.cache.k.dtype)
-    positions = jnp.broadcast_to(jnp.arange(Tp, dtype=jnp.int32), (P, Tp))
-    hidden, features, tmp = model.hidden_and_features(adm.tokens, positions, tmp, jnp.zeros(P, jnp.int32),
+    P, Ts = adm.tokens.shape
+    Lp = prefix.tokens.shape[0]
+    empty = KVCache.zeros(model.cfg, P, Ts, slots.cache.k.dtype)
+
+    def behind_prefix(shared, new, axis):  # shared (batch 1, Lp along axis) before every row of new
+        shape = [Lp if a == axis else n for a, n in enumerate(new.shape)]
+        return jnp.concatenate([jnp.broadcast_to(shared, shape).astype(new.dtype), new], axis=axis)
+
+    tmp = KVCache(k=behind_prefix(prefix.cache.k, empty.k, 3), v=behind_prefix(prefix.cache.v, empty.v, 3))
+    positions = Lp + jnp.broadcast_to(jnp.arange(Ts, dtype=jnp.int32), (P, Ts))
+    hidden, features, tmp = model.hidden_and_features(adm.tokens, positions, tmp, jnp.full(P, Lp, jnp.int32),
                                                      capture=slots.feature_layers)
-    last = adm.lengths - 1
-    token, logprob = sample(model.logits(hidden[jnp.arange(P), last]), adm.params, adm.lengths)
+    token, logprob = sample(model.logits(hidden[jnp.arange(P), adm.lengths - Lp - 1]), adm.params, adm.lengths)
+    if prefix.hidden is not None:
+        features = behind_prefix(prefix.hidden, features, 1)
 
     def write(p, tables):
         cache, hid = tables
@@ -131,7 +160,8 @@ def prefill(graphdef, state, slots: Slots, adm: Admission) -> Slots:
     def set_rows(table, values):
         return table.at[rows].set(values, mode="drop")
 
-    history = slots.history.at[rows, :Tp].set(adm.tokens, mode="drop")
+    history = slots.history.at[rows, :Lp].set(jnp.broadcast_to(prefix.tokens, (P, Lp)), mode="drop")
+    history = history.at[rows, Lp : Lp + Ts].set(adm.tokens, mode="drop")
     history = history.at[rows, adm.lengths].set(token, mode="drop")
 
     done = _finished(token, jnp.ones(P, jnp.int32), adm)

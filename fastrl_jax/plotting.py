@@ -1,0 +1,18 @@
+"""matplotlib for the benchmarks' PNGs, an optional extra (`pip install 'fastrl-jax[plot]'`)."""
+
+from __future__ import annotations
+
+import sys
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (said on stderr) when matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("no matplotlib: no plot (pip install 'fastrl-jax[plot]')", file=sys.stderr)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
