@@ -209,7 +209,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> None:
 
 
 def cmd_export_drafter(args: argparse.Namespace) -> None:
-    from fastrl_jax.drafter.export import export_eagle
+    from fastrl_jax.drafter.export import export_eagle, export_eagle3
     from fastrl_jax.models.drafter_io import drafter_dir, load_drafter, save_drafter
     from fastrl_jax.models.export import check_export_dir
     from fastrl_jax.models.hub import resolve_model_path
@@ -221,9 +221,12 @@ def cmd_export_drafter(args: argparse.Namespace) -> None:
     model_cfg = read_model_config(resolve_model_path(cfg.model.path))
     drafter = load_drafter(source, model_cfg, cfg.model.dtype)
     orbax_dir = save_drafter(out / "orbax", drafter)
-    eagle_dir = export_eagle(drafter, model_cfg, out / "eagle")
+    if drafter.kind == "eagle3":  # its lm_head.weight is the policy's head rows: the one export that reads the weights
+        eagle_dir, arch = export_eagle3(drafter, _policy(cfg).model, out / "eagle3"), "LlamaForCausalLMEagle3"
+    else:
+        eagle_dir, arch = export_eagle(drafter, model_cfg, out / "eagle"), "LlamaForCausalLMEagle"
     print(f"[fastrl-jax] wrote {orbax_dir} (Orbax, fastrl-jax generate --drafter) and {eagle_dir} "
-          f"(safetensors, SGLang LlamaForCausalLMEagle)", file=sys.stderr)
+          f"(safetensors, SGLang {arch})", file=sys.stderr)
 
 
 def _export_mesh():

@@ -394,6 +394,10 @@ class DrafterTrainConfig:
     """Warm-up training of the EAGLE drafter on the policy's own generations (`fastrl-jax train-drafter`)."""
 
     out_dir: str = "~/.cache/fastrl_jax/drafters/smollm2"  # run dir: data, checkpoints, metrics, drafter/
+    # "eagle": fc(embed, last hidden state) + SmoothL1 + CE; "eagle3": fc over three policy layers' features,
+    # cross-entropy on the policy's tokens only (models/drafter.py). A loaded drafter keeps its own kind.
+    # eagle accepted more on a small SmolLM2 warm-up (docs/measurements.md), so it stays the default.
+    kind: str = "eagle"
     prompts: str = "builtin"  # 'builtin' (math problems + general chat) or a JSONL file of {"prompt": text}
     num_prompts: int = 512  # prompts generated from (before samples_per_prompt)
     chat_fraction: float = 0.5  # builtin: share of general chat prompts, the rest math problems
@@ -429,6 +433,8 @@ class DrafterTrainConfig:
             raise ConfigError(f"{key}out_dir must be a directory path")
         if self.prompts != "builtin" and not self.prompts.endswith(".jsonl"):
             raise ConfigError(f"{key}prompts must be 'builtin' or a .jsonl file, got {self.prompts!r}")
+        if self.kind not in ("eagle", "eagle3"):
+            raise ConfigError(f"{key}kind must be 'eagle' or 'eagle3', got {self.kind!r}")
         _check_at_least("drafter_train", self, (
             "num_prompts", "samples_per_prompt", "max_new_tokens", "steps", "batch_rows", "log_every_steps",
             "checkpoint_every_steps", "keep_checkpoints", "eval_max_new_tokens", "unroll_steps"), 1)

@@ -85,3 +85,27 @@ def test_bench_sd_output_paths_are_checked_before_the_benchmark(tmp_path):
                      "--out", str(tmp_path / "missing" / "bench.json"))
     assert res.returncode == 2 and f"directory {tmp_path / 'missing'} does not exist" in res.stderr
     assert "loaded" not in res.stderr and "Traceback" not in res.stderr
+
+
+def test_export_drafter_writes_eagle3_for_an_eagle3_drafter(tmp_path):
+    from helpers.tiny_run import write_tiny_checkpoint
+    from safetensors.numpy import load_file
+
+    from fastrl_jax.config import MeshConfig
+    from fastrl_jax.models.loading import load_model
+    from fastrl_jax.sharding import make_mesh
+
+    policy_dir = write_tiny_checkpoint(tmp_path / "policy")
+    drafter = Drafter(TINY, nnx.Rngs(0), draft_vocab=np.arange(0, 128, 2), kind="eagle3")
+    save_drafter(tmp_path / "d", drafter)
+    out = tmp_path / "export"
+    res = fastrl_jax("export-drafter", "--model", str(policy_dir), "--drafter", str(tmp_path / "d"), "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    assert "LlamaForCausalLMEagle3" in res.stderr and not (out / "eagle").exists()
+    assert json.loads((out / "eagle3" / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+    policy, _ = load_model(policy_dir, make_mesh(MeshConfig(fsdp=-1)))
+    head = load_file(str(out / "eagle3" / "model.safetensors"))["lm_head.weight"]
+    np.testing.assert_array_equal(head, np.asarray(policy.head_weight())[0:128:2])
+    for back in (load_drafter(out / "orbax", TINY), load_eagle(out / "eagle3", TINY)):
+        assert back.kind == "eagle3"
+        np.testing.assert_array_equal(back.fc[...], drafter.fc[...])

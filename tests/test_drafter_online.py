@@ -97,9 +97,10 @@ def _counts(opt_state) -> set[int]:
     return {int(v) for path, v in leaves if "count" in jax.tree_util.keystr(path)}
 
 
-def test_idle_replicas_train_the_drafter_without_changing_the_rollout(tmp_path: Path):
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_idle_replicas_train_the_drafter_without_changing_the_rollout(tmp_path: Path, kind):
     """8 devices as 4 replicas x fsdp 2; replica 0 gets a long request, the others short ones."""
-    cfg = load_config(None, [
+    cfg = load_config(None, [f"drafter_train.kind={kind}",
         *tiny_overrides(tmp_path), "mesh.data=4", "mesh.fsdp=2", "sd.mode=adaptive", "sd.threshold_live_batch=1",
         "rollout.steps_per_call=1", "drafter_online.min_buffer_tokens=8", "drafter_online.batch_rows=4",
         "drafter_online.seq_len_tokens=32", "drafter_online.preempt_bound_s=5.0", "drafter_train.unroll_steps=1",
@@ -108,9 +109,10 @@ def test_idle_replicas_train_the_drafter_without_changing_the_rollout(tmp_path: 
     model, _ = load_model(cfg.model.path, mesh, cfg.model.dtype)
     graphdef, state = nnx.split(model)
     params = nnx.to_pure_dict(state)
-    drafter = Drafter(model.cfg, nnx.Rngs(0))
+    drafter = Drafter(model.cfg, nnx.Rngs(0), kind=kind)
     workers = RolloutWorkers(cfg, graphdef, params, mesh, drafter)
     spot = SpotTrainer(cfg, drafter, graphdef, params, mesh, seed=0)
+    assert spot.buffer.hidden_size == drafter.feature_size == model.cfg.hidden_size * (3 if kind == "eagle3" else 1)
 
     # Group g of 4 requests runs on replica g: replica 0 decodes 48 tokens, the others 2.
     requests = [Request([1 + g, 2, 3, 4 + i], 48 if g == 0 else 2, 1.0, seed=10 * g + i) for g in range(4) for i in range(4)]

@@ -24,13 +24,13 @@ def policy():
     return tiny_model()
 
 
-def make_batch(seed=0):
+def make_batch(seed=0, width=TINY.hidden_size):
     rng = np.random.default_rng(seed)
     mask = np.zeros((1, S), bool)
     mask[0, P] = True
     return {
         "tokens": jnp.asarray(rng.integers(0, TINY.vocab_size, (1, S)), jnp.int32),
-        "hidden": jnp.asarray(rng.normal(size=(1, S, TINY.hidden_size)) * 3, jnp.float32),
+        "hidden": jnp.asarray(rng.normal(size=(1, S, width)) * 3, jnp.float32),
         "loss_mask": jnp.asarray(mask),
         "positions": jnp.arange(S, dtype=jnp.int32)[None],
         "segments": jnp.ones((1, S), jnp.int32),
@@ -138,6 +138,53 @@ def test_train_step_learns_and_trains_only_the_drafter(policy):
     np.testing.assert_array_equal(nnx.merge(graphdef, params, rest).draft_vocab[...], np.arange(64))
 
 
+@pytest.mark.parametrize("vocab", [None, np.arange(0, 128, 2)])
+def test_eagle3_loss_is_cross_entropy_with_training_time_test(policy, vocab):
+    """EAGLE-3: step 0 at anchor a = P-2 runs (F_a, x_{a+1}) from the 3H layer features and scores
+    x_P; the training-time-test step 1 at anchor a = P-3 feeds the drafter's own output for entry a+1
+    (as a depth-2 draft node runs) and scores x_P too. Nothing else counts."""
+    drafter = Drafter(TINY, nnx.Rngs(4), draft_vocab=vocab, kind="eagle3")
+    batch = make_batch(width=3 * TINY.hidden_size)
+    label = int(drafter.draft_index(batch["tokens"][0, P]))
+    if label < 0:  # keep the learned token inside the draft vocabulary
+        batch["tokens"] = batch["tokens"].at[0, P].set(int(drafter.token_ids(jnp.int32(1))))
+        label = 1
+    f, tok, pos = batch["hidden"], batch["tokens"], batch["positions"]
+
+    def run(a):  # entries 0 .. a on the true features
+        return drafter(policy, tok[:, 1 : a + 2], f[:, : a + 1], pos[:, : a + 1], drafter.empty_cache(1, a + 2),
+                       jnp.zeros(1, jnp.int32))
+
+    logits0 = run(P - 2)[0][0, P - 2]
+    _, pred, cache = run(P - 3)
+    logits1 = drafter(policy, tok[:, P - 1 : P], pred[:, P - 3 : P - 2], pos[:, P - 2 : P - 1], cache,
+                      jnp.full((1,), P - 2, jnp.int32))[0][0, 0]
+    ce0, ce1 = (float(-jax.nn.log_softmax(x)[label]) for x in (logits0, logits1))
+    one = drafter_loss(drafter, policy, batch, jax.random.key(0), LossSettings(unroll_steps=1))[0]
+    np.testing.assert_allclose(float(one), ce0, rtol=1e-4)
+    loss, m = drafter_loss(drafter, policy, batch, jax.random.key(0), LossSettings(unroll_steps=2, unroll_decay=0.5))
+    np.testing.assert_allclose(float(m["ce_1"]), ce1, rtol=1e-4)
+    np.testing.assert_allclose(float(loss), (ce0 + 0.5 * ce1) / 1.5, rtol=1e-4)
+    assert "hidden_l1_0" not in m
+
+
+def test_eagle3_train_step_learns(policy):
+    drafter = Drafter(TINY, nnx.Rngs(3), draft_vocab=np.arange(64), kind="eagle3")
+    batch = make_batch(width=3 * TINY.hidden_size)
+    batch["tokens"] = batch["tokens"] % 64
+    batch["loss_mask"] = jnp.ones((1, S), bool)
+    graphdef, params, rest = nnx.split(drafter, nnx.Param, ...)
+    pg, ps = nnx.split(policy)
+    opt = drafter_optimizer(3e-3, 2, 30, 0.0, 1.0)
+    step = make_train_step(opt, LossSettings(input_noise=0.05, unroll_steps=2))
+    state = opt.init(params)
+    losses = []
+    for i in range(30):
+        params, state, m = step(graphdef, params, rest, state, pg, ps, batch, jax.random.key(i))
+        losses.append(float(m["loss"]))
+    assert losses[-1] < 0.5 * losses[0] and float(m["acc_0"]) > 0.5
+
+
 class FakeTokenizer:
     eos_token_id = 3
 
@@ -190,6 +237,17 @@ def test_resume_continues_the_same_run(policy, tmp_path, monkeypatch):
     assert steps == [1, 2, 3, 4]  # the killed run's lines were kept up to its checkpoint, then continued
 
 
+def test_eagle3_warm_up_stores_layer_features_and_saves_its_kind(policy, tmp_path):
+    cfg = run_config(tmp_path, "e3", steps=2)
+    cfg = dataclasses.replace(cfg, drafter_train=dataclasses.replace(cfg.drafter_train, kind="eagle3"))
+    summary = warmup.train_drafter(cfg, policy, FakeTokenizer(), progress=False)
+    assert summary["data"]["sequences"] == 6
+    with np.load(tmp_path / "e3" / "data.npz") as data:
+        assert data["hidden"].shape[-1] == 3 * TINY.hidden_size
+    back = load_drafter(tmp_path / "e3" / "drafter", TINY)
+    assert back.kind == "eagle3" and back.draft_vocab[...].shape == (32,)
+
+
 def test_config_errors_name_the_key():
     from fastrl_jax.config import ConfigError, load_config
 
@@ -197,4 +255,7 @@ def test_config_errors_name_the_key():
         load_config(None, ["drafter_train.unroll_steps=0"])
     with pytest.raises(ConfigError, match="drafter_train.prompts"):
         load_config(None, ["drafter_train.prompts=data.txt"])
+    with pytest.raises(ConfigError, match="drafter_train.kind"):
+        load_config(None, ["drafter_train.kind=medusa"])
+    assert load_config(None, []).drafter_train.kind == "eagle"
     assert dataclasses.asdict(load_config("configs/smollm2_cpu.yaml").drafter_train)["draft_vocab_size"] > 0

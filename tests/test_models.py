@@ -59,6 +59,24 @@ def test_prefill_matches_transformers(tiny):
     assert relative_error(normed * w, ref_hidden) < model_rtol()
 
 
+def test_captured_layer_features_match_transformers_hidden_states(tiny):
+    """EAGLE-3's features: capture index i is the residual stream entering layer i, HF's hidden_states[i]
+    (SGLang captures the same), concatenated; the logits do not change."""
+    hf, model, cfg = tiny
+    tokens = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 9))
+    capture = tuple(range(cfg.num_layers))[::-1]
+    B, T = tokens.shape
+    logits, feats, _ = model(jnp.asarray(tokens), jnp.broadcast_to(jnp.arange(T), (B, T)), KVCache.zeros(cfg, B, 16),
+                             jnp.zeros(B, jnp.int32), capture=capture)
+    with torch.no_grad():
+        ref = hf(torch.tensor(tokens), output_hidden_states=True).hidden_states
+    H = cfg.hidden_size
+    assert feats.shape == (B, T, len(capture) * H)
+    for j, i in enumerate(capture):
+        assert relative_error(feats[..., j * H : (j + 1) * H], ref[i].numpy()) < model_rtol(), i
+    np.testing.assert_array_equal(logits, prefill(model, cfg, tokens, 16)[0])
+
+
 def test_cached_decode_matches_transformers(tiny):
     hf, model, cfg = tiny
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (3, 20))

@@ -312,7 +312,8 @@ def test_stream_refills_rows_and_matches_one_request_at_a_time(model):
     assert all(c.live == 16 for c in engine.timeline[:3])  # the table stays full while requests wait
 
 
-def test_a_shared_prompt_prefix_is_prefilled_once_and_changes_no_output(model):
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_a_shared_prompt_prefix_is_prefilled_once_and_changes_no_output(model, kind):
     """Prompts behind a common 10-token prefix (some repeated, as in a GRPO group): the prefix is
     prefilled once (8 tokens, multiples of 4), and tokens and hidden states equal those of
     prefilling whole prompts, greedy and sampled; speculation reads the prefix's hidden states."""
@@ -320,8 +321,11 @@ def test_a_shared_prompt_prefix_is_prefilled_once_and_changes_no_output(model):
     reqs = [Request(head + p, max_new_tokens=6 + i % 5, temperature=0.8 * (i % 2), seed=i)
             for i, p in enumerate(prompts(6, seed=4, lo=1, hi=6) * 2)]
     cfg = dataclasses.replace(CFG, prompt_buckets=(8, 16, 24), batch_buckets=(1, 4), refill_rows=1)
-    whole = RolloutEngine(model, dataclasses.replace(cfg, shared_prefix_min=0), keep_hidden=True, progress=False)
-    shared = RolloutEngine(model, dataclasses.replace(cfg, shared_prefix_min=4), keep_hidden=True, progress=False)
+    drafter = Drafter(TINY, nnx.Rngs(5), kind=kind)  # its kind decides the features kept (EAGLE-3: 3 layers)
+    whole = RolloutEngine(model, dataclasses.replace(cfg, shared_prefix_min=0), keep_hidden=True, progress=False,
+                          feature_layers=drafter.feature_layers)
+    shared = RolloutEngine(model, dataclasses.replace(cfg, shared_prefix_min=4), keep_hidden=True, progress=False,
+                           feature_layers=drafter.feature_layers)
     assert shared.shared_prefix_len(reqs) == 8 and whole.shared_prefix_len(reqs) == 0
     a, b = whole.generate(reqs), shared.generate(reqs)
     assert shared.stats.calls["prefix"] == 1 and whole.stats.calls["prefix"] == 0
@@ -330,7 +334,7 @@ def test_a_shared_prompt_prefix_is_prefilled_once_and_changes_no_output(model):
         np.testing.assert_allclose(x.logprobs, y.logprobs, rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(x.hidden_states, y.hidden_states, rtol=1e-4, atol=1e-4)
     sd = RolloutEngine(model, dataclasses.replace(cfg, shared_prefix_min=4), sd=SpecConfig(mode="on", strategies=("3/2/6",)),
-                       drafter=Drafter(TINY, nnx.Rngs(5)), progress=False)
+                       drafter=drafter, progress=False)
     for r, y in zip(reqs[::2], sd.generate(reqs[::2])):
         assert y.tokens == greedy_generate(model, r.prompt_ids, r.max_new_tokens)
     assert sd.stats.calls["prefix"] == 1 and sd.stats.sd_steps > 0

@@ -87,9 +87,9 @@ def model():
     return tiny_model()
 
 
-@pytest.fixture(scope="module")
-def drafter():
-    return Drafter(TINY, nnx.Rngs(5))
+@pytest.fixture(scope="module", params=["eagle", "eagle3"])
+def drafter(request):
+    return Drafter(TINY, nnx.Rngs(5), kind=request.param)
 
 
 STRATEGIES = [(3, 1, 4), (3, 2, 6), (2, 3, 7)]
@@ -112,7 +112,8 @@ def test_coupled_sampling_equals_plain_sampling(model, drafter, temperature):
         Request(p, max_new_tokens=14, temperature=temperature, top_p=0.9, seed=i, stop_ids=(7,))
         for i, p in enumerate(prompts(6, seed=2))
     ]
-    plain = RolloutEngine(model, SD_CFG, keep_hidden=True, progress=False).generate(reqs)
+    plain = RolloutEngine(model, SD_CFG, keep_hidden=True, progress=False,
+                          feature_layers=drafter.feature_layers).generate(reqs)
     sd = SpecConfig(mode="on", steps=3, topk=2, verify_tokens=6)
     spec = RolloutEngine(model, SD_CFG, sd=sd, drafter=drafter, progress=False).generate(reqs)
     for a, b in zip(plain, spec):
@@ -202,6 +203,7 @@ def test_drafter_checkpoint_round_trip(drafter, tmp_path):
 
     save_drafter(tmp_path / "d", drafter)
     back = load_drafter(tmp_path / "d", TINY)
+    assert back.kind == drafter.kind and back.feature_layers == drafter.feature_layers
     for a, b in zip(jax.tree.leaves(nnx.state(drafter, nnx.Param)), jax.tree.leaves(nnx.state(back, nnx.Param))):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(FileNotFoundError, match="save_drafter"):
@@ -209,7 +211,8 @@ def test_drafter_checkpoint_round_trip(drafter, tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_speculative_greedy_equals_plain(smollm2):
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_smollm2_speculative_greedy_equals_plain(smollm2, kind):
     """The real SmolLM2 with a random drafter: 16 prompts x 64 tokens, token for token."""
     from fastrl_jax.data.prompts import chat_prompt_ids
 
@@ -219,7 +222,7 @@ def test_smollm2_speculative_greedy_equals_plain(smollm2):
     cfg = dataclasses.replace(CFG, batch_buckets=(4, 16), length_buckets=(128,), prompt_buckets=(64,))
     plain = RolloutEngine(model, cfg, progress=False).generate(reqs)
     sd = SpecConfig(mode="on", steps=3, topk=2, verify_tokens=6)
-    spec = RolloutEngine(model, cfg, sd=sd, drafter=Drafter(model_cfg, nnx.Rngs(0)), progress=False).generate(reqs)
+    spec = RolloutEngine(model, cfg, sd=sd, drafter=Drafter(model_cfg, nnx.Rngs(0), kind=kind), progress=False).generate(reqs)
     same = sum(a.tokens == b.tokens for a, b in zip(plain, spec))
     assert same >= 15, [(i, a.tokens, b.tokens) for i, (a, b) in enumerate(zip(plain, spec)) if a.tokens != b.tokens]
 

@@ -37,7 +37,8 @@ def with_full_vocab(drafter: Drafter) -> Drafter:
     """The same drafter weights scoring the whole vocabulary."""
     if drafter.draft_vocab is None:
         return drafter
-    full = nnx.eval_shape(lambda: Drafter(drafter.cfg, nnx.Rngs(0), drafter.fc[...].dtype))
+    full = nnx.eval_shape(lambda: Drafter(drafter.cfg, nnx.Rngs(0), drafter.fc[...].dtype, kind=drafter.kind,
+                                          layers=drafter.feature_layers))
     graphdef, state = nnx.split(full)
     nnx.replace_by_pure_dict(state, nnx.to_pure_dict(nnx.state(drafter, nnx.Param)))
     return nnx.merge(graphdef, state)
@@ -209,14 +210,14 @@ def profile_step(policy: Decoder, drafter: Drafter, strategy: StrategySpec, *, b
     if st.steps == 0:
         raise ValueError(f"--profile times an EAGLE tree's phases; {strategy} has none")
     cfg = policy.cfg
-    B, N, H = batch, st.verify_tokens, cfg.hidden_size
+    B, N = batch, st.verify_tokens
     dtype = policy.embed[...].dtype
     pg, ps = nnx.split(policy)
     dg, dstate = nnx.split(drafter)
     L = jnp.full((B,), prefix_len, jnp.int32)
     cache = KVCache.zeros(cfg, B, kv_len, dtype)
-    ds = speculative.DraftState.empty(drafter.empty_cache(B, kv_len + st.scratch_slots, dtype), st.pending, H,
-                                      dtype).replace(n_pending=jnp.full((B,), 2, jnp.int32))
+    ds = speculative.DraftState.empty(drafter.empty_cache(B, kv_len + st.scratch_slots, dtype), st.pending,
+                                      drafter.feature_size, dtype).replace(n_pending=jnp.full((B,), 2, jnp.int32))
     params = SamplingParams(jnp.full((B,), temperature, jnp.float32), jnp.zeros(B, jnp.int32),
                             jnp.ones(B, jnp.float32), jnp.arange(B, dtype=jnp.uint32))
     tree_shape = jax.eval_shape(lambda: speculative.draft_tree(
@@ -228,7 +229,8 @@ def profile_step(policy: Decoder, drafter: Drafter, strategy: StrategySpec, *, b
 
     @jax.jit
     def decode(ps, cache):
-        return nnx.merge(pg, ps)(jnp.zeros((B, 1), jnp.int32), L[:, None], cache, L, kv_len=kv_len)[0]
+        return nnx.merge(pg, ps)(jnp.zeros((B, 1), jnp.int32), L[:, None], cache, L, kv_len=kv_len,
+                                 capture=drafter.feature_layers)[0]
 
     @jax.jit
     def draft(ps, dstate, ds):
@@ -237,7 +239,8 @@ def profile_step(policy: Decoder, drafter: Drafter, strategy: StrategySpec, *, b
     @jax.jit
     def verify(ps, cache, tree):
         mask = speculative.ancestor_mask(tree.parents)
-        return nnx.merge(pg, ps)(tree.tokens, L[:, None] + tree.depth, cache, L, block_mask=mask, kv_len=kv_len)[0]
+        return nnx.merge(pg, ps)(tree.tokens, L[:, None] + tree.depth, cache, L, block_mask=mask, kv_len=kv_len,
+                                 capture=drafter.feature_layers)[0]
 
     logits = verify(ps, cache, tree)
 
@@ -249,7 +252,7 @@ def profile_step(policy: Decoder, drafter: Drafter, strategy: StrategySpec, *, b
     def move(cache):
         return speculative._move_path(cache, L, jnp.broadcast_to(jnp.arange(N), (B, N)).astype(jnp.int32))
 
-    slots = Slots.empty(cfg, B, kv_len, 4, True, dtype).replace(
+    slots = Slots.empty(cfg, B, kv_len, 4, True, dtype, feature_layers=drafter.feature_layers).replace(
         length=L, live=jnp.ones(B, bool), max_new=jnp.full((B,), 10_000, jnp.int32), params=params)
 
     @jax.jit

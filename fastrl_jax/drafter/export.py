@@ -1,4 +1,5 @@
-"""Drafter export: a safetensors directory in EAGLE layout that SGLang's LlamaForCausalLMEagle loads.
+"""Drafter export: a safetensors directory in EAGLE layout that SGLang's LlamaForCausalLMEagle loads,
+or for an EAGLE-3 drafter the layout of its LlamaForCausalLMEagle3.
 
 Layout (as SafeAILab EAGLE checkpoints; no embedding, no head: SGLang takes both from the target):
   config.json        LlamaConfig of the one-layer drafter, architectures ["LlamaForCausalLMEagle"]
@@ -9,6 +10,17 @@ Layout (as SafeAILab EAGLE checkpoints; no embedding, no head: SGLang takes both
                      index) and t2d [vocab] bool.
 Weights are in torch nn.Linear layout [out, in]; q/k use HF's half-split RoPE layout, as ours do.
 Features are the target's last hidden state after its final norm, as SGLang captures them.
+
+EAGLE-3 (export_eagle3; SGLang python/sglang/srt/models/llama_eagle3.py):
+  config.json        architectures ["LlamaForCausalLMEagle3"], draft_vocab_size K, target_hidden_size,
+                     tie_word_embeddings false (a tied draft head would be the full embedding), bias false,
+                     eagle_config.eagle_aux_hidden_state_layer_ids (SGLang captures the input of layer id + 1:
+                     our feature_layers - 1)
+  model.safetensors  fc.weight [H, 3H], midlayer.self_attn.{q,k,v}_proj.weight [heads x D, 2H] (input
+                     concat(norm(embed), norm(hidden))), midlayer.self_attn.o_proj.weight,
+                     midlayer.{input_layernorm, hidden_norm, post_attention_layernorm}.weight,
+                     midlayer.mlp.{gate,up,down}_proj.weight, norm.weight, lm_head.weight [K, H] (the
+                     policy's head rows of the draft vocabulary), d2t [K] int64 and t2d [vocab] bool.
 """
 
 from __future__ import annotations
@@ -20,6 +32,7 @@ import numpy as np
 from flax import nnx
 
 from fastrl_jax.models.config import ModelConfig
+from fastrl_jax.models.decoder import Decoder
 from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.models.loading import HFTensor, hf_layer_tensors
 
@@ -73,37 +86,108 @@ def eagle_config(cfg: ModelConfig, draft_vocab_size: int | None, dtype: str) -> 
     return out
 
 
-def export_eagle(drafter: Drafter, policy_cfg: ModelConfig, out_dir: str | Path) -> Path:
-    """Writes config.json and model.safetensors to out_dir (created; existing files are replaced)."""
+def _vocab_tensors(drafter: Drafter, vocab_size: int) -> dict[str, np.ndarray]:
+    """EAGLE-3's d2t (target id - draft index) [K] int64 and t2d [vocab] bool; none without a draft vocabulary."""
+    if drafter.draft_vocab is None:
+        return {}
+    ids = np.asarray(drafter.draft_vocab[...]).astype(np.int64)
+    t2d = np.zeros(vocab_size, bool)
+    t2d[ids] = True
+    return {"d2t": ids - np.arange(len(ids)), "t2d": t2d}
+
+
+def _write(out_dir: str | Path, tensors: dict[str, np.ndarray], config: dict) -> Path:
     from safetensors.numpy import save_file
 
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
-    fc = np.asarray(drafter.fc[...])  # [2H, H]
-    tensors = {"fc.weight": fc.T, "fc.bias": np.zeros(fc.shape[1], fc.dtype), **_layer_tensors(drafter)}
-    vocab = None
-    if drafter.draft_vocab is not None:
-        ids = np.asarray(drafter.draft_vocab[...]).astype(np.int64)
-        vocab = len(ids)
-        tensors["d2t"] = ids - np.arange(vocab)
-        t2d = np.zeros(policy_cfg.vocab_size, bool)
-        t2d[ids] = True
-        tensors["t2d"] = t2d
-    tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
-    save_file(tensors, str(out / _FILE), metadata={"format": "pt"})
-    config = eagle_config(policy_cfg, vocab, str(fc.dtype))
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(out / _FILE), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
 
 
+def export_eagle(drafter: Drafter, policy_cfg: ModelConfig, out_dir: str | Path) -> Path:
+    """Writes config.json and model.safetensors to out_dir (created; existing files are replaced)."""
+    if drafter.kind != "eagle":
+        raise ValueError(f"export_eagle writes EAGLE drafters; this one is {drafter.kind} (use export_eagle3)")
+    fc = np.asarray(drafter.fc[...])  # [2H, H]
+    tensors = {"fc.weight": fc.T, "fc.bias": np.zeros(fc.shape[1], fc.dtype), **_layer_tensors(drafter),
+               **_vocab_tensors(drafter, policy_cfg.vocab_size)}
+    vocab = None if drafter.draft_vocab is None else drafter.draft_vocab_size
+    return _write(out_dir, tensors, eagle_config(policy_cfg, vocab, str(fc.dtype)))
+
+
+def _eagle3_layer_names(cfg: ModelConfig) -> dict[str, tuple]:
+    """Our EAGLE-3 layer parameter -> (its SGLang tensor name, to ours, to torch's [out, in] layout)."""
+    if cfg.qkv_bias or cfg.qk_norm:
+        raise ValueError(f"EAGLE-3 export supports Llama-style layers only (family {cfg.family} has q/k/v bias or q/k norm)")
+    D = cfg.head_dim
+    names = {ours: (hf.template.format(0).replace("model.layers.0.", "midlayer."), hf.to_ours, hf.to_hf)
+             for ours, hf in hf_layer_tensors(cfg).items() if ours not in ("wq", "wk", "wv")}
+    for ours, heads in (("wq", cfg.num_heads), ("wk", cfg.num_kv_heads), ("wv", cfg.num_kv_heads)):
+        names[ours] = (f"midlayer.self_attn.{ours[1]}_proj.weight",  # [heads x D, 2H] <-> [2H, heads, D]
+                       lambda w, heads=heads: w.T.reshape(w.shape[1], heads, D), lambda w: w.reshape(w.shape[0], -1).T)
+    same = lambda w: w  # noqa: E731
+    names["hidden_norm"] = ("midlayer.hidden_norm.weight", same, same)
+    return names
+
+
+def export_eagle3(drafter: Drafter, policy: Decoder, out_dir: str | Path) -> Path:
+    """Writes an EAGLE-3 drafter as SGLang's LlamaForCausalLMEagle3 checkpoint (config.json and
+    model.safetensors) to out_dir; the policy gives the draft vocabulary's head rows (lm_head.weight)."""
+    if drafter.kind != "eagle3":
+        raise ValueError(f"export_eagle3 writes EAGLE-3 drafters; this one is {drafter.kind} (use export_eagle)")
+    cfg = policy.cfg
+    p = {k: np.asarray(v)[0] for k, v in nnx.to_pure_dict(nnx.state(drafter.layers, nnx.Param)).items()}
+    fc = np.asarray(drafter.fc[...])  # [3H, H]
+    tensors = {"fc.weight": fc.T, "norm.weight": np.asarray(drafter.norm[...]),
+               "lm_head.weight": np.asarray(drafter.head_weight(policy)).astype(fc.dtype),
+               **{name: to_hf(p[ours]) for ours, (name, _, to_hf) in _eagle3_layer_names(drafter.cfg).items()},
+               **_vocab_tensors(drafter, cfg.vocab_size)}
+    config = eagle_config(cfg, drafter.draft_vocab_size, str(fc.dtype)) | {
+        "architectures": ["LlamaForCausalLMEagle3"], "target_hidden_size": cfg.hidden_size,
+        "tie_word_embeddings": False, "bias": False,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in drafter.feature_layers]},
+    }
+    return _write(out_dir, tensors, config)
+
+
+def _load_eagle3(path: Path, t: dict, config: dict, policy_cfg: ModelConfig) -> Drafter:
+    """An export_eagle3 directory's drafter. Its lm_head.weight is not read: the drafter scores with
+    the policy's head rows of its draft vocabulary, which is what export_eagle3 wrote there."""
+    H = policy_cfg.hidden_size
+    if t["fc.weight"].shape != (H, 3 * H):
+        raise ValueError(f"{path}: fc.weight is {t['fc.weight'].shape}, this policy needs {(H, 3 * H)}")
+    ids = config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
+    layers = None if ids is None else tuple(i + 1 for i in ids)
+    vocab = t["d2t"] + np.arange(len(t["d2t"])) if "d2t" in t else None
+    drafter = Drafter(policy_cfg, nnx.Rngs(0), t["fc.weight"].dtype, draft_vocab=vocab, kind="eagle3", layers=layers)
+    state = nnx.state(drafter.layers, nnx.Param)
+    pure = nnx.to_pure_dict(state)
+    for ours, (name, to_ours, _) in _eagle3_layer_names(drafter.cfg).items():
+        value = to_ours(t[name])
+        if pure[ours].shape[1:] != value.shape:
+            raise ValueError(f"{path}: {name} is {t[name].shape}, this policy needs {pure[ours].shape[1:]} (ours)")
+        pure[ours] = value[None]
+    nnx.replace_by_pure_dict(state, pure)
+    nnx.update(drafter.layers, state)
+    drafter.fc.set_value(np.ascontiguousarray(t["fc.weight"].T))
+    drafter.norm.set_value(t["norm.weight"])
+    return drafter
+
+
 def load_eagle(path: str | Path, policy_cfg: ModelConfig) -> Drafter:
-    """Reads a directory written by export_eagle back into a Drafter for a policy of config policy_cfg."""
+    """Reads a directory written by export_eagle (or export_eagle3: by its config's architecture) back
+    into a Drafter for a policy of config policy_cfg."""
     from safetensors.numpy import load_file
 
     path = Path(path).expanduser()
     if not (path / _FILE).is_file():
         raise FileNotFoundError(f"{path / _FILE} not found (expected a directory written by export-drafter)")
     t = load_file(str(path / _FILE))
+    config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+    if "LlamaForCausalLMEagle3" in config.get("architectures", ()):
+        return _load_eagle3(path, t, config, policy_cfg)
     H = policy_cfg.hidden_size
     if t["fc.weight"].shape != (H, 2 * H):
         raise ValueError(f"{path}: fc.weight is {t['fc.weight'].shape}, this policy needs {(H, 2 * H)}")

@@ -82,7 +82,7 @@ class SpotTrainer:
         self.mesh = mesh
         self.num_replicas = mesh.shape["data"]
         self.seed = seed
-        self.buffer = SampleBuffer(self.cfg.buffer_max_tokens, drafter.cfg.hidden_size, keep_steps=self.cfg.keep_steps)
+        self.buffer = SampleBuffer(self.cfg.buffer_max_tokens, drafter.feature_size, keep_steps=self.cfg.keep_steps)
         self.dgraphdef, self.params, self.rest = nnx.split(drafter, nnx.Param, ...)
         self.frozen = jax.tree.map(jnp.copy, self.params)  # the starting drafter, for the drift comparison
         self.tx = drafter_optimizer(self.cfg.learning_rate, self.cfg.warmup_steps, None, dt.weight_decay, dt.grad_clip_norm)

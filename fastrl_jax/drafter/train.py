@@ -7,6 +7,11 @@ counted where x_{t+2} is a token to learn (loss_mask) of the same sequence. The 
 policy's own next-token distribution at f_{t+1}; with a reduced draft vocabulary both sides are
 restricted to it.
 
+EAGLE-3 (drafter.kind "eagle3") trains on cross-entropy alone, against the token the policy emitted,
+x_{t+2} (the buffer stores EAGLE-3's layer features, not the last hidden state the policy's own
+distribution would need; on the policy's own samples this is an unbiased estimate of that CE);
+entries whose target lies outside the draft vocabulary are not counted.
+
 Unrolling (training-time test): drafting feeds the drafter its own predictions, so unroll step j
 re-runs the drafter at anchor a with entry (pred_{a+j-1}, x_{a+j+1}) at position a+j, attending to
 the true entries <= a and to its own earlier unroll entries for the same anchor, exactly as a depth
@@ -24,7 +29,7 @@ import optax
 from flax import nnx
 
 from fastrl_jax.models.decoder import Decoder, KVCache, head_logits
-from fastrl_jax.models.drafter import Drafter, policy_features
+from fastrl_jax.models.drafter import Drafter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,26 +92,38 @@ def drafter_loss(drafter: Drafter, policy: Decoder, batch: dict, key: jax.Array,
 
     batch (see buffer.PackedBatch): tokens [B, S] int32, hidden [B, S, H] policy hidden states (before
     the final norm), loss_mask [B, S] bool, positions [B, S] int32, segments [B, S] int32 (0 = pad).
-    Returns (loss, {"loss", "hidden_l1", "ce", "acc_<j>" per unroll step, "entries"}).
+    batch["hidden"] holds the stored policy features ([B, S, 3H] for EAGLE-3).
+    Returns (loss, {"loss", "hidden_l1_<j>" (EAGLE), "ce_<j>", "acc_<j>" per unroll step, "entries"}).
     """
-    feats = jax.lax.stop_gradient(policy_features(policy, batch["hidden"].astype(jnp.float32)))
+    feats = jax.lax.stop_gradient(drafter.features(policy, batch["hidden"].astype(jnp.float32)))
     head = drafter.head_weight(policy)  # [K, H]
     noise = jax.random.uniform(key, feats.shape, feats.dtype, -settings.input_noise, settings.input_noise)
     total, metrics = 0.0, {}
     weight_sum = 0.0
     for j, logits, pred in _unrolled(drafter, policy, batch, feats + noise, head, settings.unroll_steps):
         w = _target_valid(batch, j).astype(jnp.float32)
-        n = jnp.maximum(w.sum(), 1.0)
-        target = _shift(feats, j + 1)
-        l1 = (smooth_l1(pred - target).mean(-1) * w).sum() / n
-        target_logits = head_logits(target, head)
-        p = jax.nn.softmax(target_logits, -1)
-        ce = (-(p * jax.nn.log_softmax(logits, -1)).sum(-1) * w).sum() / n
-        acc = ((jnp.argmax(logits, -1) == jnp.argmax(target_logits, -1)) * w).sum() / n
+        logp = jax.nn.log_softmax(logits, -1)
+        if drafter.kind == "eagle3":
+            label = drafter.draft_index(_shift(batch["tokens"], j + 2))
+            w = w * (label >= 0)
+            n = jnp.maximum(w.sum(), 1.0)
+            ce = (-jnp.take_along_axis(logp, jnp.maximum(label, 0)[..., None], -1)[..., 0] * w).sum() / n
+            acc = ((jnp.argmax(logits, -1) == label) * w).sum() / n
+            step_loss, metrics[f"ce_{j}"] = ce, ce
+        else:
+            n = jnp.maximum(w.sum(), 1.0)
+            target = _shift(feats, j + 1)
+            l1 = (smooth_l1(pred - target).mean(-1) * w).sum() / n
+            target_logits = head_logits(target, head)
+            p = jax.nn.softmax(target_logits, -1)
+            ce = (-(p * logp).sum(-1) * w).sum() / n
+            acc = ((jnp.argmax(logits, -1) == jnp.argmax(target_logits, -1)) * w).sum() / n
+            step_loss = l1 + settings.ce_weight * ce
+            metrics |= {f"hidden_l1_{j}": l1, f"ce_{j}": ce}
         scale = settings.unroll_decay**j
-        total = total + scale * (l1 + settings.ce_weight * ce)
+        total = total + scale * step_loss
         weight_sum += scale
-        metrics |= {f"hidden_l1_{j}": l1, f"ce_{j}": ce, f"acc_{j}": acc}
+        metrics[f"acc_{j}"] = acc
         if j == 0:
             metrics["entries"] = w.sum()
     loss = total / weight_sum
@@ -124,7 +141,7 @@ def chain_acceptance(drafter: Drafter, policy: Decoder, batch: dict, depth: int)
     tokens (greedy decoding, or coupled sampling with the recorded seeds), so 1 + accepted / anchors
     estimates tokens per speculative step without running the policy.
     """
-    feats = policy_features(policy, batch["hidden"].astype(jnp.float32))
+    feats = drafter.features(policy, batch["hidden"].astype(jnp.float32))
     head = drafter.head_weight(policy)
     tokens = batch["tokens"]
     alive = _target_valid(batch, 0)

@@ -34,7 +34,7 @@ from fastrl_jax.drafter.train import LossSettings, drafter_optimizer, make_train
 from fastrl_jax.drafter.vocab import coverage, select_draft_vocab
 from fastrl_jax.metric_sink import MetricsSink
 from fastrl_jax.models.decoder import DTYPES, Decoder, cast_floating
-from fastrl_jax.models.drafter import Drafter
+from fastrl_jax.models.drafter import Drafter, feature_layers
 from fastrl_jax.models.drafter_io import save_drafter
 from fastrl_jax.models.tokenizer import stop_ids
 from fastrl_jax.rollout.engine import Request, RolloutEngine
@@ -101,7 +101,7 @@ def train_drafter(cfg: Config, policy: Decoder, tokenizer, *, resume: bool = Tru
     ckpt = RunCheckpointer(out_dir / "checkpoints", keep=dt.keep_checkpoints)
     sink = MetricsSink(out_dir, dt.tensorboard, ckpt.latest_step())  # a resumed run drops the later lines
     evaluate = HeldOutEvaluator(cfg, policy, tokenizer, stop, sink)
-    drafter = Drafter(policy.cfg, nnx.Rngs(cfg.seed), DTYPES[cfg.model.dtype], draft_vocab=vocab)
+    drafter = Drafter(policy.cfg, nnx.Rngs(cfg.seed), DTYPES[cfg.model.dtype], draft_vocab=vocab, kind=dt.kind)
     t_train = time.perf_counter()
     drafter = train(cfg, policy, drafter, buffer, ckpt, sink, evaluate, progress)
     summary["train_seconds"] = time.perf_counter() - t_train
@@ -122,7 +122,8 @@ def collect_data(cfg: Config, policy: Decoder, tokenizer, data_file: Path, stop,
     """The training data: the policy's answers to the warm-up prompts with their hidden states, generated
     once and saved to data_file (a rerun or resume reads it back)."""
     dt = cfg.drafter_train
-    buffer = SampleBuffer(dt.buffer_max_tokens, policy.cfg.hidden_size)
+    layers = feature_layers(dt.kind, policy.cfg.num_layers)
+    buffer = SampleBuffer(dt.buffer_max_tokens, policy.cfg.hidden_size * max(len(layers), 1))
     if data_file.is_file():
         buffer.load(data_file)
         print(f"[train-drafter] reusing {len(buffer)} sequences ({buffer.num_tokens} tokens) from {data_file}", file=sys.stderr)
@@ -130,7 +131,8 @@ def collect_data(cfg: Config, policy: Decoder, tokenizer, data_file: Path, stop,
         requests = [Request(p, dt.max_new_tokens, dt.temperature, seed=cfg.seed * 1_000_003 + i * dt.samples_per_prompt + k,
                             stop_ids=stop)
                     for i, p in enumerate(drafter_training_prompts(cfg, tokenizer)) for k in range(dt.samples_per_prompt)]
-        engine = RolloutEngine(policy, dataclasses.replace(cfg.rollout, warm_up=False), keep_hidden=True, progress=progress)
+        engine = RolloutEngine(policy, dataclasses.replace(cfg.rollout, warm_up=False), keep_hidden=True, progress=progress,
+                               feature_layers=layers)
         summary["collect"] = collect(engine, requests, buffer, progress=progress)
         del engine
         buffer.save(data_file)

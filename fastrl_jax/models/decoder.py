@@ -50,13 +50,18 @@ def _ones(shape, axes, dtype) -> nnx.Param:
 class Layers(nnx.Module):
     """All decoder layers' weights, stacked on a leading `layers` axis and run under lax.scan."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype, embed_input: bool = False):
+        """embed_input: EAGLE-3's draft layer, whose attention reads concat(attn_norm(embed), hidden_norm(x))
+        (q/k/v projections 2H wide, an extra hidden_norm) while the residual stream is x."""
         L, H, F, D = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         nh, nkv = cfg.num_heads, cfg.num_kv_heads
+        A = 2 * H if embed_input else H
         self.attn_norm = _ones((L, H), ("layers", "norm"), dtype)
-        self.wq = _param(rngs, (L, H, nh, D), ("layers", "embed", "heads", "head_dim"), dtype)
-        self.wk = _param(rngs, (L, H, nkv, D), ("layers", "embed", "kv_heads", "head_dim"), dtype)
-        self.wv = _param(rngs, (L, H, nkv, D), ("layers", "embed", "kv_heads", "head_dim"), dtype)
+        if embed_input:
+            self.hidden_norm = _ones((L, H), ("layers", "norm"), dtype)
+        self.wq = _param(rngs, (L, A, nh, D), ("layers", "embed", "heads", "head_dim"), dtype)
+        self.wk = _param(rngs, (L, A, nkv, D), ("layers", "embed", "kv_heads", "head_dim"), dtype)
+        self.wv = _param(rngs, (L, A, nkv, D), ("layers", "embed", "kv_heads", "head_dim"), dtype)
         self.wo = _param(rngs, (L, nh, D, H), ("layers", "heads", "head_dim", "embed"), dtype)
         if cfg.qkv_bias:
             self.bq = _param(rngs, (L, nh, D), ("layers", "heads", "head_dim"), dtype)
@@ -96,6 +101,7 @@ class Decoder(nnx.Module):
         block_mask: jax.Array | None = None,
         kv_len: int | None = None,
         mask: jax.Array | None = None,
+        capture: tuple[int, ...] = (),
     ) -> tuple[jax.Array, jax.Array, KVCache]:
         """Runs the new tokens of every row against the cache.
 
@@ -109,21 +115,34 @@ class Decoder(nnx.Module):
             for every row); the whole cache when None.
           mask: [B, T, kv_len] bool, every slot each new token sees; replaces the prefix +
             block_mask rule when given (the drafter's tree steps need it).
+          capture: static layer indices whose input hidden states come back as the features
+            (SGLang's convention: index i is the residual stream entering layer i, num_layers the last
+            layer's output); () for the last-layer hidden states.
 
         Returns:
-          logits [B, T, vocab] float32, last-layer hidden states [B, T, hidden] (before the final
-          norm: the drafter's input), and the updated cache.
+          logits [B, T, vocab] float32, the features the drafter reads (last-layer hidden states
+          [B, T, hidden] before the final norm, or with `capture` the captured states concatenated,
+          [B, T, len(capture) * hidden]), and the updated cache.
         """
-        hidden, cache = self.hidden(tokens, positions, cache, start, block_mask, kv_len, mask)
-        return self.logits(hidden), hidden, cache
+        hidden, features, cache = self.hidden_and_features(tokens, positions, cache, start, block_mask, kv_len, mask, capture)
+        return self.logits(hidden), features, cache
 
     def hidden(self, tokens, positions, cache: KVCache, start, block_mask=None, kv_len=None, mask=None):
         """__call__ without the LM head: (last-layer hidden states, cache), for callers that need
         the logits of a few positions only (a prefill samples from each prompt's last)."""
+        hidden, _, cache = self.hidden_and_features(tokens, positions, cache, start, block_mask, kv_len, mask)
+        return hidden, cache
+
+    def hidden_and_features(self, tokens, positions, cache: KVCache, start, block_mask=None, kv_len=None, mask=None,
+                            capture: tuple[int, ...] = ()):
+        """(last-layer hidden states, features as __call__ returns them, cache)."""
         kv_len = cache.max_len if kv_len is None else kv_len
         if mask is None:
             mask = attention_mask(start, block_mask, tokens.shape[1], kv_len)
-        return run_layers(self.cfg, self.layers, self.embed[tokens], positions, cache, start, mask)
+        out = run_layers(self.cfg, self.layers, self.embed[tokens], positions, cache, start, mask, capture=capture)
+        if not capture:
+            return out[0], out[0], out[1]
+        return out
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final norm and LM head: [..., hidden] -> [..., vocab] float32."""
@@ -131,20 +150,36 @@ class Decoder(nnx.Module):
         return head_logits(x, self.head_weight())
 
 
-def run_layers(cfg: ModelConfig, layers: Layers, x, positions, cache: KVCache, start, mask, input_norm=True, remat=False):
+def run_layers(cfg: ModelConfig, layers: Layers, x, positions, cache: KVCache, start, mask, input_norm=True, remat=False,
+               capture: tuple[int, ...] = (), embeds=None):
     """Scanned decoder layers over x [B, T, H]; new keys/values go to cache slots [start, start + T).
 
     mask [B, T, kv_len] gives the cache window attention reads. input_norm=False skips the first
     layer's input RMSNorm (the EAGLE drafter's layer has none). remat=True recomputes each layer's
-    activations in the backward pass instead of keeping them (training memory).
+    activations in the backward pass instead of keeping them (training memory). embeds [B, T, H]:
+    the token embeddings an EAGLE-3 draft layer (Layers(embed_input=True)) reads beside x.
+
+    Returns (x, cache); with `capture` (static layer indices in [0, num_layers]) (x, features, cache),
+    features [B, T, len(capture) * H] the residual stream entering each captured layer (num_layers:
+    the output), concatenated: EAGLE-3's policy features, kept in the scan carry so no per-layer
+    stack of hidden states is materialised.
     """
     kv_len = mask.shape[-1]
     cos, sin = rope_tables(cfg, positions)
     layer_params = nnx.to_pure_dict(nnx.state(layers))
+    if any(not 0 <= c <= cfg.num_layers for c in capture):
+        raise ValueError(f"capture layers {capture} must lie in [0, {cfg.num_layers}]")
 
-    def layer(x, inputs):
-        p, k_cached, v_cached = inputs
-        return _layer(cfg, p, x, k_cached[:, :, :kv_len], v_cached[:, :, :kv_len], cos, sin, start, mask, input_norm)
+    def grab(i, x, aux):
+        return tuple(jnp.where(i == c, x, a) for c, a in zip(capture, aux))
+
+    def layer(carry, inputs):
+        x, aux = carry
+        i, p, k_cached, v_cached = inputs
+        aux = grab(i, x, aux)
+        x, kv = _layer(cfg, p, x, k_cached[:, :, :kv_len], v_cached[:, :, :kv_len], cos, sin, start, mask, input_norm,
+                       embeds)
+        return (x, aux), kv
 
     if remat:
         layer = jax.checkpoint(layer)
@@ -152,8 +187,14 @@ def run_layers(cfg: ModelConfig, layers: Layers, x, positions, cache: KVCache, s
     # The cache is only read inside the scan; the new keys/values come out as small [L, B, KV, T, D]
     # outputs and are written once afterwards, in place (the caller donates the cache). Carrying
     # the cache through the scan instead made XLA copy it at every layer.
-    x, (k_new, v_new) = jax.lax.scan(layer, x, (layer_params, cache.k, cache.v))
-    return x, KVCache(k=_write_rows(cache.k, k_new, start), v=_write_rows(cache.v, v_new, start))
+    aux = tuple(jnp.zeros_like(x) for _ in capture)
+    steps = jnp.arange(cache.k.shape[0])
+    (x, aux), (k_new, v_new) = jax.lax.scan(layer, (x, aux), (steps, layer_params, cache.k, cache.v))
+    cache = KVCache(k=_write_rows(cache.k, k_new, start), v=_write_rows(cache.v, v_new, start))
+    if not capture:
+        return x, cache
+    aux = grab(cache.k.shape[0], x, aux)
+    return x, jnp.concatenate(aux, axis=-1), cache
 
 
 def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -211,11 +252,15 @@ def _write_rows(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array
     return jax.lax.fori_loop(0, cache.shape[1], write_row, cache)
 
 
-def _layer(cfg: ModelConfig, p, x, k_cached, v_cached, cos, sin, start, mask, input_norm=True):
+def _layer(cfg: ModelConfig, p, x, k_cached, v_cached, cos, sin, start, mask, input_norm=True, embeds=None):
     """One decoder layer. k_cached/v_cached [B, KV, S, D] hold the prefix (slots < start)."""
     B, T, _ = x.shape
     G = cfg.num_heads // cfg.num_kv_heads
-    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps) if input_norm else x
+    if embeds is not None:  # EAGLE-3's draft layer (SGLang's llama_eagle3 midlayer)
+        h = jnp.concatenate([rms_norm(embeds.astype(x.dtype), p["attn_norm"], cfg.rms_norm_eps),
+                             rms_norm(x, p["hidden_norm"], cfg.rms_norm_eps)], axis=-1)
+    else:
+        h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps) if input_norm else x
     q = jnp.einsum("bth,hnd->btnd", h, p["wq"])
     k = jnp.einsum("bth,hnd->btnd", h, p["wk"])
     v = jnp.einsum("bth,hnd->btnd", h, p["wv"])

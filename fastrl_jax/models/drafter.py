@@ -1,4 +1,4 @@
-"""The EAGLE drafter: one decoder layer over the policy's last hidden state and the next token.
+"""The EAGLE and EAGLE-3 drafters: one decoder layer over policy features and the next token.
 
 Entry t of a sequence pairs the policy's feature f_t with token x_{t+1}:
     fc(concat(embed(x_{t+1}), f_t)) -> one decoder layer (no input norm) -> predicted f_{t+1}
@@ -12,6 +12,14 @@ With a reduced draft vocabulary (EAGLE-3's d2t/t2d) the drafter scores only the 
 `draft_vocab`, through those rows of the policy's head: logits are [.., K] and `token_ids` maps
 an index back to a full-vocabulary id. The policy still verifies every drafted token, so
 decoding stays lossless; tokens outside the draft vocabulary are simply never drafted.
+
+kind "eagle3" (EAGLE-3, as SGLang's llama_eagle3.py serves it): the features are the policy's
+residual stream entering three layers (`feature_layers`: SGLang's default [2, L//2, L-3], clamped
+into [0, L-1] for models of few layers, where SGLang can still capture them), concatenated [.., 3H]
+and stored raw; fc fuses them 3H -> H at the first draft step, and later steps feed the drafter's
+own output h (already H wide) instead. The layer's attention
+reads concat(rmsnorm(embed(x_{t+1})), rmsnorm(h)) (2H) with h as the residual stream, and the
+drafter's own final norm precedes the head. It trains on cross-entropy alone (drafter/train.py).
 """
 
 from __future__ import annotations
@@ -26,25 +34,46 @@ from flax import nnx
 from fastrl_jax.models.config import ModelConfig
 from fastrl_jax.models.decoder import Decoder, KVCache, Layers, attention_mask, head_logits, rms_norm, run_layers
 
+KINDS = ("eagle", "eagle3")
+
 
 class DraftVocab(nnx.Variable):
     """int32 [K] token ids the drafter scores (not trained)."""
 
 
 def policy_features(policy: Decoder, hidden: jax.Array) -> jax.Array:
-    """The drafter's input features: the policy's last hidden states [..., H] through its final norm."""
+    """The EAGLE drafter's input features: the policy's last hidden states [..., H] through its final norm."""
     return rms_norm(hidden, policy.final_norm[...], policy.cfg.rms_norm_eps)
 
 
+def feature_layers(kind: str, num_layers: int) -> tuple[int, ...]:
+    """The policy layers whose input hidden states a drafter of `kind` reads (Decoder capture indices):
+    () for EAGLE (the last hidden state), SGLang's [2, L//2, L-3] clamped into [0, L-1] for EAGLE-3 (SGLang
+    captures the input of layers 0 .. L-1 only)."""
+    if kind not in KINDS:
+        raise ValueError(f"drafter kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    if kind == "eagle":
+        return ()
+    return tuple(min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3))
+
+
 class Drafter(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype=jnp.float32, draft_vocab=None):
-        """draft_vocab: optional int [K] distinct token ids of a reduced draft vocabulary."""
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype=jnp.float32, draft_vocab=None, kind: str = "eagle",
+                 layers: tuple[int, ...] | None = None):
+        """cfg: the policy's config. draft_vocab: optional int [K] distinct token ids of a reduced draft
+        vocabulary. kind: "eagle" or "eagle3". layers: the feature layers when not feature_layers(kind, ...)
+        of cfg (a copy of another drafter's)."""
+        self.kind = kind
+        self.feature_layers = feature_layers(kind, cfg.num_layers) if layers is None else tuple(layers)
         self.cfg = dataclasses.replace(cfg, num_layers=1)
         H = cfg.hidden_size
+        F = 3 * H if kind == "eagle3" else 2 * H
         self.fc = nnx.Param(
-            jax.random.normal(rngs.params(), (2 * H, H), dtype) / jnp.sqrt(2.0 * H), logical_axes=("mlp", "embed")
+            jax.random.normal(rngs.params(), (F, H), dtype) / jnp.sqrt(float(F)), logical_axes=("mlp", "embed")
         )
-        self.layers = Layers(self.cfg, rngs, dtype)
+        self.layers = Layers(self.cfg, rngs, dtype, embed_input=kind == "eagle3")
+        if kind == "eagle3":
+            self.norm = nnx.Param(jnp.ones((H,), dtype), logical_axes=("norm",))
         if draft_vocab is not None:
             ids = np.asarray(draft_vocab)
             if ids.ndim != 1 or not len(ids) or len(np.unique(ids)) != len(ids) or ids.min() < 0 or ids.max() >= cfg.vocab_size:
@@ -55,6 +84,24 @@ class Drafter(nnx.Module):
     @property
     def draft_vocab_size(self) -> int:
         return self.cfg.vocab_size if self.draft_vocab is None else self.draft_vocab[...].shape[0]
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the stored policy features this drafter reads: H, or 3H for EAGLE-3."""
+        return self.cfg.hidden_size * max(len(self.feature_layers), 1)
+
+    def features(self, policy: Decoder, stored: jax.Array) -> jax.Array:
+        """Stored policy features (Decoder outputs with capture=feature_layers) [..., feature_size] -> the
+        drafter's `hidden` input: through the policy's final norm for EAGLE, as they are for EAGLE-3."""
+        return stored if self.kind == "eagle3" else policy_features(policy, stored)
+
+    def draft_index(self, token_ids: jax.Array) -> jax.Array:
+        """Token ids -> draft-vocabulary indices, -1 for ids outside it (identity without one)."""
+        if self.draft_vocab is None:
+            return token_ids
+        ids = self.draft_vocab[...]
+        table = jnp.full((self.cfg.vocab_size,), -1, jnp.int32).at[ids].set(jnp.arange(ids.shape[0], dtype=jnp.int32))
+        return table[token_ids]
 
     def empty_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
         return KVCache.zeros(self.cfg, batch, max_len, dtype)
@@ -82,10 +129,10 @@ class Drafter(nnx.Module):
         mask: jax.Array | None = None,
         head: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array, KVCache]:
-        """Runs drafter entries (x_{t+1} = tokens [B, T], f_t = hidden [B, T, H]) like Decoder.__call__.
+        """Runs drafter entries (x_{t+1} = tokens [B, T], f_t = hidden [B, T, F]) like Decoder.__call__.
 
-        hidden holds features: policy_features of policy hidden states, or the drafter's own
-        predictions. head: head_weight(policy), computed here when None.
+        hidden holds features (`features` of stored policy features, F = feature_size) or the
+        drafter's own predictions (F = H). head: head_weight(policy), computed here when None.
 
         Returns logits [B, T, K] float32 for the token after each entry's (over the draft
         vocabulary), the predicted features [B, T, H] (the next entries' inputs while drafting),
@@ -97,7 +144,13 @@ class Drafter(nnx.Module):
         if head is None:
             head = self.head_weight(policy)
         embed = jax.lax.stop_gradient(policy.embed[tokens])
-        x = jnp.concatenate([embed, hidden.astype(embed.dtype)], axis=-1) @ self.fc[...]
-        out, cache = run_layers(self.cfg, self.layers, x, positions, cache, start, mask, input_norm=False)
-        logits = head_logits(out, head)
-        return logits, out, cache
+        if self.kind == "eagle":
+            x = jnp.concatenate([embed, hidden.astype(embed.dtype)], axis=-1) @ self.fc[...]
+            out, cache = run_layers(self.cfg, self.layers, x, positions, cache, start, mask, input_norm=False)
+            return head_logits(out, head), out, cache
+        # EAGLE-3: fuse the policy's layer features at the first step; own predictions are H wide already.
+        x = hidden.astype(embed.dtype)
+        if x.shape[-1] != self.cfg.hidden_size:
+            x = x @ self.fc[...]
+        out, cache = run_layers(self.cfg, self.layers, x, positions, cache, start, mask, embeds=embed)
+        return head_logits(rms_norm(out, self.norm[...], self.cfg.rms_norm_eps), head), out, cache

@@ -20,17 +20,18 @@ log = logging.getLogger(__name__)
 
 def save_drafter(path: str | Path, drafter: Drafter) -> Path:
     """Writes the drafter's parameters (and its draft vocabulary, if any) as an Orbax checkpoint
-    at `path` (a new directory)."""
+    at `path` (a new directory). The parameters record the kind: only an EAGLE-3 drafter has `norm`
+    (its own final norm) and a 3H-wide fc, so checkpoints written before EAGLE-3 existed load as EAGLE."""
     path = Path(path).expanduser().resolve()
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(path, nnx.to_pure_dict(nnx.state(drafter, (nnx.Param, DraftVocab))))
     return path
 
 
-def abstract_drafter(cfg: ModelConfig, dtype="float32", draft_vocab_size: int = 0) -> Drafter:
+def abstract_drafter(cfg: ModelConfig, dtype="float32", draft_vocab_size: int = 0, kind: str = "eagle") -> Drafter:
     """The drafter's structure without memory; draft_vocab_size 0 means the full vocabulary."""
     vocab = np.arange(draft_vocab_size) if draft_vocab_size else None
-    return nnx.eval_shape(lambda: Drafter(cfg, nnx.Rngs(0), dtype, draft_vocab=vocab))
+    return nnx.eval_shape(lambda: Drafter(cfg, nnx.Rngs(0), dtype, draft_vocab=vocab, kind=kind))
 
 
 def drafter_dir(path: str | Path) -> Path:
@@ -54,13 +55,14 @@ def drafter_dir(path: str | Path) -> Path:
 
 def load_drafter(path: str | Path, cfg: ModelConfig, dtype="float32") -> Drafter:
     """Reads a drafter saved by save_drafter, or the final drafter of a train-drafter out_dir
-    (its drafter/), for a policy of config `cfg`."""
+    (its drafter/), for a policy of config `cfg`; of the kind it was saved as."""
     path = drafter_dir(path)
     with ocp.StandardCheckpointer() as ckptr:
         try:
             saved = ckptr.metadata(path).item_metadata
             vocab = saved.get("draft_vocab")
-            abstract = abstract_drafter(cfg, dtype, vocab.shape[0] if vocab is not None else 0)
+            kind = "eagle3" if "norm" in saved else "eagle"
+            abstract = abstract_drafter(cfg, dtype, vocab.shape[0] if vocab is not None else 0, kind)
             graphdef, state = nnx.split(abstract)
             target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(state))
             restored = ckptr.restore(path, target)
@@ -75,15 +77,15 @@ def make_drafter(cfg: Config, model_cfg: ModelConfig, path: str | Path | None, d
     when path is None or '' (lossless, since the policy verifies every token, but it accepts ~1
     token per step until trained). A fresh drafter scores a reduced draft vocabulary of
     drafter_train.draft_vocab_size tokens too (fresh_draft_vocab), so its steps cost what a trained
-    one's do. dtype: its weights' dtype name, cfg.model.dtype (the dtype it trains in) when None;
-    cfg.model.engine_dtype for inference only."""
+    one's do, and is of kind drafter_train.kind (a checkpoint keeps its own). dtype: its weights' dtype
+    name, cfg.model.dtype (the dtype it trains in) when None; cfg.model.engine_dtype for inference only."""
     dtype = DTYPES[dtype or cfg.model.dtype]
     if path:
         return load_drafter(path, model_cfg, dtype)
     log.warning("no drafter checkpoint (--drafter, rl.drafter_path): a randomly initialised drafter (lossless, "
                 "but it accepts ~1 token per step until trained)")
     vocab = fresh_draft_vocab(model_cfg, cfg.drafter_train.draft_vocab_size)
-    return Drafter(model_cfg, nnx.Rngs(cfg.seed), dtype, draft_vocab=vocab)
+    return Drafter(model_cfg, nnx.Rngs(cfg.seed), dtype, draft_vocab=vocab, kind=cfg.drafter_train.kind)
 
 
 def fresh_draft_vocab(model_cfg: ModelConfig, size: int) -> np.ndarray | None:

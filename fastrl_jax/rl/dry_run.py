@@ -21,7 +21,7 @@ from jax.sharding import AbstractMesh, NamedSharding
 from fastrl_jax.config import Config, ConfigError
 from fastrl_jax.models.config import ModelConfig
 from fastrl_jax.models.decoder import DTYPES, abstract_decoder
-from fastrl_jax.models.drafter import Drafter
+from fastrl_jax.models.drafter import Drafter, feature_layers
 from fastrl_jax.models.known_configs import KNOWN, known_config
 from fastrl_jax.models.loading import read_model_config
 from fastrl_jax.rl.update import master_rules
@@ -78,7 +78,8 @@ def memory_plan(cfg: Config, devices: int | None = None) -> dict[str, float]:
     # The engine keeps its row table (KV cache included) replicated on the replica's devices.
     kv = 2 * mcfg.num_layers * B * mcfg.num_kv_heads * S * mcfg.head_dim * itemsize
     sd = cfg.sd.mode != "off"
-    hidden = B * S * mcfg.hidden_size * itemsize if sd else 0  # stored in the engine's dtype
+    width = mcfg.hidden_size * max(len(feature_layers(cfg.drafter_train.kind, mcfg.num_layers)), 1)
+    hidden = B * S * width * itemsize if sd else 0  # stored in the engine's dtype
     drafter_kv = kv // mcfg.num_layers if sd else 0
     rows = max(cfg.rl.micro_batch_size // (sizes["data"] * sizes["fsdp"]), 1)
     vocab = mcfg.vocab_size // (sizes["tensor"] if mcfg.vocab_size % sizes["tensor"] == 0 else 1)  # head split on tensor
@@ -104,7 +105,8 @@ def program_plan(cfg: Config) -> Counter:
     """
     mcfg = model_config(cfg.model.path)
     dtype = DTYPES[cfg.model.engine_dtype]
-    drafter = nnx.eval_shape(lambda: Drafter(mcfg, nnx.Rngs(0), dtype)) if cfg.sd.mode != "off" else None
+    drafter = (nnx.eval_shape(lambda: Drafter(mcfg, nnx.Rngs(0), dtype, kind=cfg.drafter_train.kind))
+               if cfg.sd.mode != "off" else None)
     rollout = dataclasses.replace(cfg.rollout, warm_up=False, compile_cache_dir="")
     engine = RolloutEngine(abstract_decoder(mcfg, dtype), rollout, sd=cfg.sd, drafter=drafter, progress=False)
     counts = Counter(k[0] for k in engine.warm_up_keys())

@@ -57,7 +57,7 @@ class Completion:
     logprobs: list[float]
     finish_reason: str  # "stop", "length" or "error"
     error: str | None = None
-    # [len(prompt) + len(tokens) - 1, hidden] last-layer hidden state of every token fed to the
+    # [len(prompt) + len(tokens) - 1, F] policy features (last-layer hidden state, or EAGLE-3's three layers) of every token fed to the
     # policy (all but the last completion token); only when the engine keeps hidden states.
     hidden_states: np.ndarray | None = None
 
@@ -95,9 +95,12 @@ class RolloutEngine:
         keep_hidden: bool = False,
         progress: bool = True,
         history: HistoryStore | None = None,
+        feature_layers: tuple[int, ...] | None = None,
     ):
         """history: earlier completions per prompt that history strategies draft from (the caller adds
-        to it, e.g. the trainer after each RL step); within a call, finished siblings count anyway."""
+        to it, e.g. the trainer after each RL step); within a call, finished siblings count anyway.
+        feature_layers: the policy features kept as hidden states (Decoder capture indices; () the
+        last-layer hidden state); None: the drafter's (Drafter.feature_layers), () without one."""
         self.cfg = cfg
         self.model_cfg = model.cfg
         self.graphdef, self.state = nnx.split(model)
@@ -120,6 +123,11 @@ class RolloutEngine:
         ) if ranges else None
         self.drafter_graphdef, self.drafter_state = (
             nnx.split(drafter) if drafter is not None and self.uses_drafter else (None, None))
+        if feature_layers is None:
+            feature_layers = drafter.feature_layers if drafter is not None else ()
+        if self.uses_drafter and tuple(feature_layers) != drafter.feature_layers:
+            raise ValueError(f"feature_layers {feature_layers} differ from the drafter's {drafter.feature_layers}")
+        self.feature_layers = tuple(feature_layers)
         # Speculation restarts the drafter from stored policy hidden states, so it keeps them.
         self.keep_hidden = keep_hidden or self.uses_drafter
         self.progress = progress
@@ -181,7 +189,7 @@ class RolloutEngine:
     def _empty(self, batch: int) -> programs.Slots:
         slots = programs.Slots.empty(
             self.model_cfg, batch, self.max_len, self.cfg.max_stop_ids, self.keep_hidden, self.dtype,
-            self.sd.history.corpus_tokens if self.uses_history else 0,
+            self.sd.history.corpus_tokens if self.uses_history else 0, self.feature_layers,
         )
         if not self.uses_drafter:
             return slots
@@ -191,8 +199,7 @@ class RolloutEngine:
         scratch = max(s.scratch_slots for s in eagle)
         drafter = nnx.merge(self.drafter_graphdef, self.drafter_state)
         draft = speculative.DraftState.empty(
-            drafter.empty_cache(batch, self.max_len + scratch, self.dtype), pending, self.model_cfg.hidden_size,
-            self.dtype,
+            drafter.empty_cache(batch, self.max_len + scratch, self.dtype), pending, drafter.feature_size, self.dtype,
         )
         return slots.replace(draft=draft)
 
@@ -216,8 +223,8 @@ class RolloutEngine:
             return fn, (self.graphdef, self.state, slots, adm, prefix)
         if phase == "prefix":
             tokens = jax.ShapeDtypeStruct((key[2],), jnp.int32, sharding=self._replicated)
-            fn = jax.jit(programs.prefix_program, static_argnums=(0, 3, 4), out_shardings=out)
-            return fn, (self.graphdef, self.state, tokens, self.dtype, self.keep_hidden)
+            fn = jax.jit(programs.prefix_program, static_argnums=(0, 3, 4, 5), out_shardings=out)
+            return fn, (self.graphdef, self.state, tokens, self.dtype, self.keep_hidden, self.feature_layers)
         if phase == "sd":
             fn = jax.jit(speculative.sd_program, static_argnums=(0, 2, 7, 8, 9, 10), donate_argnums=(4,), out_shardings=out)
             args = (self.graphdef, self.state, self.drafter_graphdef, self.drafter_state, slots, scalar, scalar)
@@ -257,7 +264,8 @@ class RolloutEngine:
         return n // block * block
 
     def _no_prefix(self, length: int = 0) -> programs.Prefix:
-        hidden = jnp.zeros((1, length, self.model_cfg.hidden_size), self.dtype) if self.keep_hidden else None
+        width = self.model_cfg.hidden_size * max(len(self.feature_layers), 1)
+        hidden = jnp.zeros((1, length, width), self.dtype) if self.keep_hidden else None
         return programs.Prefix(jnp.zeros(length, jnp.int32), KVCache.zeros(self.model_cfg, 1, length, self.dtype), hidden)
 
     def _prefix(self, tokens: list[int], rec: Recorder) -> programs.Prefix:

@@ -31,8 +31,9 @@ class Slots:
     out_tokens: jax.Array  # [B, C] int32
     out_logprobs: jax.Array  # [B, C] float32
     params: SamplingParams  # each [B]
-    # [B, S, H] last-layer hidden state of every cached position, or None; in the weights' dtype (the
-    # dtype the policy computes them in: a wider store would hold no more information)
+    # [B, S, F] the drafter's policy features of every cached position (Decoder capture=feature_layers:
+    # the last-layer hidden state, F = H, or EAGLE-3's three layers, F = 3H), or None; in the weights'
+    # dtype (the dtype the policy computes them in: a wider store would hold no more information)
     hidden: jax.Array | None
     history: jax.Array  # [B, S + 1] int32 token at every position up to and including `token`
     group: jax.Array  # [B] int32 prompt group (rows of one group draft from each other's text)
@@ -40,6 +41,7 @@ class Slots:
     idle: jax.Array  # [B] int32 device steps the row waited finished, for its refill
     corpus: jax.Array | None = None  # [B, M] int32 earlier text of each row's group (history drafting)
     draft: Any = None  # speculative.DraftState when an EAGLE drafter speculates
+    feature_layers: tuple[int, ...] = struct.field(pytree_node=False, default=())  # what `hidden` captures
 
     @property
     def batch(self) -> int:
@@ -47,7 +49,7 @@ class Slots:
 
     @classmethod
     def empty(cls, model_cfg, batch: int, max_len: int, num_stop_ids: int, with_hidden: bool, dtype,
-              corpus_tokens: int = 0) -> Slots:
+              corpus_tokens: int = 0, feature_layers: tuple[int, ...] = ()) -> Slots:
         def zeros_i():  # a fresh buffer per field: donation rejects one buffer passed twice
             return jnp.zeros(batch, jnp.int32)
 
@@ -67,12 +69,14 @@ class Slots:
                 top_p=jnp.ones(batch, jnp.float32),
                 seed=jnp.zeros(batch, jnp.uint32),
             ),
-            hidden=jnp.zeros((batch, max_len, model_cfg.hidden_size), dtype) if with_hidden else None,
+            hidden=jnp.zeros((batch, max_len, model_cfg.hidden_size * max(len(feature_layers), 1)), dtype)
+            if with_hidden else None,
             history=jnp.zeros((batch, max_len + 1), jnp.int32),
             group=zeros_i(),
             spec_counts=jnp.zeros((batch, 3), jnp.int32),
             idle=zeros_i(),
             corpus=jnp.full((batch, corpus_tokens), -1, jnp.int32) if corpus_tokens else None,
+            feature_layers=tuple(feature_layers),
         )
 
 
@@ -97,16 +101,17 @@ class Prefix:
 
     tokens: jax.Array  # [Lp] int32
     cache: KVCache  # [layers, 1, kv_heads, Lp, head_dim]
-    hidden: jax.Array | None  # [1, Lp, H] last-layer hidden states, kept when the table keeps them
+    hidden: jax.Array | None  # [1, Lp, F] the table's features (Slots.hidden), kept when the table keeps them
 
 
-def prefix_program(graphdef, state, tokens: jax.Array, dtype, with_hidden: bool) -> Prefix:
-    """Runs the shared prefix tokens [Lp] once."""
+def prefix_program(graphdef, state, tokens: jax.Array, dtype, with_hidden: bool, capture: tuple[int, ...] = ()) -> Prefix:
+    """Runs the shared prefix tokens [Lp] once; capture: the table's feature_layers."""
     model = nnx.merge(graphdef, state)
     Lp = tokens.shape[0]
-    hidden, cache = model.hidden(tokens[None], jnp.arange(Lp, dtype=jnp.int32)[None],
-                                 KVCache.zeros(model.cfg, 1, Lp, dtype), jnp.zeros(1, jnp.int32))
-    return Prefix(tokens=tokens, cache=cache, hidden=hidden.astype(dtype) if with_hidden else None)
+    _, features, cache = model.hidden_and_features(tokens[None], jnp.arange(Lp, dtype=jnp.int32)[None],
+                                                   KVCache.zeros(model.cfg, 1, Lp, dtype), jnp.zeros(1, jnp.int32),
+                                                   capture=capture)
+    return Prefix(tokens=tokens, cache=cache, hidden=features.astype(dtype) if with_hidden else None)
 
 
 def _finished(token: jax.Array, n_out: jax.Array, slots_or_adm) -> jax.Array:
@@ -128,10 +133,11 @@ def prefill(graphdef, state, slots: Slots, adm: Admission, prefix: Prefix) -> Sl
 
     tmp = KVCache(k=behind_prefix(prefix.cache.k, empty.k, 3), v=behind_prefix(prefix.cache.v, empty.v, 3))
     positions = Lp + jnp.broadcast_to(jnp.arange(Ts, dtype=jnp.int32), (P, Ts))
-    hidden, tmp = model.hidden(adm.tokens, positions, tmp, jnp.full(P, Lp, jnp.int32))
+    hidden, features, tmp = model.hidden_and_features(adm.tokens, positions, tmp, jnp.full(P, Lp, jnp.int32),
+                                                     capture=slots.feature_layers)
     token, logprob = sample(model.logits(hidden[jnp.arange(P), adm.lengths - Lp - 1]), adm.params, adm.lengths)
     if prefix.hidden is not None:
-        hidden = behind_prefix(prefix.hidden, hidden, 1)
+        features = behind_prefix(prefix.hidden, features, 1)
 
     def write(p, tables):
         cache, hid = tables
@@ -142,7 +148,7 @@ def prefill(graphdef, state, slots: Slots, adm: Admission, prefix: Prefix) -> Sl
             k = jax.lax.dynamic_update_slice(cache.k, jax.lax.dynamic_slice_in_dim(tmp.k, p, 1, 1), at)
             v = jax.lax.dynamic_update_slice(cache.v, jax.lax.dynamic_slice_in_dim(tmp.v, p, 1, 1), at)
             if hid is not None:
-                hid = jax.lax.dynamic_update_slice(hid, hidden[p][None].astype(hid.dtype), (adm.rows[p], 0, 0))
+                hid = jax.lax.dynamic_update_slice(hid, features[p][None].astype(hid.dtype), (adm.rows[p], 0, 0))
             return KVCache(k=k, v=v), hid
 
         return jax.lax.cond(adm.valid[p], put, lambda t: t, (cache, hid))
@@ -209,7 +215,8 @@ def decode(graphdef, state, slots: Slots, max_steps: jax.Array, min_finished: ja
     rows = jnp.arange(slots.batch)
 
     def step(s: Slots) -> Slots:
-        logits, hidden, cache = model(s.token[:, None], s.length[:, None], s.cache, s.length, kv_len=kv_len)
+        logits, hidden, cache = model(s.token[:, None], s.length[:, None], s.cache, s.length, kv_len=kv_len,
+                                      capture=s.feature_layers)
         token, logprob = sample(logits[:, 0], s.params, s.length + 1)
         live = s.live
         col = jnp.where(live, s.n_out, s.out_tokens.shape[1])  # dead rows write nowhere

@@ -21,7 +21,6 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from fastrl_jax.models.decoder import KVCache
-from fastrl_jax.models.drafter import policy_features
 from fastrl_jax.rollout import accept as accept_lib
 from fastrl_jax.rollout import history as history_lib
 from fastrl_jax.rollout.programs import Slots, steps_until_rows_finish
@@ -103,18 +102,18 @@ class DraftState:
 
     cache: KVCache  # [1, B, KV, S + scratch, D]
     pending_tok: jax.Array  # [B, P] x_{t+1} of entries not yet fed to the drafter
-    pending_h: jax.Array  # [B, P, H] f_t (policy_features of h_t) of those entries, in the policy's dtype
+    pending_h: jax.Array  # [B, P, F] f_t (Drafter.features of the stored features) of those entries, in the policy's dtype
     n_pending: jax.Array  # [B]
 
     @classmethod
-    def empty(cls, cache: KVCache, pending: int, hidden_size: int, dtype=jnp.float32) -> DraftState:
+    def empty(cls, cache: KVCache, pending: int, feature_size: int, dtype=jnp.float32) -> DraftState:
         """No pending entries, over the drafter cache [1, B, KV, S, D]. dtype: the policy's (its
         features are computed in it; a while_loop carry must keep its dtype)."""
         B = cache.k.shape[1]
         return cls(  # separate arrays: the engine donates every leaf of the row table
             cache=cache,
             pending_tok=jnp.zeros((B, pending), jnp.int32),
-            pending_h=jnp.zeros((B, pending, hidden_size), dtype),
+            pending_h=jnp.zeros((B, pending, feature_size), dtype),
             n_pending=jnp.zeros((B,), jnp.int32),
         )
 
@@ -341,7 +340,8 @@ def sd_step(policy, drafter, s: Slots, ds: DraftState | None, strategy: Strategy
     L = s.length
     tree, dcache = draft(policy, drafter, s, ds, strategy, kv_len, match)
     logits, hidden, cache = policy(
-        tree.tokens, L[:, None] + tree.depth, s.cache, L, block_mask=ancestor_mask(tree.parents), kv_len=kv_len
+        tree.tokens, L[:, None] + tree.depth, s.cache, L, block_mask=ancestor_mask(tree.parents), kv_len=kv_len,
+        capture=s.feature_layers,
     )
     if mode == "rejection":
         acc = accept_lib.accept_rejection(tree.tokens, tree.parents, tree.valid, logits, s.params, L)
@@ -382,7 +382,7 @@ def sd_step(policy, drafter, s: Slots, ds: DraftState | None, strategy: Strategy
     if not strategy.uses_drafter:
         return new_slots, ds  # the drafter fell behind: the engine reruns draft_prefill before it drafts again
     P = ds.pending_tok.shape[1]  # >= strategy.pending: the engine sizes it for its largest strategy
-    features = policy_features(policy, path_hidden).astype(ds.pending_h.dtype)
+    features = drafter.features(policy, path_hidden).astype(ds.pending_h.dtype)
     new_ds = ds.replace(
         cache=dcache,
         pending_tok=jnp.pad(jnp.maximum(acc.tokens, 0), ((0, 0), (0, max(0, P - N))))[:, :P],
@@ -413,7 +413,7 @@ def drafter_prefill(policy, drafter, s: Slots, ds: DraftState, kv_len: int) -> D
     B = s.batch
     T = kv_len
     tokens = s.history[:, 1 : T + 1]
-    hidden = policy_features(policy, s.hidden[:, :T])
+    hidden = drafter.features(policy, s.hidden[:, :T])
     positions = jnp.broadcast_to(jnp.arange(T), (B, T))
     _, _, cache = drafter(policy, tokens, hidden, positions, ds.cache, jnp.zeros(B, jnp.int32), kv_len=T)
     last = jnp.maximum(s.length - 1, 0)
@@ -422,7 +422,7 @@ def drafter_prefill(policy, drafter, s: Slots, ds: DraftState, kv_len: int) -> D
         cache=cache,
         pending_tok=jnp.zeros((B, P), jnp.int32).at[:, 0].set(s.token),
         pending_h=jnp.zeros_like(ds.pending_h).at[:, 0].set(
-            policy_features(policy, jnp.take_along_axis(s.hidden, last[:, None, None], 1)[:, 0]).astype(ds.pending_h.dtype)
+            drafter.features(policy, jnp.take_along_axis(s.hidden, last[:, None, None], 1)[:, 0]).astype(ds.pending_h.dtype)
         ),
         n_pending=jnp.ones(B, jnp.int32),
     )
