@@ -57,8 +57,9 @@ class Completion:
     logprobs: list[float]
     finish_reason: str  # "stop", "length" or "error"
     error: str | None = None
-    # [len(prompt) + len(tokens) - 1, F] policy features (last-layer hidden state, or EAGLE-3's three layers) of every token fed to the
-    # policy (all but the last completion token); only when the engine keeps hidden states.
+    # [len(prompt) + len(tokens) - 1, F] policy features (last-layer hidden state, or EAGLE-3's three
+    # layers) of every token fed to the policy (all but the last completion token); only when the
+    # engine keeps hidden states.
     hidden_states: np.ndarray | None = None
 
 
