@@ -116,6 +116,17 @@ def test_packed_segments_do_not_see_each_other(policy):
     np.testing.assert_allclose(float(a), float(b), rtol=1e-5)
 
 
+def train_30_steps(graphdef, params, rest, pg, ps, batch):
+    """30 optimizer steps on one batch: (params, losses, the last step's metrics)."""
+    opt = drafter_optimizer(3e-3, 2, 30, 0.0, 1.0)
+    step = make_train_step(opt, LossSettings(input_noise=0.05, unroll_steps=2))
+    state, losses = opt.init(params), []
+    for i in range(30):
+        params, state, m = step(graphdef, params, rest, state, pg, ps, batch, jax.random.key(i))
+        losses.append(float(m["loss"]))
+    return params, losses, m
+
+
 def test_train_step_learns_and_trains_only_the_drafter(policy):
     drafter = Drafter(TINY, nnx.Rngs(3), draft_vocab=np.arange(64))
     batch = make_batch()
@@ -124,13 +135,7 @@ def test_train_step_learns_and_trains_only_the_drafter(policy):
     before = jax.tree.map(np.asarray, nnx.to_pure_dict(params))
     pg, ps = nnx.split(policy)
     policy_before = jax.tree.map(np.asarray, nnx.to_pure_dict(ps))
-    opt = drafter_optimizer(3e-3, 2, 30, 0.0, 1.0)
-    step = make_train_step(opt, LossSettings(input_noise=0.05, unroll_steps=2))
-    state = opt.init(params)
-    losses = []
-    for i in range(30):
-        params, state, m = step(graphdef, params, rest, state, pg, ps, batch, jax.random.key(i))
-        losses.append(float(m["loss"]))
+    params, losses, _ = train_30_steps(graphdef, params, rest, pg, ps, batch)
     assert losses[-1] < 0.5 * losses[0]
     changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), before, nnx.to_pure_dict(params))
     assert changed["fc"] and changed["layers"]["wq"]
@@ -174,14 +179,7 @@ def test_eagle3_train_step_learns(policy):
     batch["tokens"] = batch["tokens"] % 64
     batch["loss_mask"] = jnp.ones((1, S), bool)
     graphdef, params, rest = nnx.split(drafter, nnx.Param, ...)
-    pg, ps = nnx.split(policy)
-    opt = drafter_optimizer(3e-3, 2, 30, 0.0, 1.0)
-    step = make_train_step(opt, LossSettings(input_noise=0.05, unroll_steps=2))
-    state = opt.init(params)
-    losses = []
-    for i in range(30):
-        params, state, m = step(graphdef, params, rest, state, pg, ps, batch, jax.random.key(i))
-        losses.append(float(m["loss"]))
+    _, losses, m = train_30_steps(graphdef, params, rest, *nnx.split(policy), batch)
     assert losses[-1] < 0.5 * losses[0] and float(m["acc_0"]) > 0.5
 
 

@@ -162,18 +162,23 @@ def _load_eagle3(path: Path, t: dict, config: dict, policy_cfg: ModelConfig) -> 
     layers = None if ids is None else tuple(i + 1 for i in ids)
     vocab = t["d2t"] + np.arange(len(t["d2t"])) if "d2t" in t else None
     drafter = Drafter(policy_cfg, nnx.Rngs(0), t["fc.weight"].dtype, draft_vocab=vocab, kind="eagle3", layers=layers)
-    state = nnx.state(drafter.layers, nnx.Param)
-    pure = nnx.to_pure_dict(state)
-    for ours, (name, to_ours, _) in _eagle3_layer_names(drafter.cfg).items():
-        value = to_ours(t[name])
-        if pure[ours].shape[1:] != value.shape:
-            raise ValueError(f"{path}: {name} is {t[name].shape}, this policy needs {pure[ours].shape[1:]} (ours)")
-        pure[ours] = value[None]
-    nnx.replace_by_pure_dict(state, pure)
-    nnx.update(drafter.layers, state)
+    names = _eagle3_layer_names(drafter.cfg)
+    _set_layer(drafter, path, {ours: (name, to_ours(t[name])) for ours, (name, to_ours, _) in names.items()})
     drafter.fc.set_value(np.ascontiguousarray(t["fc.weight"].T))
     drafter.norm.set_value(t["norm.weight"])
     return drafter
+
+
+def _set_layer(drafter: Drafter, path: Path, values: dict[str, tuple[str, np.ndarray]]) -> None:
+    """Our layer parameter -> (its file's tensor name, value in our layout) into the drafter's one layer."""
+    state = nnx.state(drafter.layers, nnx.Param)
+    pure = nnx.to_pure_dict(state)
+    for ours, (name, value) in values.items():
+        if pure[ours].shape[1:] != value.shape:
+            raise ValueError(f"{path}: {name} is {value.shape} in our layout, this policy needs {pure[ours].shape[1:]}")
+        pure[ours] = value[None]
+    nnx.replace_by_pure_dict(state, pure)
+    nnx.update(drafter.layers, state)
 
 
 def load_eagle(path: str | Path, policy_cfg: ModelConfig) -> Drafter:
@@ -195,14 +200,7 @@ def load_eagle(path: str | Path, policy_cfg: ModelConfig) -> Drafter:
         raise ValueError(f"{path}: fc.bias is non-zero; this drafter has no fc bias")
     vocab = t["d2t"] + np.arange(len(t["d2t"])) if "d2t" in t else None
     drafter = Drafter(policy_cfg, nnx.Rngs(0), t["fc.weight"].dtype, draft_vocab=vocab)
-    values = {ours: hf.to_ours(t[hf.template]) for ours, hf in _eagle_layer_names(drafter.cfg).items()}
-    state = nnx.state(drafter.layers, nnx.Param)
-    pure = nnx.to_pure_dict(state)
-    for name, value in values.items():
-        if pure[name].shape[1:] != value.shape:
-            raise ValueError(f"{path}: {name} is {value.shape}, this policy needs {pure[name].shape[1:]}")
-        pure[name] = value[None]
-    nnx.replace_by_pure_dict(state, pure)
-    nnx.update(drafter.layers, state)
+    names = _eagle_layer_names(drafter.cfg)
+    _set_layer(drafter, path, {ours: (hf.template, hf.to_ours(t[hf.template])) for ours, hf in names.items()})
     drafter.fc.set_value(np.ascontiguousarray(t["fc.weight"].T))
     return drafter
