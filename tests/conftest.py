@@ -2,13 +2,18 @@
 
 Mesh tests need 8 devices. On CPU, XLA fakes them, but only if the flag is in XLA_FLAGS
 before jax is first imported, and pytest imports conftest.py before any test module.
-The flag is appended so that XLA_FLAGS a developer already set still apply.
+The suite's time goes mostly into compiling thousands of small programs, most of it in LLVM's
+optimizer: tests compile without it (backend optimization level 0; measured 1.6x faster on two
+test files, docs/measurements.md). Test subprocesses inherit both flags through the environment.
+Flags are appended so that XLA_FLAGS a developer already set still apply.
 """
 
 import os
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+TEST_XLA_FLAGS = {"xla_force_host_platform_device_count": "8", "xla_backend_optimization_level": "0"}
+for _flag, _value in TEST_XLA_FLAGS.items():
+    if _flag not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{_flag}={_value}".strip()
 
 import gc  # noqa: E402
 

@@ -17,7 +17,7 @@ ROOT = TESTS.parent
 
 
 def env(devices: int) -> dict:
-    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0", JAX_PLATFORMS="cpu",
                 PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
 
 

@@ -144,7 +144,8 @@ def test_startup_errors_are_clear(tmp_path):
 
 
 def cli_env(devices: int = 1) -> dict:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0",
+               JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
     return env
 

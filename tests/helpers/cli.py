@@ -6,6 +6,7 @@ import sys
 
 
 def fastrl_jax(*args):
-    """Runs the command in a fresh process on one CPU device (the tests' 8 fake devices stay here)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    """Runs the command in a fresh process on one CPU device (the tests' 8 fake devices stay here), compiling
+    without LLVM's optimizer as every test does (conftest.py)."""
+    env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0")
     return subprocess.run([sys.executable, "-m", "fastrl_jax.cli", *args], capture_output=True, text=True, env=env)
