@@ -31,6 +31,12 @@ def drafter():
     return Drafter(TINY, nnx.Rngs(5), BF16)
 
 
+@pytest.fixture(scope="module")
+def plain(model):
+    """One plain engine for the module's comparisons: its programs compile once."""
+    return RolloutEngine(model, SD_CFG, progress=False)
+
+
 def _requests(n, temperature, seed=1, max_new=12):
     return [Request(p, max_new_tokens=max_new, temperature=temperature, top_p=0.9, seed=i, stop_ids=(7,))
             for i, p in enumerate(prompts(n, seed=seed))]
@@ -45,15 +51,14 @@ def test_cast_floating_casts_floats_only_and_copies_nothing_already_cast(model):
     assert all(a is b for a, b in zip(jax.tree.leaves(cast_floating(same, BF16)), jax.tree.leaves(same)))
 
 
-@pytest.mark.parametrize("steps, topk, verify", [(3, 1, 4), (2, 3, 7)])  # a chain and a tree
-def test_bf16_speculative_greedy_equals_bf16_plain_greedy(model, drafter, steps, topk, verify):
+def test_bf16_speculative_greedy_equals_bf16_plain_greedy(model, drafter, plain):
+    """A tree (chains: the adaptive test below)."""
     reqs = _requests(4, 0.0)
-    plain = RolloutEngine(model, SD_CFG, progress=False).generate(reqs)
-    sd = SpecConfig(mode="on", steps=steps, topk=topk, verify_tokens=verify)
-    engine = RolloutEngine(model, SD_CFG, sd=sd, drafter=drafter, progress=False)
+    engine = RolloutEngine(model, SD_CFG, sd=SpecConfig(mode="on", steps=2, topk=3, verify_tokens=7), drafter=drafter,
+                           progress=False)
     out = engine.generate(reqs)
     assert engine.stats.sd_steps > 0
-    assert [o.tokens for o in out] == [p.tokens for p in plain]
+    assert [o.tokens for o in out] == [p.tokens for p in plain.generate(reqs)]
 
 
 def test_bf16_coupled_sampling_equals_bf16_plain_sampling(model, drafter):
@@ -69,13 +74,12 @@ def test_bf16_coupled_sampling_equals_bf16_plain_sampling(model, drafter):
         assert a.hidden_states.dtype == b.hidden_states.dtype == np.float32  # host copies, whatever the engine's dtype
 
 
-def test_bf16_rejection_accept_runs(model, drafter):
+def test_bf16_rejection_accept_runs(model, drafter, plain):
     """Rejection sampling in bfloat16: greedy rows equal plain greedy; sampled rows finish with valid tokens."""
     sd = SpecConfig(mode="on", steps=3, topk=2, verify_tokens=6, accept="rejection")
     engine = RolloutEngine(model, SD_CFG, sd=sd, drafter=drafter, progress=False)
     greedy = _requests(4, 0.0)
-    assert [o.tokens for o in engine.generate(greedy)] == [
-        p.tokens for p in RolloutEngine(model, SD_CFG, progress=False).generate(greedy)]
+    assert [o.tokens for o in engine.generate(greedy)] == [p.tokens for p in plain.generate(greedy)]
     out = engine.generate(_requests(4, 1.0))
     assert engine.stats.sd_steps > 0
     for o in out:
@@ -83,15 +87,14 @@ def test_bf16_rejection_accept_runs(model, drafter):
         assert np.all(np.array(o.logprobs) <= 0) and np.all(np.isfinite(o.logprobs))
 
 
-def test_bf16_adaptive_equals_plain(model, drafter):
+def test_bf16_adaptive_equals_plain(model, drafter, plain):
     sd = SpecConfig(mode="adaptive", threshold_live_batch=2, patience_host_steps=1,
                     strategies=((3, 1, 4), (2, 2, 4)), group_live_batch_ranges=((4, 1, 2),))
     engine = RolloutEngine(model, dataclasses.replace(SD_CFG, steps_per_call=2), sd=sd, drafter=drafter, progress=False)
     reqs = [Request(p, max_new_tokens=4 + 6 * i, temperature=0.7, seed=i) for i, p in enumerate(prompts(4, seed=3))]
     out = engine.generate(reqs)
     assert engine.stats.sd_steps > 0 and engine.stats.steps_plain > 0  # both kinds of step ran
-    plain = RolloutEngine(model, SD_CFG, progress=False).generate(reqs)
-    assert [o.tokens for o in out] == [p.tokens for p in plain]
+    assert [o.tokens for o in out] == [p.tokens for p in plain.generate(reqs)]
 
 
 def test_row_table_holds_hidden_states_and_features_in_the_policy_dtype(model, drafter):

@@ -97,7 +97,7 @@ def _counts(opt_state) -> set[int]:
     return {int(v) for path, v in leaves if "count" in jax.tree_util.keystr(path)}
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("kind", ["eagle3"])  # EAGLE's online training: the GRPO tests in test_rl_trainer.py
 def test_idle_replicas_train_the_drafter_without_changing_the_rollout(tmp_path: Path, kind):
     """8 devices as 4 replicas x fsdp 2; replica 0 gets a long request, the others short ones."""
     cfg = load_config(None, [f"drafter_train.kind={kind}",

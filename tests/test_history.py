@@ -129,6 +129,7 @@ def test_strategy_notation():
 SD_CFG = dataclasses.replace(CFG, length_buckets=(48, 96))
 ONE_ROW = dataclasses.replace(SD_CFG, batch_buckets=(1,))  # siblings run one after another
 TWO_ROWS = dataclasses.replace(SD_CFG, batch_buckets=(1, 2))  # a finished sibling's text serves the next rows
+FOUR_ROWS = dataclasses.replace(SD_CFG, batch_buckets=(4,))  # one batch bucket: fewer programs to compile
 
 
 @pytest.fixture(scope="module")
@@ -154,12 +155,17 @@ def test_history_and_fused_greedy_equal_plain_decoding(model, spec):
     assert engine.stats.drafts_history > 0 and engine.stats.acceptance_length() > 1.5
 
 
+@pytest.fixture(scope="module")
+def plain_four(model):
+    return RolloutEngine(model, FOUR_ROWS, progress=False)
+
+
 @pytest.mark.parametrize("spec", ["h6", "3/2/6+h4"])
-def test_history_coupled_sampling_equals_plain_sampling(model, spec):
+def test_history_coupled_sampling_equals_plain_sampling(model, plain_four, spec):
     drafter = Drafter(TINY, nnx.Rngs(5)) if "/" in spec else None
     reqs = repeated_requests(3, 4, temperature=0.8)
-    plain = RolloutEngine(model, SD_CFG, progress=False).generate(reqs)
-    engine = RolloutEngine(model, SD_CFG, sd=SpecConfig(mode="on", strategies=(spec,)), drafter=drafter, progress=False)
+    plain = plain_four.generate(reqs)
+    engine = RolloutEngine(model, FOUR_ROWS, sd=SpecConfig(mode="on", strategies=(spec,)), drafter=drafter, progress=False)
     out = engine.generate(reqs)
     assert [a.tokens for a in plain] == [b.tokens for b in out]
     np.testing.assert_allclose([x for a in plain for x in a.logprobs], [x for b in out for x in b.logprobs], atol=1e-4)

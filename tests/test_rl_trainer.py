@@ -158,7 +158,8 @@ COMPARED = ("reward_mean", "reward_std", "accuracy", "len_mean", "len_max", "los
 
 
 def test_resume_after_sigkill_repeats_the_uninterrupted_run(tmp_path):
-    base = tiny_overrides(tmp_path, steps=5)
+    # The three processes share one compilation cache, as runs of one config do (rollout.compile_cache_dir).
+    base = [*tiny_overrides(tmp_path, steps=5), f"rollout.compile_cache_dir={tmp_path / 'xla'}"]
     full = subprocess.run(train_cmd([*base, f"rl.out_dir={tmp_path / 'full'}"]), env=cli_env(), cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert full.returncode == 0, full.stderr[-3000:]
@@ -257,7 +258,9 @@ def test_smollm2_grpo_step(tmp_path):
         # The config's adaptive SD with online drafter training; drafter batches split over the 8 devices.
         "drafter_online.batch_rows=8", "drafter_online.seq_len_tokens=64", "drafter_online.eval_rows=8",
         # Every device holds the engine's whole KV cache: size it for these short rollouts.
-        "rollout.prompt_buckets=[128]", "rollout.length_buckets=[256]", "rollout.batch_buckets=[1, 4, 8]",
+        "rollout.prompt_buckets=[128]", "rollout.length_buckets=[256]", "rollout.batch_buckets=[8]",
+        # One EAGLE strategy against plain decoding: each strategy is a program to compile.
+        "sd.strategies=[3/1/4]", "sd.group_live_batch_ranges=[[4, 1, 8]]",
     ])
     (metrics,) = train(cfg, stream=open(os.devnull, "w"))
     assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])

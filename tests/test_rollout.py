@@ -257,16 +257,16 @@ def test_first_argmax_is_argmax(shape):
 
 @pytest.mark.slow
 def test_smollm2_greedy_matches_transformers(smollm2):
-    """16 prompts x 64 greedy tokens equal HF's, except at a near-tie of the top two logits."""
+    """8 prompts x 64 greedy tokens equal HF's, except at a near-tie of the top two logits."""
     import torch
 
     from fastrl_jax.data.prompts import chat_prompt_ids
     from fastrl_jax.models.torch_reference import torch_model
 
     path, model, tokenizer = smollm2.path, smollm2.model, smollm2.tokenizer
-    questions = [f"What is {a} plus {b}? Explain step by step." for a, b in zip(range(11, 27), range(40, 56))]
+    questions = [f"What is {a} plus {b}? Explain step by step." for a, b in zip(range(11, 19), range(40, 48))]
     prompt_ids = [chat_prompt_ids(tokenizer, q) for q in questions]
-    cfg = RolloutConfig(batch_buckets=(4, 16), length_buckets=(128,), prompt_buckets=(64,), steps_per_call=32,
+    cfg = RolloutConfig(batch_buckets=(8,), length_buckets=(128,), prompt_buckets=(64,), steps_per_call=32,
                         compile_cache_dir="", warm_up=False)
     eos = tokenizer.eos_token_id
     ours = RolloutEngine(model, cfg, progress=False).generate(
@@ -320,7 +320,7 @@ def test_a_shared_prompt_prefix_is_prefilled_once_and_changes_no_output(model, k
     head = prompts(1, seed=3, lo=10, hi=10)[0]
     reqs = [Request(head + p, max_new_tokens=6 + i % 5, temperature=0.8 * (i % 2), seed=i)
             for i, p in enumerate(prompts(6, seed=4, lo=1, hi=6) * 2)]
-    cfg = dataclasses.replace(CFG, prompt_buckets=(8, 16, 24), batch_buckets=(1, 4), refill_rows=1)
+    cfg = dataclasses.replace(CFG, prompt_buckets=(8, 16, 24), batch_buckets=(4,), refill_rows=1)
     drafter = Drafter(TINY, nnx.Rngs(5), kind=kind)  # its kind decides the features kept (EAGLE-3: 3 layers)
     whole = RolloutEngine(model, dataclasses.replace(cfg, shared_prefix_min=0), keep_hidden=True, progress=False,
                           feature_layers=drafter.feature_layers)

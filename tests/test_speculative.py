@@ -92,13 +92,19 @@ def drafter(request):
     return Drafter(TINY, nnx.Rngs(5), kind=request.param)
 
 
-STRATEGIES = [(3, 1, 4), (3, 2, 6), (2, 3, 7)]
+@pytest.fixture(scope="module")
+def eagle():
+    return Drafter(TINY, nnx.Rngs(5))
 
 
-@pytest.mark.parametrize("steps, topk, verify", STRATEGIES)
-def test_greedy_equals_plain_decoding(model, drafter, steps, topk, verify):
+# Every tree shape with the EAGLE drafter; EAGLE-3 (the same tree code, another draft layer) on one.
+CASES = [("eagle", 3, 1, 4), ("eagle", 3, 2, 6), ("eagle", 2, 3, 7), ("eagle3", 3, 2, 6)]
+
+
+@pytest.mark.parametrize("kind, steps, topk, verify", CASES)
+def test_greedy_equals_plain_decoding(model, kind, steps, topk, verify):
     sd = SpecConfig(mode="on", steps=steps, topk=topk, verify_tokens=verify)
-    engine = RolloutEngine(model, SD_CFG, sd=sd, drafter=drafter, progress=False)
+    engine = RolloutEngine(model, SD_CFG, sd=sd, drafter=Drafter(TINY, nnx.Rngs(5), kind=kind), progress=False)
     reqs = [Request(p, max_new_tokens=5 + 4 * i) for i, p in enumerate(prompts(7, seed=1))]
     out = engine.generate(reqs)
     assert engine.stats.calls["resize"] >= 1 and engine.stats.sd_steps > 0
@@ -106,8 +112,9 @@ def test_greedy_equals_plain_decoding(model, drafter, steps, topk, verify):
         assert o.tokens == greedy_generate(model, r.prompt_ids, r.max_new_tokens)
 
 
-@pytest.mark.parametrize("temperature", [0.7, 1.0])
-def test_coupled_sampling_equals_plain_sampling(model, drafter, temperature):
+@pytest.mark.parametrize("kind, temperature", [("eagle", 0.7), ("eagle", 1.0), ("eagle3", 0.7)])
+def test_coupled_sampling_equals_plain_sampling(model, kind, temperature):
+    drafter = Drafter(TINY, nnx.Rngs(5), kind=kind)
     reqs = [
         Request(p, max_new_tokens=14, temperature=temperature, top_p=0.9, seed=i, stop_ids=(7,))
         for i, p in enumerate(prompts(6, seed=2))
@@ -151,7 +158,7 @@ def oracle_draft_tree(policy, drafter, ds, root_token, root_pos, strategy, kv_le
     return tree, ds.cache
 
 
-def test_accepted_paths_move_the_cache(model, drafter, monkeypatch):
+def test_accepted_paths_move_the_cache(model, eagle, monkeypatch):
     """With an oracle drafter nearly every draft is accepted, and outputs still equal plain decoding."""
     real_step = speculative.sd_step
 
@@ -161,7 +168,7 @@ def test_accepted_paths_move_the_cache(model, drafter, monkeypatch):
 
     monkeypatch.setattr(speculative, "sd_step", step_with_oracle)
     sd = SpecConfig(mode="on", steps=4, topk=1, verify_tokens=5)
-    engine = RolloutEngine(model, SD_CFG, sd=sd, drafter=drafter, progress=False)
+    engine = RolloutEngine(model, SD_CFG, sd=sd, drafter=eagle, progress=False)
     reqs = [Request(p, max_new_tokens=10 + 3 * i) for i, p in enumerate(prompts(5, seed=3))]
     out = engine.generate(reqs)
     for r, o in zip(reqs, out):
@@ -182,11 +189,11 @@ class _WithPolicyCache:
         return self._ds.replace(**kw)
 
 
-def test_sd_needs_a_drafter_and_room_for_the_tree(model, drafter):
+def test_sd_needs_a_drafter_and_room_for_the_tree(model, eagle):
     with pytest.raises(ValueError, match="needs a drafter"):
         RolloutEngine(model, SD_CFG, sd=SpecConfig(mode="on"), progress=False)
     engine = RolloutEngine(model, SD_CFG, sd=SpecConfig(mode="on", steps=3, topk=2, verify_tokens=6),
-                           drafter=drafter, progress=False)
+                           drafter=eagle, progress=False)
     out = engine.generate([Request([1, 2], max_new_tokens=92)])[0]
     assert out.finish_reason == "error" and "draft-tree slots" in out.error
 
@@ -211,20 +218,20 @@ def test_drafter_checkpoint_round_trip(drafter, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-def test_smollm2_speculative_greedy_equals_plain(smollm2, kind):
-    """The real SmolLM2 with a random drafter: 16 prompts x 64 tokens, token for token."""
+def test_smollm2_speculative_greedy_equals_plain(smollm2):
+    """The real SmolLM2 with a random EAGLE drafter: 8 prompts x 48 tokens, token for token (EAGLE-3 on
+    the tiny model above)."""
     from fastrl_jax.data.prompts import chat_prompt_ids
 
     model, model_cfg, tokenizer = smollm2.model, smollm2.cfg, smollm2.tokenizer
-    reqs = [Request(chat_prompt_ids(tokenizer, f"Tell me a fact about the number {n}."), max_new_tokens=64)
-            for n in range(16)]
-    cfg = dataclasses.replace(CFG, batch_buckets=(4, 16), length_buckets=(128,), prompt_buckets=(64,))
+    reqs = [Request(chat_prompt_ids(tokenizer, f"Tell me a fact about the number {n}."), max_new_tokens=48)
+            for n in range(8)]
+    cfg = dataclasses.replace(CFG, batch_buckets=(8,), length_buckets=(128,), prompt_buckets=(64,))
     plain = RolloutEngine(model, cfg, progress=False).generate(reqs)
     sd = SpecConfig(mode="on", steps=3, topk=2, verify_tokens=6)
-    spec = RolloutEngine(model, cfg, sd=sd, drafter=Drafter(model_cfg, nnx.Rngs(0), kind=kind), progress=False).generate(reqs)
+    spec = RolloutEngine(model, cfg, sd=sd, drafter=Drafter(model_cfg, nnx.Rngs(0)), progress=False).generate(reqs)
     same = sum(a.tokens == b.tokens for a, b in zip(plain, spec))
-    assert same >= 15, [(i, a.tokens, b.tokens) for i, (a, b) in enumerate(zip(plain, spec)) if a.tokens != b.tokens]
+    assert same >= 7, [(i, a.tokens, b.tokens) for i, (a, b) in enumerate(zip(plain, spec)) if a.tokens != b.tokens]
 
 
 def test_coupled_drafting_guesses_the_token_the_policy_will_sample():

@@ -96,7 +96,7 @@ def tiny_overrides(tmp: Path, steps: int = 3) -> list[str]:
         "data.chat_template=false", "reward.functions=[helpers.tiny_run:digit_reward]", "reward.weights=[1.0]",
         f"rl.steps={steps}", "rl.prompts_per_step=4", "rl.samples_per_prompt=4", "rl.max_new_tokens=12",
         "rl.micro_batch_size=8", "rl.temperature=1.0", f"rl.out_dir={tmp / 'run'}", "rl.tensorboard=false",
-        "optim.learning_rate=0.003", "rollout.batch_buckets=[1, 4, 16]", "rollout.length_buckets=[32, 64]",
+        "optim.learning_rate=0.003", "rollout.batch_buckets=[4, 16]", "rollout.length_buckets=[32, 64]",
         "rollout.prompt_buckets=[8, 16]", "rollout.steps_per_call=8", "rollout.compile_cache_dir=",
         "rollout.warm_up=false",
     ]
