@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers.cli import COMPILE_FLAGS
 from helpers.tiny_run import tiny_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,7 +23,7 @@ def test_reduced_gpu_check_runs_every_section(tmp_path):
                  "sd.threshold_live_batch=16", "sd.patience_host_steps=1", "rollout.steps_per_call=2",
                  f"drafter_train.prompts={tmp_path / 'prompts.jsonl'}"]
     out = tmp_path / "check"
-    env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0")  # one CPU device, as on a lent GPU
+    env = dict(os.environ, XLA_FLAGS=COMPILE_FLAGS)  # one CPU device, as on a lent GPU
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), env.get("PYTHONPATH", "")])  # the tiny run's reward
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--out", str(out), "--reduced",
                            "--budget-s", "1200", "--config", str(ROOT / "configs" / "smollm2_cpu.yaml"),

@@ -1,24 +1,19 @@
 """Two CPU processes (gloo collectives) run a GRPO step on one mesh spanning both, and agree with one
 process holding the same mesh."""
 
-import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers.cli import cpu_env
 from helpers.tiny_run import tiny_overrides
 
 from fastrl_jax.metric_sink import read_metrics
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
-
-
-def env(devices: int) -> dict:
-    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0", JAX_PLATFORMS="cpu",
-                PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
 
 
 def free_port() -> int:
@@ -35,7 +30,7 @@ def test_two_processes_one_mesh(tmp_path):
         subprocess.Popen(
             [sys.executable, "-m", "fastrl_jax.cli", "train", *overrides, f"rl.out_dir={tmp_path / 'multi'}",
              "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
-            env=env(2), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=cpu_env(2), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for i in range(2)
     ]
@@ -44,7 +39,7 @@ def test_two_processes_one_mesh(tmp_path):
         assert p.returncode == 0, err[-3000:]
     single = subprocess.run(
         [sys.executable, "-m", "fastrl_jax.cli", "train", *overrides, f"rl.out_dir={tmp_path / 'single'}"],
-        env=env(4), cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env=cpu_env(4), cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert single.returncode == 0, single.stderr[-3000:]
     multi = read_metrics(tmp_path / "multi" / "metrics.jsonl")

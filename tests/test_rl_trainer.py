@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from helpers.cli import cpu_env
 from helpers.tiny_run import tiny_overrides
 
 from fastrl_jax.config import ConfigError, load_config
@@ -143,13 +144,6 @@ def test_startup_errors_are_clear(tmp_path):
         Trainer(cfg, model, load_tokenizer(Path(cfg.model.path)), resume=True)
 
 
-def cli_env(devices: int = 1) -> dict:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0",
-               JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    return env
-
-
 def train_cmd(overrides, *flags):
     return [sys.executable, "-m", "fastrl_jax.cli", "train", *overrides, *flags]
 
@@ -160,12 +154,12 @@ COMPARED = ("reward_mean", "reward_std", "accuracy", "len_mean", "len_max", "los
 def test_resume_after_sigkill_repeats_the_uninterrupted_run(tmp_path):
     # The three processes share one compilation cache, as runs of one config do (rollout.compile_cache_dir).
     base = [*tiny_overrides(tmp_path, steps=5), f"rollout.compile_cache_dir={tmp_path / 'xla'}"]
-    full = subprocess.run(train_cmd([*base, f"rl.out_dir={tmp_path / 'full'}"]), env=cli_env(), cwd=ROOT,
+    full = subprocess.run(train_cmd([*base, f"rl.out_dir={tmp_path / 'full'}"]), env=cpu_env(), cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert full.returncode == 0, full.stderr[-3000:]
     killed_dir = tmp_path / "killed"
     overrides = [*base, f"rl.out_dir={killed_dir}"]
-    proc = subprocess.Popen(train_cmd(overrides), env=cli_env(), cwd=ROOT, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(train_cmd(overrides), env=cpu_env(), cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 600
     while not (killed_dir / "checkpoints" / "2").is_dir():  # Orbax renames a step's directory when complete
@@ -174,7 +168,7 @@ def test_resume_after_sigkill_repeats_the_uninterrupted_run(tmp_path):
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    resumed = subprocess.run(train_cmd(overrides, "--resume"), env=cli_env(), cwd=ROOT, capture_output=True,
+    resumed = subprocess.run(train_cmd(overrides, "--resume"), env=cpu_env(), cwd=ROOT, capture_output=True,
                              text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     start = int(resumed.stderr.split("resumed from step ")[1].split()[0])
@@ -224,7 +218,7 @@ def test_dry_run_matches_hand_calculation():
 
 def test_dry_run_cli_for_both_gpu_configs():
     for name in ("qwen2.5_7b_1node", "qwen2.5_32b_multinode"):
-        out = subprocess.run(train_cmd([], "--config", f"configs/{name}.yaml", "--dry-run"), env=cli_env(),
+        out = subprocess.run(train_cmd([], "--config", f"configs/{name}.yaml", "--dry-run"), env=cpu_env(),
                              cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
         total = float(out.stdout.split("total")[1].split()[0])

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.cli import cpu_env
 from helpers.tiny_run import tiny_overrides
 from safetensors.numpy import load_file
 
@@ -25,9 +26,7 @@ TESTS = Path(__file__).parent
 
 def cli(*args):
     """The command in a fresh one-device process that can import the tests' reward function."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-m", "fastrl_jax.cli", *args], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-m", "fastrl_jax.cli", *args], capture_output=True, text=True, env=cpu_env(),
                           cwd=TESTS.parent, timeout=600)
 
 
