@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,7 @@ class RunCheckpointer:
                 restored = self._restore(candidate, arrays, meta)
             except Exception as e:  # noqa: BLE001 - Orbax/TensorStore raise bare Exceptions for damaged files
                 failures.append((candidate, _first_line(e)))
+                _drop_abandoned_reads(self.directory / str(candidate))
                 continue
             for bad, why in failures:
                 log.warning("checkpoint step %d in %s is unreadable (%s); using step %d", bad, self.directory, why, candidate)
@@ -130,6 +132,20 @@ def _abstract(x):
     if isinstance(x, jax.ShapeDtypeStruct):
         return x
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+
+def _drop_abandoned_reads(step_dir: Path) -> None:
+    """Orbax stops restoring a step at its first unreadable array and leaves that step's other reads
+    pending; when they are collected (often at exit) each prints "Exception ignored in: <coroutine ...>"
+    with a page of TensorStore spec about the damage the caller already reports. Those, and only those
+    (their message names a file under `step_dir`), are dropped from then on."""
+    previous, marker = sys.unraisablehook, f"'{step_dir}/"
+
+    def hook(unraisable):
+        if marker not in str(unraisable.exc_value):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
 
 
 def _first_line(e: BaseException) -> str:
