@@ -29,6 +29,7 @@ def test_reduced_gpu_check_runs_every_section(tmp_path):
                            "--budget-s", "1200", "--config", str(ROOT / "configs" / "smollm2_cpu.yaml"),
                            "--set", *overrides], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
     results = json.loads((out / "gpu_check.json").read_text())
+    print({k: r.get("seconds") for k, r in results.items()})
     errors = {k: r.get("traceback", r["summary"]) for k, r in results.items() if r["status"] != "ok"}
     assert proc.returncode == 0 and not errors, (errors, proc.stderr[-3000:])
     assert list(results) == ["environment", "kernel_tests", "greedy_vs_hf", "sd_lossless", "plain_decode",

@@ -332,7 +332,10 @@ def test_a_shared_prompt_prefix_is_prefilled_once_and_changes_no_output(model, k
     for r, x, y in zip(reqs, a, b):
         assert x.tokens == y.tokens and len(x.tokens) == r.max_new_tokens
         np.testing.assert_allclose(x.logprobs, y.logprobs, rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(x.hidden_states, y.hidden_states, rtol=1e-4, atol=1e-4)
+        # The tiny model's hidden states reach the hundreds; float32 rounding from the two programs' summation
+        # orders scales with that (measured 7e-3 on an AVX-512 machine), not with each entry.
+        scale = np.abs(y.hidden_states).max()
+        np.testing.assert_allclose(x.hidden_states, y.hidden_states, rtol=1e-4, atol=1e-5 * scale)
     sd = RolloutEngine(model, dataclasses.replace(cfg, shared_prefix_min=4), sd=SpecConfig(mode="on", strategies=("3/2/6",)),
                        drafter=drafter, progress=False)
     for r, y in zip(reqs[::2], sd.generate(reqs[::2])):
