@@ -108,6 +108,10 @@ class RolloutConfig:
     # a GRPO group's prompt) prefill them once, in multiples of it; 0 disables.
     shared_prefix_min: int = 8
     max_stop_ids: int = 4
+    # Per-row attention windows in plain decoding: a call may let the n longest rows (n from this list,
+    # at most a quarter of the table) read the length bucket their lengths need while every other row
+    # reads a smaller one, when that reads fewer slots; each n is another decode program. () disables.
+    window_rows: tuple[int, ...] = ()
     compile_cache_dir: str = "~/.cache/fastrl_jax/xla"  # JAX persistent compilation cache; "" disables
     warm_up: bool = True  # compile every program at engine start
 
@@ -123,6 +127,8 @@ class RolloutConfig:
                 f"rollout.prompt_buckets max ({self.prompt_buckets[-1]}) must be below rollout.length_buckets max "
                 f"({self.length_buckets[-1]}): completions need cache slots after the prompt"
             )
+        if list(self.window_rows) != sorted(set(self.window_rows)) or any(n < 1 for n in self.window_rows):
+            raise ConfigError(f"rollout.window_rows must be an increasing list of positive ints, got {list(self.window_rows)}")
         _check_at_least("rollout", self, ("steps_per_call", "max_stop_ids", "refill_rows"), 1)
         _check_at_least("rollout", self, ("shared_prefix_min",), 0)
 

@@ -11,7 +11,7 @@ from helpers.greedy import greedy_generate
 from helpers.tiny import CFG, TINY, prompts, tiny_model
 from scipy.stats import chisquare
 
-from fastrl_jax.config import RolloutConfig, SpecConfig
+from fastrl_jax.config import ConfigError, RolloutConfig, SpecConfig
 from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.rollout.engine import Request, RolloutEngine
 from fastrl_jax.rollout.sampling import SamplingParams, filtered_logits, first_argmax, position_gumbel, sample
@@ -310,6 +310,24 @@ def test_stream_refills_rows_and_matches_one_request_at_a_time(model):
         assert single.tokens == streamed[i].tokens and len(single.tokens) == reqs[i].max_new_tokens
         np.testing.assert_allclose(single.logprobs, streamed[i].logprobs, rtol=1e-4, atol=1e-4)
     assert all(c.live == 16 for c in engine.timeline[:3])  # the table stays full while requests wait
+
+
+def test_per_row_windows_change_no_output(model):
+    """A few long rows would hold every row of the table in the long window: with per-row windows the
+    rest read a short one, and every completion stays the same, greedy and sampled."""
+    cfg = dataclasses.replace(CFG, batch_buckets=(16,), length_buckets=(16, 32, 48, 64), steps_per_call=4)
+    reqs = [Request(p, max_new_tokens=40 if i % 8 == 0 else 3 + i % 5, temperature=0.9 * (i % 2), top_k=5 * (i % 3),
+                    seed=i) for i, p in enumerate(prompts(24, seed=11, lo=2, hi=8))]
+    plain = RolloutEngine(model, cfg, progress=False).generate(reqs)
+    engine = RolloutEngine(model, dataclasses.replace(cfg, window_rows=(1, 2, 4)), progress=False)
+    windowed = engine.generate(reqs)
+    for a, b in zip(plain, windowed):
+        assert a.tokens == b.tokens
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-4, atol=1e-4)
+    split = [k for k in engine.pool.stats if k[0] == "decode" and len(k) == 5]
+    assert split and all(k[3] <= 4 and k[4] < k[2] for k in split), list(engine.pool.stats)
+    with pytest.raises(ConfigError, match="window_rows must be an increasing list"):
+        dataclasses.replace(cfg, window_rows=(2, 1))
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])

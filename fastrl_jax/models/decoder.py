@@ -102,6 +102,7 @@ class Decoder(nnx.Module):
         kv_len: int | None = None,
         mask: jax.Array | None = None,
         capture: tuple[int, ...] = (),
+        narrow: tuple[jax.Array, int] | None = None,
     ) -> tuple[jax.Array, jax.Array, KVCache]:
         """Runs the new tokens of every row against the cache.
 
@@ -118,13 +119,17 @@ class Decoder(nnx.Module):
           capture: static layer indices whose input hidden states come back as the features
             (SGLang's convention: index i is the residual stream entering layer i, num_layers the last
             layer's output); () for the last-layer hidden states.
+          narrow: (wide_rows [n] int32, static S'): per-row windows. Every row but wide_rows reads only
+            the first S' cache slots (each such row needs start + T <= S'); wide_rows read all kv_len.
+            One long row then does not make every row read the long window.
 
         Returns:
           logits [B, T, vocab] float32, the features the drafter reads (last-layer hidden states
           [B, T, hidden] before the final norm, or with `capture` the captured states concatenated,
           [B, T, len(capture) * hidden]), and the updated cache.
         """
-        hidden, features, cache = self.hidden_and_features(tokens, positions, cache, start, block_mask, kv_len, mask, capture)
+        hidden, features, cache = self.hidden_and_features(tokens, positions, cache, start, block_mask, kv_len, mask, capture,
+                                                           narrow)
         return self.logits(hidden), features, cache
 
     def hidden(self, tokens, positions, cache: KVCache, start, block_mask=None, kv_len=None, mask=None):
@@ -134,12 +139,13 @@ class Decoder(nnx.Module):
         return hidden, cache
 
     def hidden_and_features(self, tokens, positions, cache: KVCache, start, block_mask=None, kv_len=None, mask=None,
-                            capture: tuple[int, ...] = ()):
+                            capture: tuple[int, ...] = (), narrow=None):
         """(last-layer hidden states, features as __call__ returns them, cache)."""
         kv_len = cache.max_len if kv_len is None else kv_len
         if mask is None:
             mask = attention_mask(start, block_mask, tokens.shape[1], kv_len)
-        out = run_layers(self.cfg, self.layers, self.embed[tokens], positions, cache, start, mask, capture=capture)
+        out = run_layers(self.cfg, self.layers, self.embed[tokens], positions, cache, start, mask, capture=capture,
+                         narrow=narrow)
         if not capture:
             return out[0], out[0], out[1]
         return out
@@ -151,13 +157,14 @@ class Decoder(nnx.Module):
 
 
 def run_layers(cfg: ModelConfig, layers: Layers, x, positions, cache: KVCache, start, mask, input_norm=True, remat=False,
-               capture: tuple[int, ...] = (), embeds=None):
+               capture: tuple[int, ...] = (), embeds=None, narrow=None):
     """Scanned decoder layers over x [B, T, H]; new keys/values go to cache slots [start, start + T).
 
     mask [B, T, kv_len] gives the cache window attention reads. input_norm=False skips the first
     layer's input RMSNorm (the EAGLE drafter's layer has none). remat=True recomputes each layer's
     activations in the backward pass instead of keeping them (training memory). embeds [B, T, H]:
-    the token embeddings an EAGLE-3 draft layer (Layers(embed_input=True)) reads beside x.
+    the token embeddings an EAGLE-3 draft layer (Layers(embed_input=True)) reads beside x. narrow:
+    per-row windows (Decoder.__call__).
 
     Returns (x, cache); with `capture` (static layer indices in [0, num_layers]) (x, features, cache),
     features [B, T, len(capture) * H] the residual stream entering each captured layer (num_layers:
@@ -178,7 +185,7 @@ def run_layers(cfg: ModelConfig, layers: Layers, x, positions, cache: KVCache, s
         i, p, k_cached, v_cached = inputs
         aux = grab(i, x, aux)
         x, kv = _layer(cfg, p, x, k_cached[:, :, :kv_len], v_cached[:, :, :kv_len], cos, sin, start, mask, input_norm,
-                       embeds)
+                       embeds, narrow)
         return (x, aux), kv
 
     if remat:
@@ -252,7 +259,7 @@ def _write_rows(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array
     return jax.lax.fori_loop(0, cache.shape[1], write_row, cache)
 
 
-def _layer(cfg: ModelConfig, p, x, k_cached, v_cached, cos, sin, start, mask, input_norm=True, embeds=None):
+def _layer(cfg: ModelConfig, p, x, k_cached, v_cached, cos, sin, start, mask, input_norm=True, embeds=None, narrow=None):
     """One decoder layer. k_cached/v_cached [B, KV, S, D] hold the prefix (slots < start)."""
     B, T, _ = x.shape
     G = cfg.num_heads // cfg.num_kv_heads
@@ -273,7 +280,7 @@ def _layer(cfg: ModelConfig, p, x, k_cached, v_cached, cos, sin, start, mask, in
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, KV, T, D], the cache layout
 
     qg = q.reshape(B, T, cfg.num_kv_heads, G, cfg.head_dim) / np.sqrt(cfg.head_dim).astype(q.dtype)
-    attn = cached_attention(qg, k_cached, v_cached, k, v, start, mask)  # [B, T, KV, G, D]; the backend suits the device
+    attn = _windowed_attention(qg, k_cached, v_cached, k, v, start, mask, narrow)  # [B, T, KV, G, D]
     # One contraction over (heads x head_dim): contracting the two axes apart, XLA CPU copied a transpose
     # of wo in every layer of every step (docs/measurements.md).
     heads_dim = cfg.num_heads * cfg.head_dim
@@ -282,6 +289,21 @@ def _layer(cfg: ModelConfig, p, x, k_cached, v_cached, cos, sin, start, mask, in
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     mlp = jax.nn.silu(jnp.einsum("bth,hf->btf", h, p["w_gate"])) * jnp.einsum("bth,hf->btf", h, p["w_up"])
     return x + jnp.einsum("btf,fh->bth", mlp, p["w_down"]), (k, v)
+
+
+def _windowed_attention(q, k_cached, v_cached, k, v, start, mask, narrow):
+    """cached_attention (the backend suits the device); with narrow = (wide_rows, S') every row reads the
+    first S' slots and then wide_rows, gathered, read the whole window: B x S' + n x S slots, not B x S."""
+    if narrow is None:
+        return cached_attention(q, k_cached, v_cached, k, v, start, mask)
+    rows, short = narrow
+    out = cached_attention(q, k_cached[:, :, :short], v_cached[:, :, :short], k, v, start, mask[..., :short])
+
+    def take(a):
+        return jnp.take(a, rows, axis=0)
+
+    wide = cached_attention(*map(take, (q, k_cached, v_cached, k, v, start, mask)))
+    return out.at[rows].set(wide)
 
 
 def abstract_decoder(cfg: ModelConfig, dtype=jnp.float32) -> Decoder:

@@ -168,6 +168,8 @@ class RolloutEngine:
         keys = []
         if self.sd.mode != "on":
             keys += [("decode", b, n) for b in c.batch_buckets for n in c.length_buckets]
+            keys += [("decode", b, kv, n, narrow) for b in c.batch_buckets for n in c.window_rows if 4 * n <= b
+                     for kv in c.length_buckets for narrow in c.length_buckets if narrow < kv]
         sd_buckets = set()
         for s, buckets in self.strategy_buckets().items():
             keys += [("sd", b, n, s) for b in buckets for n in c.length_buckets]
@@ -212,9 +214,12 @@ class RolloutEngine:
         # the weights (fsdp), and the next program, compiled for replicated inputs, would reject them.
         out = self._replicated
         scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated)  # max_steps, min_finished
-        if phase == "decode":
-            fn = jax.jit(programs.decode, static_argnums=(0, 5), donate_argnums=(2,), out_shardings=out)
-            return fn, (self.graphdef, self.state, slots, scalar, scalar, key[2])
+        if phase == "decode":  # ("decode", batch, kv_len[, wide rows, narrow window])
+            fn = jax.jit(programs.decode, static_argnums=(0, 5, 7), donate_argnums=(2,), out_shardings=out)
+            args = (self.graphdef, self.state, slots, scalar, scalar, key[2])
+            if len(key) == 3:
+                return fn, args
+            return fn, (*args, jax.ShapeDtypeStruct((key[3],), jnp.int32, sharding=self._replicated), key[4])
         if phase == "prefill":
             _, _, p, t, prefix_len = key
             adm = self._admission_shapes(p, t)
@@ -470,10 +475,15 @@ class RolloutEngine:
         before = _counters(table.slots)  # [6, B]: tokens, speculative steps, EAGLE / history drafts, idle, length
         longest = int(max(before[5, r] for r in range(batch) if table.row_req[r] >= 0))
         prefill_s = 0.0
+        wide = None
         if strategy.is_plain:
             kv_len = bucket_for(longest + 1, c.length_buckets)
             steps = min(c.steps_per_call, kv_len - longest)
             key, args = ("decode", batch, kv_len), (self.state, table.slots)
+            window = self._windows(table, before[5], kv_len)
+            if window is not None:
+                wide, narrow, narrow_longest = window
+                key, steps = (*key, len(wide), narrow), min(steps, narrow - narrow_longest)
             table.draft_fresh = False  # plain steps leave the drafter behind
         else:
             prefill_s = self._prepare_drafting(table, strategy, longest, rec)
@@ -486,6 +496,8 @@ class RolloutEngine:
         # Waiting rows idle: at most an eighth of the table waits for a refill.
         min_finished = min(c.refill_rows, max(1, batch // 8)) if refill else 1
         args = (*args, jnp.int32(steps), jnp.int32(min_finished))
+        if wide is not None:
+            args = (*args, jax.device_put(np.asarray(wide, np.int32), self._replicated))
         table.slots, seconds = self._run(rec, key, *args)
         diff = _counters(table.slots)[:5] - before[:5]  # [5, B] per row
         tokens, row_steps, eagle, hist, idle = (int(x) for x in diff.sum(1))
@@ -496,6 +508,20 @@ class RolloutEngine:
             rec.sd_call(strategy.label, live, tokens, row_steps, int(diff[1].max()), seconds, eagle, hist, kv_len, batch)
         if pulled:  # the drafter prefill a switch to EAGLE needed is part of the arm's cost
             self.chooser.record(strategy, live, tokens / (seconds + prefill_s) / live)
+
+    def _windows(self, table: _Table, lengths: np.ndarray, kv_len: int) -> tuple[list[int], int, int] | None:
+        """Per-row windows for a plain call, when they read fewer cache slots than one kv_len window for
+        every row: (the n longest busy rows, which read kv_len; the narrow window every other row reads,
+        a length bucket with room for a whole call; the longest of those rows), or None."""
+        busy = sorted((r for r in range(table.batch) if table.row_req[r] >= 0), key=lambda r: -lengths[r])
+        best, slots_read = None, table.batch * kv_len
+        for n in self.cfg.window_rows:
+            if n >= len(busy) or 4 * n > table.batch:
+                break
+            narrow = bucket_for(min(lengths[busy[n]] + self.cfg.steps_per_call, self.max_len), self.cfg.length_buckets)
+            if narrow < kv_len and table.batch * narrow + n * kv_len < slots_read:
+                best, slots_read = (busy[:n], narrow, int(lengths[busy[n]])), table.batch * narrow + n * kv_len
+        return best
 
     def _prepare_drafting(self, table: _Table, strategy: speculative.Strategy, longest: int, rec: Recorder) -> float:
         """Brings what `strategy` drafts from up to date: each row's history corpus, and the EAGLE

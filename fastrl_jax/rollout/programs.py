@@ -205,18 +205,20 @@ def steps_until_rows_finish(step: Callable[[Slots], Slots], slots: Slots, max_st
     return jax.lax.while_loop(cond, body, (jnp.int32(0), slots))[1]
 
 
-def decode(graphdef, state, slots: Slots, max_steps: jax.Array, min_finished: jax.Array, kv_len: int) -> Slots:
+def decode(graphdef, state, slots: Slots, max_steps: jax.Array, min_finished: jax.Array, kv_len: int,
+           wide_rows: jax.Array | None = None, narrow: int | None = None) -> Slots:
     """Decodes up to max_steps tokens per live row, returning early once min_finished rows have finished.
 
     Every live row's length must stay < kv_len (the new token's slot is inside the attention
-    window): the host passes max_steps <= kv_len - max(length).
+    window): the host passes max_steps <= kv_len - max(length). With `narrow` (static), only
+    wide_rows [n] read kv_len slots and every other live row must stay < narrow.
     """
     model = nnx.merge(graphdef, state)
     rows = jnp.arange(slots.batch)
 
     def step(s: Slots) -> Slots:
         logits, hidden, cache = model(s.token[:, None], s.length[:, None], s.cache, s.length, kv_len=kv_len,
-                                      capture=s.feature_layers)
+                                      capture=s.feature_layers, narrow=None if narrow is None else (wide_rows, narrow))
         token, logprob = sample(logits[:, 0], s.params, s.length + 1)
         live = s.live
         col = jnp.where(live, s.n_out, s.out_tokens.shape[1])  # dead rows write nowhere
