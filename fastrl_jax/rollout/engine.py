@@ -491,6 +491,8 @@ class RolloutEngine:
             kv_len = bucket_for(min(longest + n, self.max_len), c.length_buckets)
             steps = min(c.steps_per_call, (kv_len - longest - n) // (depth + 1) + 1)
             key, args = ("sd", batch, kv_len, strategy), (self.state, self.drafter_state, table.slots)
+        if steps < 1:  # the windows and buckets above always leave a step; without one the stream would spin
+            raise RuntimeError(f"no step fits program {key[:3]} (longest row {longest}): an engine bug, please report it")
         if pulled and self.chooser.exploring:  # a short call: an arm that loses costs little to try
             steps = min(steps, self.sd.explore_steps)
         # Waiting rows idle: at most an eighth of the table waits for a refill.
