@@ -520,9 +520,11 @@ class RolloutEngine:
         for n in self.cfg.window_rows:
             if n >= len(busy) or 4 * n > table.batch:
                 break
-            narrow = bucket_for(min(lengths[busy[n]] + self.cfg.steps_per_call, self.max_len), self.cfg.length_buckets)
-            if narrow < kv_len and table.batch * narrow + n * kv_len < slots_read:
-                best, slots_read = (busy[:n], narrow, int(lengths[busy[n]])), table.batch * narrow + n * kv_len
+            rest = int(lengths[busy[n]])  # the longest row left in the narrow window
+            narrow = bucket_for(min(rest + self.cfg.steps_per_call, self.max_len), self.cfg.length_buckets)
+            cost = table.batch * narrow + n * kv_len
+            if narrow < kv_len and cost < slots_read:
+                best, slots_read = (busy[:n], narrow, rest), cost
         return best
 
     def _prepare_drafting(self, table: _Table, strategy: speculative.Strategy, longest: int, rec: Recorder) -> float:
