@@ -101,7 +101,9 @@ class RolloutConfig:
 
     batch_buckets: tuple[int, ...] = (1, 4, 16, 64)
     length_buckets: tuple[int, ...] = (256, 512, 1024)  # KV-cache slots attention reads (prompt + completion)
-    prompt_buckets: tuple[int, ...] = (64, 128, 256)  # padded prompt lengths for prefill
+    # Prefill lengths: a prefill call runs distinct prompts (after a shared prefix) back to back, up to the
+    # largest bucket's tokens, padded to the smallest bucket that holds them; the largest bounds a prompt.
+    prompt_buckets: tuple[int, ...] = (64, 128, 256)
     steps_per_call: int = 32  # decode steps per program call between host visits
     refill_rows: int = 4  # while requests wait, a call runs until this many rows (<= 1/8 of the table) finish; one prefill refills them
     # Requests of a stream that share this many leading prompt tokens (a chat template's system turn,

@@ -225,10 +225,11 @@ def stream_requests(policy, args):
 
 
 def stream_rollout_config(cfg, requests, batch: int):
-    """Batch buckets down to 1; prompt buckets by 16 tokens; length buckets every 128 slots."""
+    """Batch buckets down to 1; packed prefills of 32 to 384 tokens by 32 (a refill's 4 prompts fill one
+    pack of ~160); length buckets every 128 slots."""
     longest = max(len(r.prompt_ids) for r in requests)
-    prompts = tuple(range(16, -(-longest // 16) * 16 + 1, 16))
-    full = -(-(prompts[-1] + max(r.max_new_tokens for r in requests)) // 128) * 128
+    prompts = tuple(range(32, max(384, -(-longest // 32) * 32) + 1, 32))
+    full = -(-max(longest + max(r.max_new_tokens for r in requests), prompts[-1] + 1) // 128) * 128
     buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < batch) + (batch,)
     return dataclasses.replace(cfg.rollout, batch_buckets=buckets, prompt_buckets=prompts,
                                length_buckets=tuple(range(128, full + 1, 128)), warm_up=False)
@@ -274,8 +275,10 @@ def bench_stream(args) -> int:
     drafter = make_drafter(cfg, policy.cfg, args.drafter, cfg.model.engine_dtype) if sd.uses_drafter() else None
     engine = RolloutEngine(policy.model, rollout_cfg, sd=sd, drafter=drafter, progress=False)
     t0 = time.perf_counter()
-    shared = engine.shared_prefix_len(requests)  # every program the stream can reach, compiled first:
-    engine.pool.warm_up(engine.warm_up_keys(shared) + [("prefix", 1, shared)] * bool(shared), progress=True)
+    shared = engine.shared_prefix_len(requests)  # every program the stream can reach, compiled first
+    # (more requests than rows: only the full table prefills, it moves to smaller ones once the queue is empty)
+    keys = [k for k in engine.warm_up_keys(shared) if k[0] != "prefill" or k[1] == args.batch or len(requests) < args.batch]
+    engine.pool.warm_up(keys + [("prefix", 1, shared)] * bool(shared), progress=True)
     print(f"[stream] {engine.pool_report()}; {time.perf_counter() - t0:.0f}s; {len(requests)} requests, "
           f"batch {args.batch}, refill {rollout_cfg.refill_rows} rows, shared prompt prefix {shared} tokens, "
           f"length buckets {rollout_cfg.length_buckets}",

@@ -13,7 +13,7 @@ from scipy.stats import chisquare
 
 from fastrl_jax.config import ConfigError, RolloutConfig, SpecConfig
 from fastrl_jax.models.drafter import Drafter
-from fastrl_jax.rollout.engine import Request, RolloutEngine
+from fastrl_jax.rollout.engine import Request, RolloutEngine, pack_prompts
 from fastrl_jax.rollout.sampling import SamplingParams, filtered_logits, first_argmax, position_gumbel, sample
 
 
@@ -292,7 +292,7 @@ def test_smollm2_greedy_matches_transformers(smollm2):
 def test_stream_refills_rows_and_matches_one_request_at_a_time(model):
     """30 requests of mixed lengths through a 16-row table, refilled 2 rows at a time: every output is
     what the request gives alone, errors come first, and finished rows wait a few steps at most."""
-    cfg = dataclasses.replace(CFG, batch_buckets=(1, 2, 16), refill_rows=2, steps_per_call=6)
+    cfg = dataclasses.replace(CFG, batch_buckets=(1, 2, 16), prompt_buckets=(8, 16, 32), refill_rows=2, steps_per_call=6)
     engine = RolloutEngine(model, cfg, progress=False)
     reqs = [Request(p, max_new_tokens=3 + (7 * i) % 19, temperature=0.9 * (i % 2), top_k=10 * (i % 3), seed=i)
             for i, p in enumerate(prompts(30, seed=9))]
@@ -328,6 +328,36 @@ def test_per_row_windows_change_no_output(model):
     assert split and all(k[3] <= 4 and k[4] < k[2] for k in split), list(engine.pool.stats)
     with pytest.raises(ConfigError, match="window_rows must be an increasing list"):
         dataclasses.replace(cfg, window_rows=(2, 1))
+
+
+def test_pack_prompts_fills_packs_longest_first_and_keeps_repeats_together():
+    lengths = [5, 9, 3, 9, 7, 2]
+    prompts_ = [[k] * n for k, n in enumerate(lengths)]
+    prompts_[3] = prompts_[1]  # a repeated prompt (a GRPO group's samples) costs its tokens once
+    packs = pack_prompts(prompts_, capacity=12)
+    assert sorted(i for p in packs for i in p) == list(range(6))
+    assert any({1, 3} <= set(p) for p in packs)
+    for p in packs:
+        assert sum(lengths[i] for i in {tuple(prompts_[i]): i for i in p}.values()) <= 12
+    assert packs == [[1, 3, 2], [4, 0], [5]]  # first fit, longest first: 9+3, 7+5, 2
+
+
+def test_packed_prefill_of_repeated_prompts_matches_one_request_at_a_time(model):
+    """Three prompts x 4 samples (a GRPO step): each distinct prompt is prefilled once, in packs of up
+    to 32 tokens, and every sample equals what it gives alone, greedy and sampled."""
+    cfg = dataclasses.replace(CFG, batch_buckets=(1, 16), prompt_buckets=(8, 16, 32))
+    group = prompts(3, seed=12, lo=9, hi=15)
+    reqs = [Request(p, max_new_tokens=4 + i % 3, temperature=0.9 * (i % 2), top_k=4 * (i % 3), seed=i)
+            for i, p in enumerate(group * 4)]
+    engine = RolloutEngine(model, cfg, progress=False)
+    streamed = engine.generate(reqs)
+    packed = sorted(k[3] for k in engine.pool.stats if k[0] == "prefill")
+    assert packed == [16, 32] and engine.stats.calls["prefill"] == 2  # 9..15 tokens each: 2 + 1 per pack
+    alone = RolloutEngine(model, dataclasses.replace(cfg, batch_buckets=(1,)), progress=False)
+    for r, s in zip(reqs, streamed):
+        single = alone.generate([r])[0]
+        assert single.tokens == s.tokens
+        np.testing.assert_allclose(single.logprobs, s.logprobs, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])

@@ -83,6 +83,26 @@ def bucket_for(n: int, buckets: Sequence[int]) -> int:
     return buckets[i]
 
 
+def pack_prompts(prompts: Sequence[Sequence[int]], capacity: int) -> list[list[int]]:
+    """Indices of `prompts` in packs whose distinct prompts hold at most `capacity` tokens together (each
+    prompt holds at most that many), first fit, longest first; a repeated prompt joins its first copy's pack."""
+    packs: list[list[int]] = []
+    room: list[int] = []
+    where: dict[tuple[int, ...], int] = {}
+    for i in sorted(range(len(prompts)), key=lambda i: -len(prompts[i])):
+        key = tuple(prompts[i])
+        j = where.get(key)
+        if j is None:
+            j = next((j for j, left in enumerate(room) if left >= len(key)), len(packs))
+            if j == len(packs):
+                packs.append([])
+                room.append(capacity)
+            room[j] -= len(key)
+            where[key] = j
+        packs[j].append(i)
+    return packs
+
+
 class RolloutEngine:
     """Generates completions for many requests at once on one model replica."""
 
@@ -175,10 +195,9 @@ class RolloutEngine:
             keys += [("sd", b, n, s) for b in buckets for n in c.length_buckets]
             sd_buckets.update(buckets if s.uses_drafter else ())
         keys += [("draft_prefill", b, n) for b in sorted(sd_buckets) for n in c.length_buckets]
-        # A first admission fills a table; refills of the largest table (a stream) admit fewer rows.
-        top = c.batch_buckets[-1]
-        keys += [("prefill", b, b, t, prefix_len) for b in c.batch_buckets for t in c.prompt_buckets]
-        keys += [("prefill", top, p, t, prefix_len) for p in c.batch_buckets if p < top for t in c.prompt_buckets]
+        # A pack of any prompt bucket's tokens may hold any number of requests the table has rows for.
+        keys += [("prefill", b, p, n, prefix_len) for b in c.batch_buckets for p in c.batch_buckets if p <= b
+                 for n in c.prompt_buckets]
         keys += [("resize", b, s) for b in c.batch_buckets for s in c.batch_buckets if s < b]
         return keys
 
@@ -220,9 +239,9 @@ class RolloutEngine:
             if len(key) == 3:
                 return fn, args
             return fn, (*args, jax.ShapeDtypeStruct((key[3],), jnp.int32, sharding=self._replicated), key[4])
-        if phase == "prefill":
-            _, _, p, t, prefix_len = key
-            adm = self._admission_shapes(p, t)
+        if phase == "prefill":  # ("prefill", batch, requests, packed tokens, shared prefix)
+            _, _, p, n, prefix_len = key
+            adm = self._admission_shapes(p, n)
             prefix = jax.eval_shape(lambda: self._no_prefix(prefix_len))
             prefix = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self._replicated), prefix)
             fn = jax.jit(programs.prefill, static_argnums=(0,), donate_argnums=(2,), out_shardings=out)
@@ -243,16 +262,17 @@ class RolloutEngine:
             return jax.jit(programs.resize, out_shardings=out), (slots, index)
         raise KeyError(key)
 
-    def _admission_shapes(self, p: int, t: int):
+    def _admission_shapes(self, p: int, n: int):
         i32, f32 = jnp.int32, jnp.float32
 
         def s(shape, dtype):
             return jax.ShapeDtypeStruct(shape, dtype, sharding=self._replicated)
 
         return programs.Admission(
-            rows=s((p,), i32), valid=s((p,), bool), tokens=s((p, t), i32), lengths=s((p,), i32),
+            rows=s((p,), i32), valid=s((p,), bool), offset=s((p,), i32), lengths=s((p,), i32),
             max_new=s((p,), i32), stop_ids=s((p, self.cfg.max_stop_ids), i32),
             params=SamplingParams(s((p,), f32), s((p,), i32), s((p,), f32), s((p,), jnp.uint32)), group=s((p,), i32),
+            tokens=s((n,), i32), positions=s((n,), i32), segment=s((n,), i32),
         )
 
     def shared_prefix_len(self, requests: Sequence[Request]) -> int:
@@ -312,14 +332,21 @@ class RolloutEngine:
 
     def _admission(self, reqs: list[Request], rows: list[int], groups: list[int],
                    skip: int) -> tuple[programs.Admission, int, int]:
-        """The device admission of reqs into rows; prompts start after the shared prefix's `skip` tokens."""
+        """The device admission of reqs into rows, their prompts (after the shared prefix's `skip`
+        tokens) packed back to back, one copy per distinct prompt; with its shape (p, n)."""
         c = self.cfg
         p = bucket_for(len(reqs), c.batch_buckets)
-        t = bucket_for(max(len(r.prompt_ids) for r in reqs) - skip, c.prompt_buckets)
-        tokens = np.zeros((p, t), np.int32)
+        offsets: dict[tuple[int, ...], int] = {}
+        for r in reqs:
+            offsets.setdefault(tuple(r.prompt_ids[skip:]), sum(map(len, offsets)))
+        n = bucket_for(sum(map(len, offsets)), c.prompt_buckets)
+        tokens, positions, segment = np.zeros(n, np.int32), np.zeros(n, np.int32), np.full(n, -1, np.int32)
+        for i, (prompt, at) in enumerate(offsets.items()):
+            tokens[at : at + len(prompt)] = prompt
+            positions[at : at + len(prompt)] = np.arange(skip, skip + len(prompt))
+            segment[at : at + len(prompt)] = i
         stop = np.full((p, c.max_stop_ids), -1, np.int32)
         for i, r in enumerate(reqs):
-            tokens[i, : len(r.prompt_ids) - skip] = r.prompt_ids[skip:]
             stop[i, : len(r.stop_ids)] = r.stop_ids
 
         def col(values, dtype, fill=0):
@@ -330,8 +357,8 @@ class RolloutEngine:
         adm = programs.Admission(
             rows=col(rows, np.int32),
             valid=col([True] * len(reqs), bool, False),
-            tokens=tokens,
-            lengths=col([len(r.prompt_ids) for r in reqs], np.int32, 1),
+            offset=col([offsets[tuple(r.prompt_ids[skip:])] for r in reqs], np.int32),
+            lengths=col([len(r.prompt_ids) for r in reqs], np.int32, skip + 1),
             max_new=col([r.max_new_tokens for r in reqs], np.int32, 1),
             stop_ids=stop,
             params=SamplingParams(
@@ -341,8 +368,9 @@ class RolloutEngine:
                 seed=col([r.seed % 2**32 for r in reqs], np.uint32),
             ),
             group=col(groups, np.int32),
+            tokens=tokens, positions=positions, segment=segment,
         )
-        return jax.device_put(adm, self._replicated), p, t
+        return jax.device_put(adm, self._replicated), p, n
 
     def _plan(self, live_batch: int, queued: bool) -> tuple[speculative.Strategy, bool]:
         """The strategy of this host step (speculative.PLAIN for plain decoding), and whether the bandit
@@ -423,18 +451,19 @@ class RolloutEngine:
         return out, seconds
 
     def _admit(self, table: _Table, queue: deque[int], requests: Sequence[Request], rec: Recorder) -> None:
-        """Prefills queued requests into the free rows (while more wait than fit, a batch bucket's worth:
-        the rows left over wait for the next visit instead of padding the prefill)."""
+        """Prefills queued requests into the free rows: their distinct prompts packed into sequences of at
+        most the largest prompt bucket (first fit, longest first), one prefill call per pack, each padded
+        to the smallest prompt bucket that holds it."""
         free = table.free_rows()
-        if not queue or not free:
+        take = [queue.popleft() for _ in range(min(len(queue), len(free)))]
+        if not take:
             return
-        n = min(len(queue), len(free))
-        if len(queue) > len(free):  # more wait: admit a whole batch bucket, no padded prefill rows
-            n = max([b for b in self.cfg.batch_buckets if b <= n], default=n)
-        take = [queue.popleft() for _ in range(n)]
         skip = table.prefix.tokens.shape[0]
-        adm, p, t = self._admission([requests[i] for i in take], free[: len(take)], [table.text.group_of[i] for i in take], skip)
-        table.slots, _ = self._run(rec, ("prefill", table.batch, p, t, skip), self.state, table.slots, adm, table.prefix)
+        for pack in pack_prompts([requests[i].prompt_ids[skip:] for i in take], self.cfg.prompt_buckets[-1]):
+            ids = [take[j] for j in pack]
+            adm, p, n = self._admission([requests[i] for i in ids], [free[j] for j in pack],
+                                        [table.text.group_of[i] for i in ids], skip)
+            table.slots, _ = self._run(rec, ("prefill", table.batch, p, n, skip), self.state, table.slots, adm, table.prefix)
         for row, i in zip(free, take):
             table.row_req[row] = i
         table.draft_fresh = False

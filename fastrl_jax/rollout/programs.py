@@ -82,16 +82,21 @@ class Slots:
 
 @struct.dataclass
 class Admission:
-    """New requests for `rows` of the table; entries with valid=False are padding. Each field [P, ...]."""
+    """New requests for `rows` of the table, their prompts packed back to back into one sequence of N
+    tokens (each prompt what follows the shared prefix; requests with the same prompt share one copy).
+    Entries with valid=False are padding. Per-request fields [P, ...], packed ones [N]."""
 
     rows: jax.Array  # [P] int32
     valid: jax.Array  # [P] bool
-    tokens: jax.Array  # [P, Tp] int32, right-padded prompts
-    lengths: jax.Array  # [P] int32
+    offset: jax.Array  # [P] int32 where the request's prompt starts in the pack
+    lengths: jax.Array  # [P] int32 prefix + prompt tokens
     max_new: jax.Array  # [P] int32
     stop_ids: jax.Array  # [P, NS] int32
     params: SamplingParams  # each [P]
     group: jax.Array  # [P] int32
+    tokens: jax.Array  # [N] int32 the packed prompts, then padding
+    positions: jax.Array  # [N] int32 each token's position in its prompt (the shared prefix included)
+    segment: jax.Array  # [N] int32 which packed prompt each token belongs to; -1 for padding
 
 
 @struct.dataclass
@@ -120,38 +125,44 @@ def _finished(token: jax.Array, n_out: jax.Array, slots_or_adm) -> jax.Array:
 
 
 def prefill(graphdef, state, slots: Slots, adm: Admission, prefix: Prefix) -> Slots:
-    """Runs the new prompts (adm.tokens: what follows the shared prefix), samples each one's first
-    token, and writes prefix + prompt into their rows."""
+    """Runs the packed prompts as one sequence behind the shared prefix (each token sees the prefix and
+    the earlier tokens of its own prompt), samples each request's first token from its prompt's last
+    position, and writes prefix + prompt into the request's row. Packing pads a call to a prompt bucket
+    instead of every prompt to the longest one's."""
     model = nnx.merge(graphdef, state)
-    P, Ts = adm.tokens.shape
-    Lp = prefix.tokens.shape[0]
-    empty = KVCache.zeros(model.cfg, P, Ts, slots.cache.k.dtype)
-
-    def behind_prefix(shared, new, axis):  # shared (batch 1, Lp along axis) before every row of new
-        shape = [Lp if a == axis else n for a, n in enumerate(new.shape)]
-        return jnp.concatenate([jnp.broadcast_to(shared, shape).astype(new.dtype), new], axis=axis)
-
-    tmp = KVCache(k=behind_prefix(prefix.cache.k, empty.k, 3), v=behind_prefix(prefix.cache.v, empty.v, 3))
-    positions = Lp + jnp.broadcast_to(jnp.arange(Ts, dtype=jnp.int32), (P, Ts))
-    hidden, features, tmp = model.hidden_and_features(adm.tokens, positions, tmp, jnp.full(P, Lp, jnp.int32),
+    P, N, Lp = adm.rows.shape[0], adm.tokens.shape[0], prefix.tokens.shape[0]
+    # The pack's cache: prefix, the N packed tokens, and N slots of slack, so that every prompt's
+    # N-slot window [Lp + offset, Lp + offset + N) can be cut out for its row.
+    empty = KVCache.zeros(model.cfg, 1, Lp + 2 * N, slots.cache.k.dtype)
+    tmp = KVCache(k=empty.k.at[:, :, :, :Lp].set(prefix.cache.k.astype(empty.k.dtype)),
+                  v=empty.v.at[:, :, :, :Lp].set(prefix.cache.v.astype(empty.v.dtype)))
+    j = jnp.arange(N)
+    own = (adm.segment[:, None] == adm.segment[None, :]) & (j[None, :] <= j[:, None])  # padding sees padding
+    mask = jnp.concatenate([jnp.ones((N, Lp), bool), own], axis=1)[None]  # [1, N, Lp + N]
+    hidden, features, tmp = model.hidden_and_features(adm.tokens[None], adm.positions[None], tmp,
+                                                     jnp.full(1, Lp, jnp.int32), kv_len=Lp + N, mask=mask,
                                                      capture=slots.feature_layers)
-    token, logprob = sample(model.logits(hidden[jnp.arange(P), adm.lengths - Lp - 1]), adm.params, adm.lengths)
-    if prefix.hidden is not None:
-        features = behind_prefix(prefix.hidden, features, 1)
+    last = adm.offset + adm.lengths - Lp - 1
+    token, logprob = sample(model.logits(hidden[0, last]), adm.params, adm.lengths)
+    features = jnp.concatenate([features[0], jnp.zeros_like(features[0])])  # [2N, F], slack as above
+
+    def window(a, p, axis):  # prompt p's N positions of packed `a` along `axis` (slack behind the pack)
+        return jax.lax.dynamic_slice_in_dim(a, Lp + adm.offset[p] if axis == 3 else adm.offset[p], N, axis)
 
     def write(p, tables):
-        cache, hid = tables
-
         def put(tables):
             cache, hid = tables
             at = (0, adm.rows[p], 0, 0, 0)
-            k = jax.lax.dynamic_update_slice(cache.k, jax.lax.dynamic_slice_in_dim(tmp.k, p, 1, 1), at)
-            v = jax.lax.dynamic_update_slice(cache.v, jax.lax.dynamic_slice_in_dim(tmp.v, p, 1, 1), at)
+            k = jax.lax.dynamic_update_slice(cache.k, jnp.concatenate([tmp.k[:, :, :, :Lp], window(tmp.k, p, 3)], 3), at)
+            v = jax.lax.dynamic_update_slice(cache.v, jnp.concatenate([tmp.v[:, :, :, :Lp], window(tmp.v, p, 3)], 3), at)
             if hid is not None:
-                hid = jax.lax.dynamic_update_slice(hid, features[p][None].astype(hid.dtype), (adm.rows[p], 0, 0))
+                row = window(features, p, 0).astype(hid.dtype)
+                if prefix.hidden is not None:
+                    row = jnp.concatenate([prefix.hidden[0].astype(hid.dtype), row])
+                hid = jax.lax.dynamic_update_slice(hid, row[None], (adm.rows[p], 0, 0))
             return KVCache(k=k, v=v), hid
 
-        return jax.lax.cond(adm.valid[p], put, lambda t: t, (cache, hid))
+        return jax.lax.cond(adm.valid[p], put, lambda t: t, tables)
 
     cache, hid = jax.lax.fori_loop(0, P, write, (slots.cache, slots.hidden))
     # Padding entries point past the table and are dropped by the scatters below.
@@ -160,8 +171,9 @@ def prefill(graphdef, state, slots: Slots, adm: Admission, prefix: Prefix) -> Sl
     def set_rows(table, values):
         return table.at[rows].set(values, mode="drop")
 
+    prompts = jnp.concatenate([adm.tokens, jnp.zeros_like(adm.tokens)])[adm.offset[:, None] + j[None, :]]  # [P, N]
     history = slots.history.at[rows, :Lp].set(jnp.broadcast_to(prefix.tokens, (P, Lp)), mode="drop")
-    history = history.at[rows, Lp : Lp + Ts].set(adm.tokens, mode="drop")
+    history = history.at[rows, Lp : Lp + N].set(prompts, mode="drop")
     history = history.at[rows, adm.lengths].set(token, mode="drop")
 
     done = _finished(token, jnp.ones(P, jnp.int32), adm)
