@@ -105,7 +105,7 @@ class RolloutConfig:
     # largest bucket's tokens, padded to the smallest bucket that holds them; the largest bounds a prompt.
     prompt_buckets: tuple[int, ...] = (64, 128, 256)
     steps_per_call: int = 32  # decode steps per program call between host visits
-    refill_rows: int = 4  # while requests wait, a call runs until this many rows (<= 1/8 of the table) finish; one prefill refills them
+    refill_rows: int = 4  # while requests wait, a call runs until this many rows (<= 1/8 of the table) finish; one packed prefill refills them
     # Requests of a stream that share this many leading prompt tokens (a chat template's system turn,
     # a GRPO group's prompt) prefill them once, in multiples of it; 0 disables.
     shared_prefix_min: int = 8

@@ -398,7 +398,7 @@ class RolloutEngine:
 
         A finished row is refilled from the queue at the next host visit; while the queue holds
         requests, a device call runs until rollout.refill_rows rows have finished (or steps_per_call),
-        so refills come in one prefill instead of one per row. Once the queue is empty, live rows move
+        so refills come in one packed prefill instead of one per row. Once the queue is empty, live rows move
         to smaller batch buckets as they finish, and adaptive speculation may start. Errors (requests
         that cannot run) come first. between_steps(live_batch), when given, runs on the host after
         every decode call (the online drafter trainer interleaves its steps into the tail there).

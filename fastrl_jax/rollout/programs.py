@@ -199,7 +199,7 @@ def steps_until_rows_finish(step: Callable[[Slots], Slots], slots: Slots, max_st
                             min_finished: jax.Array) -> Slots:
     """Runs step(slots) on device until max_steps steps have run, or min_finished of the rows live at
     the start have finished (all of them, if fewer are live): the loop of plain and speculative decoding
-    alike. The host refills finished rows in one prefill when the loop returns; meanwhile they wait,
+    alike. The host refills finished rows in one (packed) prefill when the loop returns; meanwhile they wait,
     counted in `idle`."""
     started = slots.live
     n_live = jnp.sum(started)
