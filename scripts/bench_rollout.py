@@ -249,6 +249,7 @@ def stream_metrics(engine, seconds: float, batch: int) -> dict:
         "stream_vs_full_batch": s.tokens / seconds / full_rate,
         "mean_live_rows": sum(live_rows(c) * c.seconds for c in calls) / device,
         "prefill_share": s.seconds["prefill"] / seconds, "compile_share": s.seconds["compile"] / seconds,
+        "decode_admit_share": s.seconds["decode_admit"] / seconds, "decode_admit_calls": s.calls["decode_admit"],
         "host_share": s.seconds["host"] / seconds, "bucket_moves": sum(a != b for a, b in zip(kv, kv[1:])),
         "idle_row_steps": s.idle_row_steps, "decode_calls": len(calls), "prefill_calls": s.calls["prefill"],
         "stats": s.as_dict(), "timeline": [c._asdict() for c in calls],
@@ -277,7 +278,8 @@ def bench_stream(args) -> int:
     t0 = time.perf_counter()
     shared = engine.shared_prefix_len(requests)  # every program the stream can reach, compiled first
     # (more requests than rows: only the full table prefills, it moves to smaller ones once the queue is empty)
-    keys = [k for k in engine.warm_up_keys(shared) if k[0] != "prefill" or k[1] == args.batch or len(requests) < args.batch]
+    keys = [k for k in engine.warm_up_keys(shared)
+            if k[0] not in ("prefill", "decode_admit") or k[1] == args.batch or len(requests) < args.batch]
     engine.pool.warm_up(keys + [("prefix", 1, shared)] * bool(shared), progress=True)
     print(f"[stream] {engine.pool_report()}; {time.perf_counter() - t0:.0f}s; {len(requests)} requests, "
           f"batch {args.batch}, refill {rollout_cfg.refill_rows} rows, shared prompt prefix {shared} tokens, "
@@ -295,8 +297,9 @@ def bench_stream(args) -> int:
     median = sorted(runs, key=lambda m: m["seconds"])[len(runs) // 2]
     identical = all(m["outputs"] == runs[0]["outputs"] for m in runs)
     facts = machine_facts()
-    keys = ("tok_s", "full_batch_tok_s", "stream_vs_full_batch", "mean_live_rows", "prefill_share", "compile_share",
-            "host_share", "bucket_moves", "idle_row_steps", "prefill_calls", "decode_calls")
+    keys = ("tok_s", "full_batch_tok_s", "stream_vs_full_batch", "mean_live_rows", "prefill_share", "decode_admit_share",
+            "compile_share", "host_share", "bucket_moves", "idle_row_steps", "prefill_calls", "decode_admit_calls",
+            "decode_calls")
     print(f"machine: {format_machine(facts)}")
     print(f"{len(requests)} requests (new tokens p50 {np.median([r.max_new_tokens for r in requests]):.0f}, max "
           f"{max(r.max_new_tokens for r in requests)}), batch {args.batch}, sd {sd.mode}; median of {args.repeats}")

@@ -289,10 +289,13 @@ def test_smollm2_greedy_matches_transformers(smollm2):
     assert all(gap < 0.05 for _, gap in mismatches)
 
 
-def test_stream_refills_rows_and_matches_one_request_at_a_time(model):
-    """30 requests of mixed lengths through a 16-row table, refilled 2 rows at a time: every output is
-    what the request gives alone, errors come first, and finished rows wait a few steps at most."""
-    cfg = dataclasses.replace(CFG, batch_buckets=(1, 2, 16), prompt_buckets=(8, 16, 32), refill_rows=2, steps_per_call=6)
+@pytest.mark.parametrize("with_decode", [False, True], ids=["prefill", "prefill_with_decode"])
+def test_stream_refills_rows_and_matches_one_request_at_a_time(model, with_decode):
+    """30 requests of mixed lengths through a 16-row table, refilled 2 rows at a time (by prefills, or
+    riding on decode steps): every output is what the request gives alone, errors come first, and
+    finished rows wait a few steps at most."""
+    cfg = dataclasses.replace(CFG, batch_buckets=(1, 2, 16), prompt_buckets=(8, 16, 32), refill_rows=2, steps_per_call=6,
+                              prefill_with_decode=with_decode)
     engine = RolloutEngine(model, cfg, progress=False)
     reqs = [Request(p, max_new_tokens=3 + (7 * i) % 19, temperature=0.9 * (i % 2), top_k=10 * (i % 3), seed=i)
             for i, p in enumerate(prompts(30, seed=9))]
@@ -301,8 +304,12 @@ def test_stream_refills_rows_and_matches_one_request_at_a_time(model):
     assert order[0] == 5 and sorted(order) == list(range(30))
     streamed = engine.generate(reqs)
     assert streamed[5].finish_reason == "error"
-    prefills = engine.stats.calls["prefill"]
+    prefills = engine.stats.calls["prefill"] + engine.stats.calls["decode_admit"]
     assert prefills < 29 / 1.5  # refills came in batches, not one per finished row
+    assert (engine.stats.calls["decode_admit"] > 0) == with_decode
+    # Decode calls emit every token but each request's first (its prefill's) and those of the decode steps refills rode on.
+    rode = engine.stats.tokens - 29 - sum(e.tokens for e in engine.timeline)
+    assert (rode > 0) == with_decode and rode >= 0
     assert 0 < engine.stats.idle_row_steps < 29 * cfg.steps_per_call
     alone = RolloutEngine(model, dataclasses.replace(CFG, batch_buckets=(1,)), progress=False)
     for i in (0, 1, 2, 11, 29):

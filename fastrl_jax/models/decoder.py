@@ -150,6 +150,12 @@ class Decoder(nnx.Module):
             return out[0], out[0], out[1]
         return out
 
+    def hidden_and_features_together(self, parts, capture: tuple[int, ...] = ()):
+        """hidden_and_features of several groups of tokens in one pass over the weights
+        (run_layers_together): parts of (tokens [B, T], positions [B, T], cache, start [B], mask
+        [B, T, kv_len]); returns (hidden, features, cache) per part."""
+        return run_layers_together(self.cfg, self.layers, [(self.embed[t], *rest) for t, *rest in parts], capture)
+
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final norm and LM head: [..., hidden] -> [..., vocab] float32."""
         x = rms_norm(hidden, self.final_norm[...], self.cfg.rms_norm_eps)
@@ -177,13 +183,10 @@ def run_layers(cfg: ModelConfig, layers: Layers, x, positions, cache: KVCache, s
     if any(not 0 <= c <= cfg.num_layers for c in capture):
         raise ValueError(f"capture layers {capture} must lie in [0, {cfg.num_layers}]")
 
-    def grab(i, x, aux):
-        return tuple(jnp.where(i == c, x, a) for c, a in zip(capture, aux))
-
     def layer(carry, inputs):
         x, aux = carry
         i, p, k_cached, v_cached = inputs
-        aux = grab(i, x, aux)
+        aux = _grab(capture, i, x, aux)
         x, kv = _layer(cfg, p, x, k_cached[:, :, :kv_len], v_cached[:, :, :kv_len], cos, sin, start, mask, input_norm,
                        embeds, narrow)
         return (x, aux), kv
@@ -200,8 +203,61 @@ def run_layers(cfg: ModelConfig, layers: Layers, x, positions, cache: KVCache, s
     cache = KVCache(k=_write_rows(cache.k, k_new, start), v=_write_rows(cache.v, v_new, start))
     if not capture:
         return x, cache
-    aux = grab(cache.k.shape[0], x, aux)
+    aux = _grab(capture, cache.k.shape[0], x, aux)
     return x, jnp.concatenate(aux, axis=-1), cache
+
+
+def _grab(capture: tuple[int, ...], i, x, aux):
+    """aux with x in the entries of the captured layers equal to i (the layer scan's index)."""
+    return tuple(jnp.where(i == c, x, a) for c, a in zip(capture, aux))
+
+
+def run_layers_together(cfg: ModelConfig, layers: Layers, parts, capture: tuple[int, ...] = ()):
+    """run_layers over several groups of tokens in one pass: each part (x [B, T, H], positions [B, T],
+    cache, start [B], mask [B, T, kv_len]) attends over its own cache and writes its new keys / values
+    there, while each layer's weight contractions run over every part's tokens at once (one pass over
+    the weights: a prefill riding on a decode step). Returns (x, features, cache) per part; features
+    as run_layers' with `capture`, x itself without."""
+    sizes = [x.shape[0] * x.shape[1] for x, *_ in parts]
+    cuts = np.cumsum(sizes)[:-1].tolist()
+
+    def flat(pieces):  # [B, T, ...] per part -> [1, sum of B x T, ...]
+        return jnp.concatenate([a.reshape(1, -1, *a.shape[2:]) for a in pieces], axis=1)
+
+    def split(a, axis=1):  # flat -> [B, T, ...] per part; axis 2: keys / values [1, KV, M, D] -> [B, KV, T, D]
+        out = []
+        for piece, (x, *_) in zip(jnp.split(a, cuts, axis=axis), parts):
+            B, T = x.shape[:2]
+            out.append(piece.reshape(B, T, *piece.shape[2:]) if axis == 1
+                       else piece.reshape(piece.shape[1], B, T, -1).transpose(1, 0, 2, 3))
+        return out
+
+    tables = [rope_tables(cfg, positions) for _, positions, *_ in parts]
+    cos, sin = flat([c for c, _ in tables]), flat([s for _, s in tables])
+    layer_params = nnx.to_pure_dict(nnx.state(layers))
+
+    def layer(carry, inputs):
+        x, aux = carry
+        i, p, cached = inputs
+        aux = _grab(capture, i, x, aux)
+        q, k, v = _qkv(cfg, p, x, cos, sin)
+        attn, new = [], []
+        for q_, k_, v_, (k_cached, v_cached), (_, _, _, start, mask) in zip(split(q), split(k, 2), split(v, 2), cached, parts):
+            kv_len = mask.shape[-1]
+            attn.append(_attend(cfg, q_, k_cached[:, :, :kv_len], v_cached[:, :, :kv_len], k_, v_, start, mask))
+            new.append((k_, v_))
+        return (_out_and_mlp(cfg, p, x, flat(attn)), aux), new
+
+    x = flat([x for x, *_ in parts])
+    aux = tuple(jnp.zeros_like(x) for _ in capture)
+    steps = jnp.arange(cfg.num_layers)
+    cached = [(cache.k, cache.v) for _, _, cache, *_ in parts]
+    (x, aux), new = jax.lax.scan(layer, (x, aux), (steps, layer_params, cached))
+    features = jnp.concatenate(_grab(capture, cfg.num_layers, x, aux), axis=-1) if capture else x
+    out = []
+    for x_, f_, (k_new, v_new), (_, _, cache, start, _) in zip(split(x), split(features), new, parts):
+        out.append((x_, f_, KVCache(k=_write_rows(cache.k, k_new, start), v=_write_rows(cache.v, v_new, start))))
+    return out
 
 
 def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -261,8 +317,13 @@ def _write_rows(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array
 
 def _layer(cfg: ModelConfig, p, x, k_cached, v_cached, cos, sin, start, mask, input_norm=True, embeds=None, narrow=None):
     """One decoder layer. k_cached/v_cached [B, KV, S, D] hold the prefix (slots < start)."""
-    B, T, _ = x.shape
-    G = cfg.num_heads // cfg.num_kv_heads
+    q, k, v = _qkv(cfg, p, x, cos, sin, input_norm, embeds)
+    attn = _attend(cfg, q, k_cached, v_cached, k, v, start, mask, narrow)
+    return _out_and_mlp(cfg, p, x, attn), (k, v)
+
+
+def _qkv(cfg: ModelConfig, p, x, cos, sin, input_norm=True, embeds=None):
+    """The layer's rotated queries [B, T, heads, D] and new keys / values [B, KV, T, D] (the cache layout)."""
     if embeds is not None:  # EAGLE-3's draft layer (SGLang's llama_eagle3 midlayer)
         h = jnp.concatenate([rms_norm(embeds.astype(x.dtype), p["attn_norm"], cfg.rms_norm_eps),
                              rms_norm(x, p["hidden_norm"], cfg.rms_norm_eps)], axis=-1)
@@ -277,18 +338,26 @@ def _layer(cfg: ModelConfig, p, x, k_cached, v_cached, cos, sin, start, mask, in
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
     q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, KV, T, D], the cache layout
+    return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
+
+def _attend(cfg: ModelConfig, q, k_cached, v_cached, k, v, start, mask, narrow=None):
+    """Attention of queries [B, T, heads, D] over the cache window and the new keys -> [B, T, heads x D]."""
+    B, T = q.shape[:2]
+    G = cfg.num_heads // cfg.num_kv_heads
     qg = q.reshape(B, T, cfg.num_kv_heads, G, cfg.head_dim) / np.sqrt(cfg.head_dim).astype(q.dtype)
     attn = _windowed_attention(qg, k_cached, v_cached, k, v, start, mask, narrow)  # [B, T, KV, G, D]
+    return attn.reshape(B, T, cfg.num_heads * cfg.head_dim)
+
+
+def _out_and_mlp(cfg: ModelConfig, p, x, attn):
+    """The output projection's residual, then the MLP's."""
     # One contraction over (heads x head_dim): contracting the two axes apart, XLA CPU copied a transpose
     # of wo in every layer of every step (docs/measurements.md).
-    heads_dim = cfg.num_heads * cfg.head_dim
-    x = x + jnp.einsum("bte,eh->bth", attn.reshape(B, T, heads_dim), p["wo"].reshape(heads_dim, -1))
-
+    x = x + jnp.einsum("bte,eh->bth", attn, p["wo"].reshape(attn.shape[-1], -1))
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     mlp = jax.nn.silu(jnp.einsum("bth,hf->btf", h, p["w_gate"])) * jnp.einsum("bth,hf->btf", h, p["w_up"])
-    return x + jnp.einsum("btf,fh->bth", mlp, p["w_down"]), (k, v)
+    return x + jnp.einsum("btf,fh->bth", mlp, p["w_down"])
 
 
 def _windowed_attention(q, k_cached, v_cached, k, v, start, mask, narrow):

@@ -198,6 +198,9 @@ class RolloutEngine:
         # A pack of any prompt bucket's tokens may hold any number of requests the table has rows for.
         keys += [("prefill", b, p, n, prefix_len) for b in c.batch_buckets for p in c.batch_buckets if p <= b
                  for n in c.prompt_buckets]
+        if c.prefill_with_decode:  # refills of up to an eighth of a table ride on a decode step
+            keys += [("decode_admit", b, kv, p, n, prefix_len) for b in c.batch_buckets for kv in c.length_buckets
+                     for p in c.batch_buckets if p <= self._riders(b) for n in c.prompt_buckets]
         keys += [("resize", b, s) for b in c.batch_buckets for s in c.batch_buckets if s < b]
         return keys
 
@@ -246,6 +249,12 @@ class RolloutEngine:
             prefix = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self._replicated), prefix)
             fn = jax.jit(programs.prefill, static_argnums=(0,), donate_argnums=(2,), out_shardings=out)
             return fn, (self.graphdef, self.state, slots, adm, prefix)
+        if phase == "decode_admit":  # ("decode_admit", batch, kv_len, requests, packed tokens, shared prefix)
+            _, _, kv_len, p, n, prefix_len = key
+            prefix = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self._replicated),
+                                  jax.eval_shape(lambda: self._no_prefix(prefix_len)))
+            fn = jax.jit(programs.decode_and_admit, static_argnums=(0, 5), donate_argnums=(2,), out_shardings=out)
+            return fn, (self.graphdef, self.state, slots, self._admission_shapes(p, n), prefix, kv_len)
         if phase == "prefix":
             tokens = jax.ShapeDtypeStruct((key[2],), jnp.int32, sharding=self._replicated)
             fn = jax.jit(programs.prefix_program, static_argnums=(0, 3, 4, 5), out_shardings=out)
@@ -453,21 +462,32 @@ class RolloutEngine:
     def _admit(self, table: _Table, queue: deque[int], requests: Sequence[Request], rec: Recorder) -> None:
         """Prefills queued requests into the free rows: their distinct prompts packed into sequences of at
         most the largest prompt bucket (first fit, longest first), one prefill call per pack, each padded
-        to the smallest prompt bucket that holds it."""
+        to the smallest prompt bucket that holds it. With rollout.prefill_with_decode, a pack of at most
+        an eighth of the table's rows rides on a decode step of the live rows instead (decode_and_admit)."""
         free = table.free_rows()
         take = [queue.popleft() for _ in range(min(len(queue), len(free)))]
         if not take:
             return
+        ride = self.cfg.prefill_with_decode and table.busy() > 0  # one pack per visit rides on a decode step
         skip = table.prefix.tokens.shape[0]
         for pack in pack_prompts([requests[i].prompt_ids[skip:] for i in take], self.cfg.prompt_buckets[-1]):
             ids = [take[j] for j in pack]
             adm, p, n = self._admission([requests[i] for i in ids], [free[j] for j in pack],
                                         [table.text.group_of[i] for i in ids], skip)
-            table.slots, _ = self._run(rec, ("prefill", table.batch, p, n, skip), self.state, table.slots, adm, table.prefix)
+            key = ("prefill", table.batch, p, n, skip)
+            if ride and p <= self._riders(table.batch):
+                lengths, live = jax.device_get((table.slots.length, table.slots.live))  # rows the step decodes
+                key, ride = ("decode_admit", table.batch, bucket_for(int(lengths[live].max()) + 1, self.cfg.length_buckets),
+                             p, n, skip), False
+            table.slots, _ = self._run(rec, key, self.state, table.slots, adm, table.prefix)
         for row, i in zip(free, take):
             table.row_req[row] = i
         table.draft_fresh = False
         table.text.dirty = True
+
+    def _riders(self, batch: int) -> int:
+        """The most requests a refill of a `batch`-row table admits on a decode step (decode_and_admit)."""
+        return max(1, batch // 8)
 
     def _collect_finished(self, table: _Table, requests, rec: Recorder) -> list[tuple[int, Completion]]:
         """The finished rows' (request index, completion); frees their rows."""

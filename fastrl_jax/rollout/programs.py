@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from fastrl_jax.models.decoder import KVCache
+from fastrl_jax.models.decoder import KVCache, attention_mask
 from fastrl_jax.rollout.sampling import SamplingParams, sample
 
 
@@ -130,21 +130,47 @@ def prefill(graphdef, state, slots: Slots, adm: Admission, prefix: Prefix) -> Sl
     position, and writes prefix + prompt into the request's row. Packing pads a call to a prompt bucket
     instead of every prompt to the longest one's."""
     model = nnx.merge(graphdef, state)
-    P, N, Lp = adm.rows.shape[0], adm.tokens.shape[0], prefix.tokens.shape[0]
+    tokens, positions, tmp, start, mask = _pack(model, adm, prefix, slots.cache.k.dtype)
+    hidden, features, tmp = model.hidden_and_features(tokens, positions, tmp, start, kv_len=mask.shape[-1], mask=mask,
+                                                     capture=slots.feature_layers)
+    return _admit_rows(model, slots, adm, prefix, hidden, features, tmp)
+
+
+def decode_and_admit(graphdef, state, slots: Slots, adm: Admission, prefix: Prefix, kv_len: int) -> Slots:
+    """One decode step of the live rows (window kv_len, as `decode`) and the prefill of an admission (as
+    `prefill`) in one pass over the weights: the prompts ride on the decode step's weight contractions."""
+    model = nnx.merge(graphdef, state)
+    s = slots
+    decoding = (s.token[:, None], s.length[:, None], s.cache, s.length, attention_mask(s.length, None, 1, kv_len))
+    (hidden, features, cache), (p_hidden, p_features, tmp) = model.hidden_and_features_together(
+        [decoding, _pack(model, adm, prefix, s.cache.k.dtype)], capture=s.feature_layers)
+    s = _decoded(model, s, hidden, features, cache)
+    return _admit_rows(model, s, adm, prefix, p_hidden, p_features, tmp)
+
+
+def _pack(model, adm: Admission, prefix: Prefix, dtype):
+    """The admission as one row of tokens for the forward: (tokens [1, N], positions [1, N], a cache
+    holding the prefix, start [1], mask [1, N, Lp + N])."""
+    N, Lp = adm.tokens.shape[0], prefix.tokens.shape[0]
     # The pack's cache: prefix, the N packed tokens, and N slots of slack, so that every prompt's
-    # N-slot window [Lp + offset, Lp + offset + N) can be cut out for its row.
-    empty = KVCache.zeros(model.cfg, 1, Lp + 2 * N, slots.cache.k.dtype)
-    tmp = KVCache(k=empty.k.at[:, :, :, :Lp].set(prefix.cache.k.astype(empty.k.dtype)),
-                  v=empty.v.at[:, :, :, :Lp].set(prefix.cache.v.astype(empty.v.dtype)))
+    # N-slot window [Lp + offset, Lp + offset + N) can be cut out for its row (_admit_rows).
+    empty = KVCache.zeros(model.cfg, 1, Lp + 2 * N, dtype)
+    tmp = KVCache(k=empty.k.at[:, :, :, :Lp].set(prefix.cache.k.astype(dtype)),
+                  v=empty.v.at[:, :, :, :Lp].set(prefix.cache.v.astype(dtype)))
     j = jnp.arange(N)
     own = (adm.segment[:, None] == adm.segment[None, :]) & (j[None, :] <= j[:, None])  # padding sees padding
-    mask = jnp.concatenate([jnp.ones((N, Lp), bool), own], axis=1)[None]  # [1, N, Lp + N]
-    hidden, features, tmp = model.hidden_and_features(adm.tokens[None], adm.positions[None], tmp,
-                                                     jnp.full(1, Lp, jnp.int32), kv_len=Lp + N, mask=mask,
-                                                     capture=slots.feature_layers)
+    mask = jnp.concatenate([jnp.ones((N, Lp), bool), own], axis=1)[None]
+    return adm.tokens[None], adm.positions[None], tmp, jnp.full(1, Lp, jnp.int32), mask
+
+
+def _admit_rows(model, slots: Slots, adm: Admission, prefix: Prefix, hidden, features, tmp: KVCache) -> Slots:
+    """Samples each admitted request's first token from the pack's forward (hidden, features [1, N, ...],
+    its cache tmp) and writes prefix + prompt into the request's row."""
+    P, N, Lp = adm.rows.shape[0], adm.tokens.shape[0], prefix.tokens.shape[0]
+    j = jnp.arange(N)
     last = adm.offset + adm.lengths - Lp - 1
     token, logprob = sample(model.logits(hidden[0, last]), adm.params, adm.lengths)
-    features = jnp.concatenate([features[0], jnp.zeros_like(features[0])])  # [2N, F], slack as above
+    features = jnp.concatenate([features[0], jnp.zeros_like(features[0])])  # [2N, F], slack as in _pack
 
     def window(a, p, axis):  # prompt p's N positions of packed `a` along `axis` (slack behind the pack)
         return jax.lax.dynamic_slice_in_dim(a, Lp + adm.offset[p] if axis == 3 else adm.offset[p], N, axis)
@@ -226,31 +252,38 @@ def decode(graphdef, state, slots: Slots, max_steps: jax.Array, min_finished: ja
     wide_rows [n] read kv_len slots and every other live row must stay < narrow.
     """
     model = nnx.merge(graphdef, state)
-    rows = jnp.arange(slots.batch)
 
     def step(s: Slots) -> Slots:
-        logits, hidden, cache = model(s.token[:, None], s.length[:, None], s.cache, s.length, kv_len=kv_len,
-                                      capture=s.feature_layers, narrow=None if narrow is None else (wide_rows, narrow))
-        token, logprob = sample(logits[:, 0], s.params, s.length + 1)
-        live = s.live
-        col = jnp.where(live, s.n_out, s.out_tokens.shape[1])  # dead rows write nowhere
-        hid = s.hidden
-        if hid is not None:
-            hid = hid.at[rows, s.length].set(hidden[:, 0].astype(hid.dtype))
-        n_out = s.n_out + live
-        return s.replace(
-            cache=cache,
-            hidden=hid,
-            token=jnp.where(live, token, s.token),
-            length=s.length + live,
-            n_out=n_out,
-            live=live & ~_finished(token, n_out, s),
-            out_tokens=s.out_tokens.at[rows, col].set(token, mode="drop"),
-            out_logprobs=s.out_logprobs.at[rows, col].set(logprob, mode="drop"),
-            history=s.history.at[rows, jnp.where(live, s.length + 1, s.history.shape[1])].set(token, mode="drop"),
-        )
+        hidden, features, cache = model.hidden_and_features(
+            s.token[:, None], s.length[:, None], s.cache, s.length, kv_len=kv_len, capture=s.feature_layers,
+            narrow=None if narrow is None else (wide_rows, narrow))
+        return _decoded(model, s, hidden, features, cache)
 
     return steps_until_rows_finish(step, slots, max_steps, min_finished)
+
+
+def _decoded(model, s: Slots, hidden, features, cache: KVCache) -> Slots:
+    """The table after one decode step: each live row samples its next token from the step's hidden
+    state [B, 1, H] and keeps its features and the step's cache; dead rows keep their state."""
+    rows = jnp.arange(s.batch)
+    token, logprob = sample(model.logits(hidden[:, 0]), s.params, s.length + 1)
+    live = s.live
+    col = jnp.where(live, s.n_out, s.out_tokens.shape[1])  # dead rows write nowhere
+    hid = s.hidden
+    if hid is not None:
+        hid = hid.at[rows, s.length].set(features[:, 0].astype(hid.dtype))
+    n_out = s.n_out + live
+    return s.replace(
+        cache=cache,
+        hidden=hid,
+        token=jnp.where(live, token, s.token),
+        length=s.length + live,
+        n_out=n_out,
+        live=live & ~_finished(token, n_out, s),
+        out_tokens=s.out_tokens.at[rows, col].set(token, mode="drop"),
+        out_logprobs=s.out_logprobs.at[rows, col].set(logprob, mode="drop"),
+        history=s.history.at[rows, jnp.where(live, s.length + 1, s.history.shape[1])].set(token, mode="drop"),
+    )
 
 
 def resize(slots: Slots, index: jax.Array) -> Slots:
