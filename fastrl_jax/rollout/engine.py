@@ -69,7 +69,7 @@ def compiler_options(key: tuple) -> dict | None:
     programs over long windows (docs/measurements.md): decode and speculative programs of batch >= 32
     over more than 512 slots compile without it."""
     phase = key[0]
-    if jax.default_backend() != "cpu" or phase not in ("decode", "sd", "draft_prefill"):
+    if jax.default_backend() != "cpu" or phase not in ("decode", "decode_admit", "sd", "draft_prefill"):
         return None
     batch, kv_len = key[1], key[2]
     return {"xla_cpu_experimental_ynn_fusion_type": ""} if batch >= 32 and kv_len > 512 else None
@@ -199,8 +199,8 @@ class RolloutEngine:
         keys += [("prefill", b, p, n, prefix_len) for b in c.batch_buckets for p in c.batch_buckets if p <= b
                  for n in c.prompt_buckets]
         if c.prefill_with_decode:  # refills of up to an eighth of a table ride on a decode step
-            keys += [("decode_admit", b, kv, p, n, prefix_len) for b in c.batch_buckets for kv in c.length_buckets
-                     for p in c.batch_buckets if p <= self._riders(b) for n in c.prompt_buckets]
+            keys += [("decode_admit", b, kv, n, prefix_len) for b in c.batch_buckets for kv in c.length_buckets
+                     for n in c.prompt_buckets]
         keys += [("resize", b, s) for b in c.batch_buckets for s in c.batch_buckets if s < b]
         return keys
 
@@ -249,8 +249,9 @@ class RolloutEngine:
             prefix = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self._replicated), prefix)
             fn = jax.jit(programs.prefill, static_argnums=(0,), donate_argnums=(2,), out_shardings=out)
             return fn, (self.graphdef, self.state, slots, adm, prefix)
-        if phase == "decode_admit":  # ("decode_admit", batch, kv_len, requests, packed tokens, shared prefix)
-            _, _, kv_len, p, n, prefix_len = key
+        if phase == "decode_admit":  # ("decode_admit", batch, kv_len, packed tokens, shared prefix)
+            _, batch, kv_len, n, prefix_len = key
+            p = self._riders(batch)
             prefix = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self._replicated),
                                   jax.eval_shape(lambda: self._no_prefix(prefix_len)))
             fn = jax.jit(programs.decode_and_admit, static_argnums=(0, 5), donate_argnums=(2,), out_shardings=out)
@@ -339,12 +340,13 @@ class RolloutEngine:
         """The reason a request cannot run, or None (rollout.requests' rules, with this model's vocabulary)."""
         return request_problem(r, self.cfg, draft_margin(self.sd), self.model_cfg.vocab_size)
 
-    def _admission(self, reqs: list[Request], rows: list[int], groups: list[int],
-                   skip: int) -> tuple[programs.Admission, int, int]:
+    def _admission(self, reqs: list[Request], rows: list[int], groups: list[int], skip: int,
+                   p: int | None = None) -> tuple[programs.Admission, int, int]:
         """The device admission of reqs into rows, their prompts (after the shared prefix's `skip`
-        tokens) packed back to back, one copy per distinct prompt; with its shape (p, n)."""
+        tokens) packed back to back, one copy per distinct prompt; with its shape (p requests, padded to
+        a batch bucket unless given; n packed tokens)."""
         c = self.cfg
-        p = bucket_for(len(reqs), c.batch_buckets)
+        p = p or bucket_for(len(reqs), c.batch_buckets)
         offsets: dict[tuple[int, ...], int] = {}
         for r in reqs:
             offsets.setdefault(tuple(r.prompt_ids[skip:]), sum(map(len, offsets)))
@@ -472,13 +474,15 @@ class RolloutEngine:
         skip = table.prefix.tokens.shape[0]
         for pack in pack_prompts([requests[i].prompt_ids[skip:] for i in take], self.cfg.prompt_buckets[-1]):
             ids = [take[j] for j in pack]
-            adm, p, n = self._admission([requests[i] for i in ids], [free[j] for j in pack],
-                                        [table.text.group_of[i] for i in ids], skip)
-            key = ("prefill", table.batch, p, n, skip)
-            if ride and p <= self._riders(table.batch):
+            reqs, rows, groups = [requests[i] for i in ids], [free[j] for j in pack], [table.text.group_of[i] for i in ids]
+            if ride and len(pack) <= self._riders(table.batch):
                 lengths, live = jax.device_get((table.slots.length, table.slots.live))  # rows the step decodes
-                key, ride = ("decode_admit", table.batch, bucket_for(int(lengths[live].max()) + 1, self.cfg.length_buckets),
-                             p, n, skip), False
+                adm, _, n = self._admission(reqs, rows, groups, skip, self._riders(table.batch))
+                key = ("decode_admit", table.batch, bucket_for(int(lengths[live].max()) + 1, self.cfg.length_buckets), n, skip)
+                ride = False
+            else:
+                adm, p, n = self._admission(reqs, rows, groups, skip)
+                key = ("prefill", table.batch, p, n, skip)
             table.slots, _ = self._run(rec, key, self.state, table.slots, adm, table.prefix)
         for row, i in zip(free, take):
             table.row_req[row] = i
@@ -486,7 +490,8 @@ class RolloutEngine:
         table.text.dirty = True
 
     def _riders(self, batch: int) -> int:
-        """The most requests a refill of a `batch`-row table admits on a decode step (decode_and_admit)."""
+        """The requests a refill of a `batch`-row table admits on a decode step (decode_and_admit): the
+        programs take that many (padded), so each length bucket and prompt bucket is one program."""
         return max(1, batch // 8)
 
     def _collect_finished(self, table: _Table, requests, rec: Recorder) -> list[tuple[int, Completion]]:

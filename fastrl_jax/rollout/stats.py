@@ -49,7 +49,7 @@ class RolloutStats:
     drafts_eagle: int = 0  # emitted tokens the EAGLE drafter had drafted
     drafts_history: int = 0  # emitted tokens drafted from history (a draft both proposed counts twice)
     calls: Counter = dataclasses.field(default_factory=Counter)  # program calls per phase
-    # Seconds per program phase (prefill, decode, sd, draft_prefill, resize), plus 'compile' (programs
+    # Seconds per program phase (prefill, decode, decode_admit, sd, draft_prefill, resize), plus 'compile' (programs
     # compiled during the rollout), 'host' (the rest of the loop) and 'total' (wall time).
     seconds: Counter = dataclasses.field(default_factory=Counter)
     strategies: dict[str, StrategyStats] = dataclasses.field(default_factory=dict)  # by strategy label
