@@ -115,7 +115,7 @@ class RolloutConfig:
     # reads a smaller one, when that reads fewer slots; each n is another decode program. () disables.
     window_rows: tuple[int, ...] = ()
     # A refill of up to an eighth of the table prefills in the same pass over the weights as a decode step
-    # of the live rows (one more program per length bucket, request count and prompt bucket).
+    # of the live rows (one more program per batch bucket, length bucket and prompt bucket).
     prefill_with_decode: bool = False
     compile_cache_dir: str = "~/.cache/fastrl_jax/xla"  # JAX persistent compilation cache; "" disables
     warm_up: bool = True  # compile every program at engine start

@@ -244,18 +244,13 @@ class RolloutEngine:
             return fn, (*args, jax.ShapeDtypeStruct((key[3],), jnp.int32, sharding=self._replicated), key[4])
         if phase == "prefill":  # ("prefill", batch, requests, packed tokens, shared prefix)
             _, _, p, n, prefix_len = key
-            adm = self._admission_shapes(p, n)
-            prefix = jax.eval_shape(lambda: self._no_prefix(prefix_len))
-            prefix = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self._replicated), prefix)
             fn = jax.jit(programs.prefill, static_argnums=(0,), donate_argnums=(2,), out_shardings=out)
-            return fn, (self.graphdef, self.state, slots, adm, prefix)
+            return fn, (self.graphdef, self.state, slots, self._admission_shapes(p, n), self._prefix_shapes(prefix_len))
         if phase == "decode_admit":  # ("decode_admit", batch, kv_len, packed tokens, shared prefix)
             _, batch, kv_len, n, prefix_len = key
-            p = self._riders(batch)
-            prefix = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self._replicated),
-                                  jax.eval_shape(lambda: self._no_prefix(prefix_len)))
+            adm = self._admission_shapes(self._refill_limit(batch), n)
             fn = jax.jit(programs.decode_and_admit, static_argnums=(0, 5), donate_argnums=(2,), out_shardings=out)
-            return fn, (self.graphdef, self.state, slots, self._admission_shapes(p, n), prefix, kv_len)
+            return fn, (self.graphdef, self.state, slots, adm, self._prefix_shapes(prefix_len), kv_len)
         if phase == "prefix":
             tokens = jax.ShapeDtypeStruct((key[2],), jnp.int32, sharding=self._replicated)
             fn = jax.jit(programs.prefix_program, static_argnums=(0, 3, 4, 5), out_shardings=out)
@@ -271,6 +266,10 @@ class RolloutEngine:
             index = jax.ShapeDtypeStruct((key[2],), jnp.int32, sharding=self._replicated)
             return jax.jit(programs.resize, out_shardings=out), (slots, index)
         raise KeyError(key)
+
+    def _prefix_shapes(self, length: int) -> programs.Prefix:
+        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self._replicated),
+                            jax.eval_shape(lambda: self._no_prefix(length)))
 
     def _admission_shapes(self, p: int, n: int):
         i32, f32 = jnp.int32, jnp.float32
@@ -348,9 +347,12 @@ class RolloutEngine:
         c = self.cfg
         p = p or bucket_for(len(reqs), c.batch_buckets)
         offsets: dict[tuple[int, ...], int] = {}
+        used = 0
         for r in reqs:
-            offsets.setdefault(tuple(r.prompt_ids[skip:]), sum(map(len, offsets)))
-        n = bucket_for(sum(map(len, offsets)), c.prompt_buckets)
+            prompt = tuple(r.prompt_ids[skip:])
+            if prompt not in offsets:
+                offsets[prompt], used = used, used + len(prompt)
+        n = bucket_for(used, c.prompt_buckets)
         tokens, positions, segment = np.zeros(n, np.int32), np.zeros(n, np.int32), np.full(n, -1, np.int32)
         for i, (prompt, at) in enumerate(offsets.items()):
             tokens[at : at + len(prompt)] = prompt
@@ -475,9 +477,9 @@ class RolloutEngine:
         for pack in pack_prompts([requests[i].prompt_ids[skip:] for i in take], self.cfg.prompt_buckets[-1]):
             ids = [take[j] for j in pack]
             reqs, rows, groups = [requests[i] for i in ids], [free[j] for j in pack], [table.text.group_of[i] for i in ids]
-            if ride and len(pack) <= self._riders(table.batch):
+            if ride and len(pack) <= self._refill_limit(table.batch):
                 lengths, live = jax.device_get((table.slots.length, table.slots.live))  # rows the step decodes
-                adm, _, n = self._admission(reqs, rows, groups, skip, self._riders(table.batch))
+                adm, _, n = self._admission(reqs, rows, groups, skip, self._refill_limit(table.batch))
                 key = ("decode_admit", table.batch, bucket_for(int(lengths[live].max()) + 1, self.cfg.length_buckets), n, skip)
                 ride = False
             else:
@@ -489,9 +491,11 @@ class RolloutEngine:
         table.draft_fresh = False
         table.text.dirty = True
 
-    def _riders(self, batch: int) -> int:
-        """The requests a refill of a `batch`-row table admits on a decode step (decode_and_admit): the
-        programs take that many (padded), so each length bucket and prompt bucket is one program."""
+    @staticmethod
+    def _refill_limit(batch: int) -> int:
+        """An eighth of a `batch`-row table (at least 1 row): the most rows a call waits to see finish
+        before their refill, and the requests a refill riding on a decode step admits (decode_and_admit
+        programs take that many, padded, so each length bucket and prompt bucket is one program)."""
         return max(1, batch // 8)
 
     def _collect_finished(self, table: _Table, requests, rec: Recorder) -> list[tuple[int, Completion]]:
@@ -550,7 +554,7 @@ class RolloutEngine:
         if pulled and self.chooser.exploring:  # a short call: an arm that loses costs little to try
             steps = min(steps, self.sd.explore_steps)
         # Waiting rows idle: at most an eighth of the table waits for a refill.
-        min_finished = min(c.refill_rows, max(1, batch // 8)) if refill else 1
+        min_finished = min(c.refill_rows, self._refill_limit(batch)) if refill else 1
         args = (*args, jnp.int32(steps), jnp.int32(min_finished))
         if wide is not None:
             args = (*args, jax.device_put(np.asarray(wide, np.int32), self._replicated))
