@@ -132,6 +132,28 @@ def test_cached_attention_sees_the_new_tokens_not_the_stale_slots(backend, case)
     np.testing.assert_allclose(np.asarray(out), naive_attention(q, k, v, mask), **tolerance())
 
 
+@pytest.mark.parametrize("prefix", [0, 5])
+def test_cached_attention_scores_only_the_cached_slots_it_is_told(prefix):
+    """A packed prefill: T new tokens right behind a shared prefix of `prefix` cached slots, each seeing the
+    prefix and the earlier tokens of its own segment; with cached_slots=prefix the reference leaves the
+    slots after the prefix out of its cached part (stale noise there changes nothing) and gives the
+    placed window's attention, with no prefix at all too."""
+    T, KV, G, D = 12, 2, 3, 16
+    S = prefix + 2 * T  # the pack's cache: prefix, the new tokens' slots, slack (_pack)
+    rng = np.random.default_rng(prefix)
+    q = jnp.asarray(rng.standard_normal((1, T, KV, G, D)), jnp.float32)
+    k_cached, v_cached = (jnp.asarray(100 * rng.standard_normal((1, KV, S, D)), jnp.float32) for _ in range(2))
+    k_new, v_new = (jnp.asarray(rng.standard_normal((1, KV, T, D)), jnp.float32) for _ in range(2))
+    segment = np.repeat([0, 1, 2], [5, 4, 3])
+    own = (segment[:, None] == segment[None, :]) & np.tri(T, dtype=bool)
+    mask = jnp.asarray(np.concatenate([np.ones((T, prefix), bool), own], 1)[None])
+    start, window = jnp.full(1, prefix, jnp.int32), slice(0, prefix + T)  # the window attention reads
+    k_cached, v_cached = k_cached[:, :, window], v_cached[:, :, window]
+    out = attention.cached_attention(q, k_cached, v_cached, k_new, v_new, start, mask, cached_slots=prefix, backend="reference")
+    k_win, v_win = (reference.place_new_tokens(c, n, start) for c, n in ((k_cached, k_new), (v_cached, v_new)))
+    np.testing.assert_allclose(np.asarray(out), naive_attention(q, k_win, v_win, mask), **tolerance())
+
+
 def test_cached_attention_gradients_equal_the_placed_windows():
     q, k, v, mask, (k_cached, v_cached, k_new, v_new, starts) = split_case(11, (2, 8, 2, 3, 16, 45, "tree"))
     w = jax.random.normal(jax.random.key(0), q.shape)

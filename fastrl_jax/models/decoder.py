@@ -139,13 +139,15 @@ class Decoder(nnx.Module):
         return hidden, cache
 
     def hidden_and_features(self, tokens, positions, cache: KVCache, start, block_mask=None, kv_len=None, mask=None,
-                            capture: tuple[int, ...] = (), narrow=None):
-        """(last-layer hidden states, features as __call__ returns them, cache)."""
+                            capture: tuple[int, ...] = (), narrow=None, cached_slots: int | None = None):
+        """(last-layer hidden states, features as __call__ returns them, cache). cached_slots (static): no
+        new token sees a cached slot at or past it (kernels' cached_attention), e.g. a packed prefill
+        behind a shared prefix of cached_slots tokens, whose own slots then go unscored as cached ones."""
         kv_len = cache.max_len if kv_len is None else kv_len
         if mask is None:
             mask = attention_mask(start, block_mask, tokens.shape[1], kv_len)
         out = run_layers(self.cfg, self.layers, self.embed[tokens], positions, cache, start, mask, capture=capture,
-                         narrow=narrow)
+                         narrow=narrow, cached_slots=cached_slots)
         if not capture:
             return out[0], out[0], out[1]
         return out
@@ -153,7 +155,7 @@ class Decoder(nnx.Module):
     def hidden_and_features_together(self, parts, capture: tuple[int, ...] = ()):
         """hidden_and_features of several groups of tokens in one pass over the weights
         (run_layers_together): parts of (tokens [B, T], positions [B, T], cache, start [B], mask
-        [B, T, kv_len]); returns (hidden, features, cache) per part."""
+        [B, T, kv_len], cached_slots); returns (hidden, features, cache) per part."""
         return run_layers_together(self.cfg, self.layers, [(self.embed[t], *rest) for t, *rest in parts], capture)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
@@ -163,14 +165,14 @@ class Decoder(nnx.Module):
 
 
 def run_layers(cfg: ModelConfig, layers: Layers, x, positions, cache: KVCache, start, mask, input_norm=True, remat=False,
-               capture: tuple[int, ...] = (), embeds=None, narrow=None):
+               capture: tuple[int, ...] = (), embeds=None, narrow=None, cached_slots: int | None = None):
     """Scanned decoder layers over x [B, T, H]; new keys/values go to cache slots [start, start + T).
 
     mask [B, T, kv_len] gives the cache window attention reads. input_norm=False skips the first
     layer's input RMSNorm (the EAGLE drafter's layer has none). remat=True recomputes each layer's
     activations in the backward pass instead of keeping them (training memory). embeds [B, T, H]:
     the token embeddings an EAGLE-3 draft layer (Layers(embed_input=True)) reads beside x. narrow:
-    per-row windows (Decoder.__call__).
+    per-row windows (Decoder.__call__). cached_slots: as Decoder.hidden_and_features.
 
     Returns (x, cache); with `capture` (static layer indices in [0, num_layers]) (x, features, cache),
     features [B, T, len(capture) * H] the residual stream entering each captured layer (num_layers:
@@ -188,7 +190,7 @@ def run_layers(cfg: ModelConfig, layers: Layers, x, positions, cache: KVCache, s
         i, p, k_cached, v_cached = inputs
         aux = _grab(capture, i, x, aux)
         x, kv = _layer(cfg, p, x, k_cached[:, :, :kv_len], v_cached[:, :, :kv_len], cos, sin, start, mask, input_norm,
-                       embeds, narrow)
+                       embeds, narrow, cached_slots)
         return (x, aux), kv
 
     if remat:
@@ -214,7 +216,7 @@ def _grab(capture: tuple[int, ...], i, x, aux):
 
 def run_layers_together(cfg: ModelConfig, layers: Layers, parts, capture: tuple[int, ...] = ()):
     """run_layers over several groups of tokens in one pass: each part (x [B, T, H], positions [B, T],
-    cache, start [B], mask [B, T, kv_len]) attends over its own cache and writes its new keys / values
+    cache, start [B], mask [B, T, kv_len], cached_slots) attends over its own cache and writes its new keys / values
     there, while each layer's weight contractions run over every part's tokens at once (one pass over
     the weights: a prefill riding on a decode step). Returns (x, features, cache) per part; features
     as run_layers' with `capture`, x itself without."""
@@ -242,9 +244,10 @@ def run_layers_together(cfg: ModelConfig, layers: Layers, parts, capture: tuple[
         aux = _grab(capture, i, x, aux)
         q, k, v = _qkv(cfg, p, x, cos, sin)
         attn, new = [], []
-        for q_, k_, v_, (k_cached, v_cached), (_, _, _, start, mask) in zip(split(q), split(k, 2), split(v, 2), cached, parts):
+        for q_, k_, v_, (k_cached, v_cached), (*_, start, mask, slots) in zip(split(q), split(k, 2), split(v, 2), cached, parts):
             kv_len = mask.shape[-1]
-            attn.append(_attend(cfg, q_, k_cached[:, :, :kv_len], v_cached[:, :, :kv_len], k_, v_, start, mask))
+            attn.append(_attend(cfg, q_, k_cached[:, :, :kv_len], v_cached[:, :, :kv_len], k_, v_, start, mask,
+                                cached_slots=slots))
             new.append((k_, v_))
         return (_out_and_mlp(cfg, p, x, flat(attn)), aux), new
 
@@ -255,7 +258,7 @@ def run_layers_together(cfg: ModelConfig, layers: Layers, parts, capture: tuple[
     (x, aux), new = jax.lax.scan(layer, (x, aux), (steps, layer_params, cached))
     features = jnp.concatenate(_grab(capture, cfg.num_layers, x, aux), axis=-1) if capture else x
     out = []
-    for x_, f_, (k_new, v_new), (_, _, cache, start, _) in zip(split(x), split(features), new, parts):
+    for x_, f_, (k_new, v_new), (_, _, cache, start, *_) in zip(split(x), split(features), new, parts):
         out.append((x_, f_, KVCache(k=_write_rows(cache.k, k_new, start), v=_write_rows(cache.v, v_new, start))))
     return out
 
@@ -315,10 +318,11 @@ def _write_rows(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array
     return jax.lax.fori_loop(0, cache.shape[1], write_row, cache)
 
 
-def _layer(cfg: ModelConfig, p, x, k_cached, v_cached, cos, sin, start, mask, input_norm=True, embeds=None, narrow=None):
+def _layer(cfg: ModelConfig, p, x, k_cached, v_cached, cos, sin, start, mask, input_norm=True, embeds=None, narrow=None,
+           cached_slots=None):
     """One decoder layer. k_cached/v_cached [B, KV, S, D] hold the prefix (slots < start)."""
     q, k, v = _qkv(cfg, p, x, cos, sin, input_norm, embeds)
-    attn = _attend(cfg, q, k_cached, v_cached, k, v, start, mask, narrow)
+    attn = _attend(cfg, q, k_cached, v_cached, k, v, start, mask, narrow, cached_slots)
     return _out_and_mlp(cfg, p, x, attn), (k, v)
 
 
@@ -341,12 +345,12 @@ def _qkv(cfg: ModelConfig, p, x, cos, sin, input_norm=True, embeds=None):
     return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
 
-def _attend(cfg: ModelConfig, q, k_cached, v_cached, k, v, start, mask, narrow=None):
+def _attend(cfg: ModelConfig, q, k_cached, v_cached, k, v, start, mask, narrow=None, cached_slots=None):
     """Attention of queries [B, T, heads, D] over the cache window and the new keys -> [B, T, heads x D]."""
     B, T = q.shape[:2]
     G = cfg.num_heads // cfg.num_kv_heads
     qg = q.reshape(B, T, cfg.num_kv_heads, G, cfg.head_dim) / np.sqrt(cfg.head_dim).astype(q.dtype)
-    attn = _windowed_attention(qg, k_cached, v_cached, k, v, start, mask, narrow)  # [B, T, KV, G, D]
+    attn = _windowed_attention(qg, k_cached, v_cached, k, v, start, mask, narrow, cached_slots)  # [B, T, KV, G, D]
     return attn.reshape(B, T, cfg.num_heads * cfg.head_dim)
 
 
@@ -360,11 +364,11 @@ def _out_and_mlp(cfg: ModelConfig, p, x, attn):
     return x + jnp.einsum("btf,fh->bth", mlp, p["w_down"])
 
 
-def _windowed_attention(q, k_cached, v_cached, k, v, start, mask, narrow):
+def _windowed_attention(q, k_cached, v_cached, k, v, start, mask, narrow, cached_slots=None):
     """cached_attention (the backend suits the device); with narrow = (wide_rows, S') every row reads the
     first S' slots and then wide_rows, gathered, read the whole window: B x S' + n x S slots, not B x S."""
     if narrow is None:
-        return cached_attention(q, k_cached, v_cached, k, v, start, mask)
+        return cached_attention(q, k_cached, v_cached, k, v, start, mask, cached_slots=cached_slots)
     rows, short = narrow
     out = cached_attention(q, k_cached[:, :, :short], v_cached[:, :, :short], k, v, start, mask[..., :short])
 

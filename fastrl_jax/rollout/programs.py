@@ -130,9 +130,9 @@ def prefill(graphdef, state, slots: Slots, adm: Admission, prefix: Prefix) -> Sl
     position, and writes prefix + prompt into the request's row. Packing pads a call to a prompt bucket
     instead of every prompt to the longest one's."""
     model = nnx.merge(graphdef, state)
-    tokens, positions, tmp, start, mask = _pack(model, adm, prefix, slots.cache.k.dtype)
+    tokens, positions, tmp, start, mask, cached_slots = _pack(model, adm, prefix, slots.cache.k.dtype)
     hidden, features, tmp = model.hidden_and_features(tokens, positions, tmp, start, kv_len=mask.shape[-1], mask=mask,
-                                                     capture=slots.feature_layers)
+                                                     capture=slots.feature_layers, cached_slots=cached_slots)
     return _admit_rows(model, slots, adm, prefix, hidden, features, tmp)
 
 
@@ -141,7 +141,7 @@ def decode_and_admit(graphdef, state, slots: Slots, adm: Admission, prefix: Pref
     `prefill`) in one pass over the weights: the prompts ride on the decode step's weight contractions."""
     model = nnx.merge(graphdef, state)
     s = slots
-    decoding = (s.token[:, None], s.length[:, None], s.cache, s.length, attention_mask(s.length, None, 1, kv_len))
+    decoding = (s.token[:, None], s.length[:, None], s.cache, s.length, attention_mask(s.length, None, 1, kv_len), None)
     (hidden, features, cache), (p_hidden, p_features, tmp) = model.hidden_and_features_together(
         [decoding, _pack(model, adm, prefix, s.cache.k.dtype)], capture=s.feature_layers)
     s = _decoded(model, s, hidden, features, cache)
@@ -150,7 +150,8 @@ def decode_and_admit(graphdef, state, slots: Slots, adm: Admission, prefix: Pref
 
 def _pack(model, adm: Admission, prefix: Prefix, dtype):
     """The admission as one row of tokens for the forward: (tokens [1, N], positions [1, N], a cache
-    holding the prefix, start [1], mask [1, N, Lp + N])."""
+    holding the prefix, start [1], mask [1, N, Lp + N], cached slots Lp: only the prefix is cached, so
+    attention scores the pack's own slots as new tokens only)."""
     N, Lp = adm.tokens.shape[0], prefix.tokens.shape[0]
     # The pack's cache: prefix, the N packed tokens, and N slots of slack, so that every prompt's
     # N-slot window [Lp + offset, Lp + offset + N) can be cut out for its row (_admit_rows).
@@ -160,7 +161,7 @@ def _pack(model, adm: Admission, prefix: Prefix, dtype):
     j = jnp.arange(N)
     own = (adm.segment[:, None] == adm.segment[None, :]) & (j[None, :] <= j[:, None])  # padding sees padding
     mask = jnp.concatenate([jnp.ones((N, Lp), bool), own], axis=1)[None]
-    return adm.tokens[None], adm.positions[None], tmp, jnp.full(1, Lp, jnp.int32), mask
+    return adm.tokens[None], adm.positions[None], tmp, jnp.full(1, Lp, jnp.int32), mask, Lp
 
 
 def _admit_rows(model, slots: Slots, adm: Admission, prefix: Prefix, hidden, features, tmp: KVCache) -> Slots:

@@ -76,7 +76,7 @@ def place_new_tokens(cached: jax.Array, new: jax.Array, start: jax.Array) -> jax
     return jnp.where(in_block, jnp.take_along_axis(new, idx, axis=2), cached)
 
 
-def cached_attention(q, k_cached, v_cached, k_new, v_new, start, mask):
+def cached_attention(q, k_cached, v_cached, k_new, v_new, start, mask, cached_slots: int | None = None):
     """Attention of T new tokens over a cache window in which slots [start, start + T) are theirs.
 
     q [B, T, KV, G, D] (scaled), k_cached, v_cached [B, KV, S, D] (what slots [start, start + T) hold
@@ -84,6 +84,9 @@ def cached_attention(q, k_cached, v_cached, k_new, v_new, start, mask):
     stands for new token j). Scores the cached slots and the new tokens apart under one softmax, so
     the window with the new keys placed in it, a copy of the whole window at every layer, is never
     built (SmolLM2 decode and verify steps on CPU: 4-20% faster without it).
+    cached_slots (static): no new token sees a cached key at or past this slot (only the new tokens'
+    own slots lie there, as in a packed prefill behind a shared prefix), so the cached part scores
+    the first cached_slots slots only.
     """
     check_shapes(q, k_cached, v_cached, mask)
     B, T, KV, G, D = q.shape
@@ -93,9 +96,13 @@ def cached_attention(q, k_cached, v_cached, k_new, v_new, start, mask):
     slots = start[:, None] + jnp.arange(T)[None, :]  # [B, T] slot of each new token
     idx = jnp.broadcast_to(jnp.minimum(slots, S - 1)[:, None, :], (B, T, T))
     new_mask = jnp.take_along_axis(mask, idx, axis=2) & (slots < S)[:, None, :]
+    if cached_slots is not None:
+        k_cached, v_cached = k_cached[:, :, :cached_slots], v_cached[:, :, :cached_slots]
+        cached_mask = cached_mask[..., :cached_slots]
     scores, weighted = _contractions(q, small=T <= SMALL_QUERY_BLOCK)
     s_cached, s_new = scores(k_cached, cached_mask), scores(k_new, new_mask)
-    m = jax.lax.stop_gradient(jnp.maximum(s_cached.max(-1, keepdims=True), s_new.max(-1, keepdims=True)))
+    # initial: a packed prefill with no shared prefix has cached_slots = 0
+    m = jax.lax.stop_gradient(jnp.maximum(jnp.max(s_cached, -1, keepdims=True, initial=-jnp.inf), s_new.max(-1, keepdims=True)))
     p_cached, p_new = jnp.exp(s_cached - m), jnp.exp(s_new - m)
     total = p_cached.sum(-1, keepdims=True) + p_new.sum(-1, keepdims=True)
     out = (weighted(p_cached, v_cached) + weighted(p_new, v_new)) / total
