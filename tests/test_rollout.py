@@ -176,6 +176,29 @@ def test_persistent_cache_serves_a_fresh_process(tmp_path):
     assert run() == [2, 2]
 
 
+def test_pool_drops_its_least_recently_used_programs_near_the_memory_map_limit():
+    """XLA CPU maps each compiled kernel's code apart; past 0.8 of vm.max_map_count the pool drops the
+    least recently used half of its programs before compiling, and a dropped one compiles again."""
+    from fastrl_jax.rollout.pool import ProgramPool
+
+    held = [0]
+
+    def build(key):
+        return jax.jit(lambda x: x * key), (jax.ShapeDtypeStruct((4,), jnp.float32),)
+
+    pool = ProgramPool(build, memory_maps=lambda: (held[0], 100))
+    x = jnp.ones(4)
+    for key in (1, 2, 3, 4):
+        pool.get(key)
+    pool.get(1)  # now the most recently used: the order is 2, 3, 4, 1
+    held[0] = 80
+    assert float(pool.get(5)(x)[0]) == 5
+    assert [key in pool for key in (1, 2, 3, 4, 5)] == [True, False, False, True, True]
+    assert pool.dropped == 2 and "2 dropped near the memory-map limit" in pool.report()
+    held[0] = 79
+    assert float(pool.get(2)(x)[0]) == 2 and len(pool) == 4 and pool.dropped == 2
+
+
 # ---- sampling (pure functions) ----------------------------------------------------------------
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import logging
 import os
 import sys
@@ -60,6 +61,18 @@ def _count_cache_hits() -> None:
     jax.monitoring.register_event_listener(_CacheHits.listen)
 
 
+def memory_maps() -> tuple[int, int] | None:
+    """(memory maps this process holds, the most Linux allows it: vm.max_map_count), or None where /proc
+    does not tell."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f), limit
+    except (OSError, ValueError):
+        return None
+
+
 @dataclasses.dataclass
 class ProgramStats:
     key: Hashable
@@ -74,14 +87,26 @@ class ProgramPool:
 
     `build(key)` returns (jitted function, example arguments); only their shapes, dtypes and
     shardings matter. `compiler_options(key)` gives the program's XLA options (None: defaults).
+
+    XLA CPU maps each compiled kernel's code apart, ~300-370 memory maps per SmolLM2 program, and
+    Linux refuses a process more than vm.max_map_count maps (65530 by default): at ~160 such programs
+    the next compile failed with "LLVM compilation error: Cannot allocate memory". So before a compile
+    that finds the process past `map_share` of the limit, the least recently used half of the
+    programs is dropped (with JAX's in-memory copies: jax.clear_caches()); one reached again compiles
+    again, from the persistent cache when that is on. `memory_maps` (maps held, limit) is replaceable
+    for tests.
     """
 
     def __init__(self, build: Callable[[Hashable], tuple[Callable, tuple]],
-                 compiler_options: Callable[[Hashable], dict | None] = lambda key: None):
+                 compiler_options: Callable[[Hashable], dict | None] = lambda key: None,
+                 memory_maps: Callable[[], tuple[int, int] | None] = memory_maps, map_share: float = 0.8):
         self._build = build
         self._compiler_options = compiler_options
-        self._programs: dict[Hashable, Callable] = {}
-        self.stats: dict[Hashable, ProgramStats] = {}
+        self._memory_maps, self._map_share = memory_maps, map_share
+        self._programs: dict[Hashable, Callable] = {}  # least recently used first
+        self.stats: dict[Hashable, ProgramStats] = {}  # of each key's latest compile
+        self._compile_seconds = 0.0
+        self.dropped = 0  # programs dropped to stay under the memory-map limit
 
     def __len__(self) -> int:
         return len(self._programs)
@@ -92,6 +117,7 @@ class ProgramPool:
     def get(self, key: Hashable) -> Callable:
         if key not in self._programs:
             self._compile(key)
+        self._programs[key] = self._programs.pop(key)  # now the most recently used
         return self._programs[key]
 
     def warm_up(self, keys: Iterable[Hashable], progress: bool = True) -> None:
@@ -100,11 +126,13 @@ class ProgramPool:
             self._compile(key)
 
     def _compile(self, key: Hashable) -> None:
+        self._make_room()
         fn, args = self._build(key)
         hits = _CacheHits.count
         t0 = time.perf_counter()
         compiled = fn.lower(*args).compile(compiler_options=self._compiler_options(key))
         seconds = time.perf_counter() - t0
+        self._compile_seconds += seconds
         memory = compiled.memory_analysis()
         self._programs[key] = compiled
         self.stats[key] = ProgramStats(
@@ -115,8 +143,25 @@ class ProgramPool:
             from_cache=_CacheHits.count > hits,
         )
 
+    def _make_room(self) -> None:
+        """Drops the least recently used half of the programs when the process is near its memory-map limit."""
+        maps = self._memory_maps()
+        if maps is None or maps[0] < self._map_share * maps[1] or len(self._programs) < 2:
+            return
+        drop = list(self._programs)[: len(self._programs) // 2]
+        for key in drop:
+            del self._programs[key]
+        jax.clear_caches()  # JAX keeps its own reference to every executable it compiled
+        gc.collect()
+        if not self.dropped:
+            log.warning("process at %d of vm.max_map_count=%d memory maps (XLA CPU maps each compiled kernel "
+                        "apart): dropped the %d least recently used programs, which recompile when reached "
+                        "again; `sysctl -w vm.max_map_count=262144` keeps them", *maps, len(drop))
+        self.dropped += len(drop)
+
     def compile_seconds(self) -> float:
-        return sum(s.compile_seconds for s in self.stats.values())
+        """Seconds spent compiling over the pool's life, recompiles of dropped programs included."""
+        return self._compile_seconds
 
     def report(self, where: Callable[[Hashable], bool] = lambda key: True) -> str:
         """Count, compile seconds and memory of the programs whose key satisfies `where`."""
@@ -125,7 +170,8 @@ class ProgramPool:
         cached = sum(s.from_cache for s in stats)
         peak_temp = max((s.temp_bytes for s in stats), default=0)
         peak_args = max((s.argument_bytes for s in stats), default=0)
+        dropped = f", {self.dropped} dropped near the memory-map limit" if self.dropped else ""
         return (
-            f"{len(stats)} programs ({cached} from the persistent cache) in {total:.1f}s, "
+            f"{len(stats)} programs ({cached} from the persistent cache) in {total:.1f}s{dropped}, "
             f"largest arguments {peak_args / 2**20:.0f} MiB, largest scratch {peak_temp / 2**20:.0f} MiB"
         )
