@@ -473,13 +473,13 @@ class RolloutEngine:
         if not take:
             return
         ride = self.cfg.prefill_with_decode and table.busy() > 0  # one pack per visit rides on a decode step
-        skip = table.prefix.tokens.shape[0]
+        skip, riders = table.prefix.tokens.shape[0], self._refill_limit(table.batch)
         for pack in pack_prompts([requests[i].prompt_ids[skip:] for i in take], self.cfg.prompt_buckets[-1]):
             ids = [take[j] for j in pack]
             reqs, rows, groups = [requests[i] for i in ids], [free[j] for j in pack], [table.text.group_of[i] for i in ids]
-            if ride and len(pack) <= self._refill_limit(table.batch):
+            if ride and len(pack) <= riders:
                 lengths, live = jax.device_get((table.slots.length, table.slots.live))  # rows the step decodes
-                adm, _, n = self._admission(reqs, rows, groups, skip, self._refill_limit(table.batch))
+                adm, _, n = self._admission(reqs, rows, groups, skip, riders)
                 key = ("decode_admit", table.batch, bucket_for(int(lengths[live].max()) + 1, self.cfg.length_buckets), n, skip)
                 ride = False
             else:
