@@ -113,7 +113,7 @@ def _checked_requests(args: argparse.Namespace, cfg, path: Path):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from fastrl_jax.models.drafter_io import drafter_dir, make_drafter
+    from fastrl_jax.models.drafter_io import drafter_accept_prior, drafter_dir, make_drafter
     from fastrl_jax.models.hub import resolve_model_path
     from fastrl_jax.rollout.engine import RolloutEngine
     from fastrl_jax.rollout.requests import draft_margin, sampling_problem
@@ -129,7 +129,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tokenizer, prompts, requests, _ = _checked_requests(args, cfg, resolve_model_path(cfg.model.path))
     policy = _policy(cfg, tokenizer)
     drafter = make_drafter(cfg, policy.cfg, args.drafter, cfg.model.engine_dtype) if cfg.sd.uses_drafter() else None
-    engine = RolloutEngine(policy.model, cfg.rollout, sd=cfg.sd, drafter=drafter)
+    engine = RolloutEngine(policy.model, cfg.rollout, sd=cfg.sd, drafter=drafter, drafter_accept=drafter_accept_prior(args.drafter))
     t0 = time.perf_counter()
     results = engine.generate(requests)
     seconds = time.perf_counter() - t0
@@ -351,7 +351,7 @@ def _eval_requests(cfg, path: Path, records, samples: int, temperature: float, m
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from fastrl_jax.models.drafter_io import drafter_dir, make_drafter
+    from fastrl_jax.models.drafter_io import drafter_accept_prior, drafter_dir, make_drafter
     from fastrl_jax.rl.evaluate import evaluate, format_table, held_out_records, model_workers
 
     out = check_output_file(args.out, "--out") if args.out else None
@@ -373,7 +373,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     else:
         policy, step = _policy(cfg, tokenizer), None
     drafter = make_drafter(cfg, policy.cfg, args.drafter) if cfg.sd.mode != "off" else None
-    result = evaluate(model_workers(cfg, policy.model, drafter), tokenizer, records, requests, samples)
+    workers = model_workers(cfg, policy.model, drafter, drafter_accept=drafter_accept_prior(args.drafter))
+    result = evaluate(workers, tokenizer, records, requests, samples)
     print(format_table(result["results"]))
     accept = f", acceptance length {result['acceptance_length']:.2f}" if result["acceptance_length"] else ""
     print(f"[fastrl-jax] {len(requests)} completions ({len(records)} prompts x {samples}, T={temperature:g}), "

@@ -223,6 +223,12 @@ class SpecConfig:
     group_live_batch_ranges: tuple[tuple[int, ...], ...] = ()  # adaptive: [nodes, min, max] per group; empty = [1, threshold] for one group
     plain_arm: bool = True  # adaptive: plain decoding is one of every group's arms
     explore_steps: int = 8  # adaptive: device steps of a bandit pull that explores (an untried or random arm)
+    # adaptive: EAGLE arms compete once the drafter's estimated tokens per step (the online trainer measures
+    # it on each RL step's rollouts) reaches this; a randomly initialised drafter starts out at 1.0. 0: always.
+    min_drafter_accept: float = 1.3
+    # adaptive: an arm whose program is not compiled yet compiles on a background thread while plain decoding
+    # goes on (rollout.warm_up false reaches programs as it goes); false: the call waits for the compile.
+    compile_in_background: bool = True
     bandit: str = "beg"  # adaptive: beg (bucketed epsilon-greedy) | ucb1 | fixed (each group's first strategy)
     epsilon: float = 0.1  # beg: exploration probability
     window_host_steps: int = 16  # bandit: rewards kept per strategy (sliding window)
@@ -238,6 +244,7 @@ class SpecConfig:
         object.__setattr__(self, "strategies", tuple(  # [S, K, V] tuples of Python callers read as 'S/K/V'
             StrategySpec.from_config(spec, f"sd.strategies[{i}]") for i, spec in enumerate(self.strategies)))
         _check_at_least("sd", self, ("threshold_live_batch", "patience_host_steps", "window_host_steps", "explore_steps"), 1)
+        _check_at_least("sd", self, ("min_drafter_accept",), 0)
         if not 0 <= self.epsilon <= 1:
             raise ConfigError(f"sd.epsilon must be in [0, 1], got {self.epsilon}")
         self.live_batch_ranges()  # validates the groups' ranges

@@ -174,13 +174,14 @@ def time_at_or_below(timeline, live_batch: int) -> float:
     return total
 
 
-def run_longtail(name, model, drafter, rollout_cfg, sd, requests, repeats: int):
+def run_longtail(name, model, drafter, rollout_cfg, sd, requests, repeats: int, drafter_accept: float):
     """`repeats` rollouts of the requests on one engine, compiled before the clock starts, each with a
     fresh adaptive controller (a cold rollout, the conservative case). Returns the median run, with
-    every run's seconds."""
+    every run's seconds. drafter_accept: the drafter's tokens per step as the engine assumes them."""
     from fastrl_jax.rollout.engine import RolloutEngine, bucket_for
 
-    engine = RolloutEngine(model, rollout_cfg, sd=sd, drafter=drafter if sd.mode != "off" else None, progress=False)
+    engine = RolloutEngine(model, rollout_cfg, sd=sd, drafter=drafter if sd.mode != "off" else None, progress=False,
+                           drafter_accept=drafter_accept)
     # Every program the rollout can reach: all requests fit in the first table, which only shrinks.
     buckets = rollout_cfg.batch_buckets
     first = bucket_for(min(len(requests), buckets[-1]), buckets)
@@ -385,7 +386,7 @@ def bench_longtail(args) -> int:
 
     from fastrl_jax.config import SpecConfig, StrategySpec, load_config
     from fastrl_jax.machine import machine_facts
-    from fastrl_jax.models.drafter_io import make_drafter
+    from fastrl_jax.models.drafter_io import drafter_accept_prior, make_drafter
 
     cfg = load_config(args.config, args.set)
     policy = load_smollm2(cfg)
@@ -401,7 +402,8 @@ def bench_longtail(args) -> int:
           f"drafter {drafter_name}; {args.repeats} runs each", file=sys.stderr)
 
     def run(name, sd):
-        return run_longtail(name, policy.model, drafter, rollout_cfg, sd, requests, args.repeats)
+        return run_longtail(name, policy.model, drafter, rollout_cfg, sd, requests, args.repeats,
+                            drafter_accept_prior(args.drafter))
 
     plain = run("plain", SpecConfig())
     on_runs = [run(f"on {spec}", dataclasses.replace(cfg.sd, mode="on", strategies=(spec,))) for spec in on_specs]

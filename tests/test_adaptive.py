@@ -81,6 +81,19 @@ def test_plain_decoding_wins_when_speculation_does_not_pay(kind):
     assert chooser.pulls[(6,), PLAIN] == 0  # plain decoding's rewards are kept per bucket
 
 
+def test_eagle_arms_sit_out_until_the_drafter_is_estimated_to_pay():
+    """A randomly initialised drafter accepts ~1 token per step: its arms would only cost compiles and
+    explorations, so they wait for an acceptance estimate of sd.min_drafter_accept; history arms do not."""
+    H = Strategy(0, 0, 1, 15)  # a history chain verifying 16 tokens: A's group
+    chooser = StrategyChooser([A, H, C], RANGES, plain_arm=True, min_drafter_accept=1.3)
+    assert chooser.arms((16,)) == [A, H, PLAIN]  # a drafter not estimated yet is trusted
+    chooser.drafter_accept = 1.0
+    assert chooser.arms((16,)) == [H, PLAIN] and chooser.arms((6,)) == []
+    assert chooser.choose(3) is None and {chooser.choose(1) for _ in range(20)} <= {H, PLAIN}
+    chooser.drafter_accept = 1.3
+    assert chooser.arms((16,)) == [A, H, PLAIN] and chooser.arms((6,)) == [C, PLAIN]
+
+
 def test_bandit_is_deterministic_given_a_seed():
     means = {A: 100.0, B: 110.0}
     def pulls(seed):
@@ -112,9 +125,9 @@ def test_adaptive_config_is_validated():
 
 ADAPTIVE_CFG = dataclasses.replace(CFG, length_buckets=(64,))
 # SD at live batch <= 3: the 6-token tree alone at 1, a bandit over two 4-token trees at 2..3 (no plain
-# arm, so that the random drafter's trees run).
+# arm, so that the random drafter's trees run; each call waits for its program's compile).
 ADAPTIVE = SpecConfig(
-    mode="adaptive", threshold_live_batch=3, patience_host_steps=1,
+    mode="adaptive", threshold_live_batch=3, patience_host_steps=1, compile_in_background=False,
     strategies=((3, 2, 6), (2, 2, 4), (3, 1, 4)), group_live_batch_ranges=((6, 1, 1), (4, 2, 3)), plain_arm=False,
 )
 
@@ -180,3 +193,41 @@ def test_programs_compile_only_for_the_buckets_a_strategy_covers(adaptive_engine
     assert {(k[1], k[3].verify_tokens) for k in keys if k[0] == "sd"} == {(1, 6), (4, 4)}
     assert {k[1] for k in keys if k[0] == "draft_prefill"} == {1, 4}
     assert {k[1] for k in keys if k[0] == "decode"} == {1, 4, 16}
+
+
+def _greedy_requests():
+    return [Request(p, max_new_tokens=5 + 4 * i) for i, p in enumerate(prompts(7, seed=1))]
+
+
+def test_a_random_drafter_speculates_only_once_estimated_to_pay(model):
+    """drafter_accept=1.0 (make_drafter's random drafter): no EAGLE program compiles, no step speculates,
+    until an estimate reaches sd.min_drafter_accept (the trainer's, after an RL step)."""
+    sd = dataclasses.replace(ADAPTIVE, plain_arm=True, min_drafter_accept=1.3)
+    engine = RolloutEngine(model, ADAPTIVE_CFG, sd=sd, drafter=Drafter(TINY, nnx.Rngs(5)), progress=False,
+                           drafter_accept=1.0)
+    reqs = _greedy_requests()
+    expected = [greedy_generate(model, r.prompt_ids, r.max_new_tokens) for r in reqs]
+    assert [o.tokens for o in engine.generate(reqs)] == expected
+    assert engine.stats.steps_sd == 0 and not [k for k in engine.pool.stats if k[0] in ("sd", "draft_prefill")]
+    engine.update_drafter(Drafter(TINY, nnx.Rngs(6)), accept=float("nan"))  # no estimate: nothing changes
+    assert engine.chooser.drafter_accept == 1.0
+    engine.set_drafter_accept(1.3)
+    assert [o.tokens for o in engine.generate(reqs)] == expected
+    assert engine.stats.steps_sd > 0
+
+
+def test_an_arm_compiles_in_the_background_while_plain_decoding_goes_on(model):
+    """sd.compile_in_background: a chosen arm whose program is not compiled decodes plainly until the
+    compile thread has it; outputs never change, and a later call speculates with it."""
+    engine = RolloutEngine(model, ADAPTIVE_CFG, sd=dataclasses.replace(ADAPTIVE, compile_in_background=True),
+                           drafter=Drafter(TINY, nnx.Rngs(5)), progress=False)
+    reqs = _greedy_requests()
+    expected = [greedy_generate(model, r.prompt_ids, r.max_new_tokens) for r in reqs]
+    for _ in range(30):  # the compile thread's pace is the machine's
+        assert [o.tokens for o in engine.generate(reqs)] == expected
+        if engine.stats.steps_sd:
+            break
+    assert engine.stats.steps_sd > 0
+    speculative_programs = [s for k, s in engine.pool.stats.items() if k[0] in ("sd", "draft_prefill")]
+    assert speculative_programs and all(s.background for s in speculative_programs)
+    assert "compiled in the background" in engine.pool.report()

@@ -88,7 +88,7 @@ def test_bf16_rejection_accept_runs(model, drafter, plain):
 
 
 def test_bf16_adaptive_equals_plain(model, drafter, plain):
-    sd = SpecConfig(mode="adaptive", threshold_live_batch=2, patience_host_steps=1,
+    sd = SpecConfig(mode="adaptive", threshold_live_batch=2, patience_host_steps=1, compile_in_background=False,
                     strategies=((3, 1, 4), (2, 2, 4)), group_live_batch_ranges=((4, 1, 2),))
     engine = RolloutEngine(model, dataclasses.replace(SD_CFG, steps_per_call=2), sd=sd, drafter=drafter, progress=False)
     reqs = [Request(p, max_new_tokens=4 + 6 * i, temperature=0.7, seed=i) for i, p in enumerate(prompts(4, seed=3))]

@@ -67,6 +67,8 @@ def test_lossless_sd_adaptive_matches_plain_decoding(tmp_path):
     assert adaptive[1][0]["drafter_steps"] == 0  # the buffer fills from step 1's rollouts
     assert sum(m["drafter_steps"] for m in adaptive[1]) > 0, "the drafter never trained in the tail"
     assert all(1.0 <= m["drafter_accept"] <= 5.0 and 1.0 <= m["drafter_accept_frozen"] <= 5.0 for m in adaptive[1])
+    # Each step's estimate reaches the engines: their EAGLE arms compete from sd.min_drafter_accept on.
+    assert {r.engine.chooser.drafter_accept for r in trainer.workers.replicas} == {adaptive[1][-1]["drafter_accept"]}
     resumed = make_trainer(tmp_path / "sd", *sd, resume=True)
     assert resumed.spot.steps_done == trainer.spot.steps_done
     jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(resumed.spot.params),

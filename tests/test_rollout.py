@@ -1,6 +1,7 @@
 """Rollout engine: exactness against a plain decode, batch independence, stops, weights, errors."""
 
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
@@ -197,6 +198,31 @@ def test_pool_drops_its_least_recently_used_programs_near_the_memory_map_limit()
     assert pool.dropped == 2 and "2 dropped near the memory-map limit" in pool.report()
     held[0] = 79
     assert float(pool.get(2)(x)[0]) == 2 and len(pool) == 4 and pool.dropped == 2
+
+
+def test_pool_compiles_in_the_background_when_asked_if_a_program_is_ready():
+    """ready() never blocks: a missing program compiles on the pool's thread; get() of a program still
+    compiling waits for that compile instead of starting another."""
+    from fastrl_jax.rollout.pool import ProgramPool
+
+    built = []
+
+    def build(key):
+        built.append(key)
+        return jax.jit(lambda x: x * key), (jax.ShapeDtypeStruct((4,), jnp.float32),)
+
+    pool = ProgramPool(build)
+    assert not pool.ready(2) and 2 not in pool
+    assert float(pool.get(2)(jnp.ones(4))[0]) == 2 and built == [2]
+    waited = pool.compile_seconds()  # get(2) waited for the compile under way
+    assert 0 < waited and not pool.ready(3)
+    while not pool.ready(3):
+        time.sleep(0.01)
+    assert float(pool.get(3)(jnp.ones(4))[0]) == 3 and built == [2, 3]
+    assert pool.stats[2].background and pool.stats[3].background
+    assert pool.compile_seconds() == waited  # nobody waited for 3
+    assert pool.background_seconds == pytest.approx(pool.stats[2].compile_seconds + pool.stats[3].compile_seconds)
+    assert "2 compiled in the background" in pool.report()
 
 
 # ---- sampling (pure functions) ----------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import jax
@@ -86,6 +87,13 @@ def make_drafter(cfg: Config, model_cfg: ModelConfig, path: str | Path | None, d
                 "but it accepts ~1 token per step until trained)")
     vocab = fresh_draft_vocab(model_cfg, cfg.drafter_train.draft_vocab_size)
     return Drafter(model_cfg, nnx.Rngs(cfg.seed), dtype, draft_vocab=vocab, kind=cfg.drafter_train.kind)
+
+
+def drafter_accept_prior(path: str | Path | None) -> float:
+    """The tokens per step an engine assumes of make_drafter(path)'s drafter before any estimate: a
+    checkpoint is trusted (inf; the adaptive controller's bandit judges it); a randomly initialised
+    drafter accepts ~1 token per step, so adaptive SD leaves its EAGLE arms out (sd.min_drafter_accept)."""
+    return math.inf if path else 1.0
 
 
 def fresh_draft_vocab(model_cfg: ModelConfig, size: int) -> np.ndarray | None:

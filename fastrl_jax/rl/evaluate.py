@@ -104,11 +104,14 @@ def format_table(results: dict) -> str:
     return "\n".join(rows)
 
 
-def model_workers(cfg: Config, model: Decoder, drafter: Drafter | None = None, progress: bool = True) -> RolloutWorkers:
-    """Rollout workers for `model` on its own mesh (cfg.rollout; cfg.sd with `drafter`)."""
+def model_workers(cfg: Config, model: Decoder, drafter: Drafter | None = None, progress: bool = True,
+                  drafter_accept: float = math.inf) -> RolloutWorkers:
+    """Rollout workers for `model` on its own mesh (cfg.rollout; cfg.sd with `drafter`, whose estimated
+    tokens per step is drafter_accept)."""
     graphdef, state = nnx.split(model)
     params = nnx.to_pure_dict(state)
-    return RolloutWorkers(cfg, graphdef, params, params["embed"].sharding.mesh, drafter, progress=progress)
+    return RolloutWorkers(cfg, graphdef, params, params["embed"].sharding.mesh, drafter, progress=progress,
+                          drafter_accept=drafter_accept)
 
 
 def evaluate(workers: RolloutWorkers, tokenizer, records: Sequence[dict], requests: Sequence[Request],

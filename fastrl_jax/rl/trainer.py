@@ -28,7 +28,7 @@ from fastrl_jax.data import pipeline
 from fastrl_jax.data.prompts import record_prompt_ids
 from fastrl_jax.drafter.online import SpotTrainer
 from fastrl_jax.models.decoder import Decoder
-from fastrl_jax.models.drafter_io import drafter_dir, make_drafter
+from fastrl_jax.models.drafter_io import drafter_accept_prior, drafter_dir, make_drafter
 from fastrl_jax.models.loading import load_policy
 from fastrl_jax.models.tokenizer import stop_ids
 from fastrl_jax.rl import grpo, rewards, run_dir, update
@@ -92,7 +92,8 @@ class Trainer:
         # Earlier steps' completions per prompt, drafted from when a prompt comes back (checkpointed).
         h = cfg.sd.history
         self.history = HistoryStore(h.corpus_tokens, h.store_prompts) if cfg.sd.uses_history() else None
-        self.workers = RolloutWorkers(cfg, self.graphdef, self.params, self.mesh, self.drafter, self.history)
+        self.workers = RolloutWorkers(cfg, self.graphdef, self.params, self.mesh, self.drafter, self.history,
+                                      drafter_accept=drafter_accept_prior(rl.drafter_path))
         self.spot = None
         if self.drafter is not None and cfg.drafter_online.enabled:
             if jax.process_count() > 1:
@@ -167,7 +168,7 @@ class Trainer:
             out["drafter_accept_frozen"] = self.spot.acceptance(requests, completions, step, frozen=True)
         self.spot.add(requests, completions, step)
         self.drafter = self.spot.drafter()
-        self.workers.update_drafter(self.drafter)
+        self.workers.update_drafter(self.drafter, out["drafter_accept"])
         out["drafter_eval_s"] = time.perf_counter() - t0
         return out
 
@@ -360,7 +361,7 @@ class Trainer:
         self.ref_params = arrays.get("reference", self.ref_params)
         if self.drafter is not None:
             nnx.update(self.drafter, _state_from(self.drafter, arrays["drafter"]))
-            self.workers.update_drafter(self.drafter)
+            self.workers.update_drafter(self.drafter)  # its acceptance: the prior until this run estimates it
         if self.spot is not None:
             self.spot.restore(self.drafter, arrays["drafter_optimizer"])
         self.workers.update_weights(self.params)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -53,7 +54,8 @@ class RolloutWorkers:
     """The local replicas' engines; `generate` runs this process's share and returns every completion."""
 
     def __init__(self, cfg: Config, graphdef, params: dict, mesh: Mesh, drafter: Drafter | None,
-                 history: HistoryStore | None = None, progress: bool = False):
+                 history: HistoryStore | None = None, progress: bool = False, drafter_accept: float = math.inf):
+        """drafter_accept: the drafter's estimated tokens per step so far (RolloutEngine.set_drafter_accept)."""
         self.graphdef = graphdef
         self.dtype = DTYPES[cfg.model.engine_dtype]
         self.num_replicas = mesh.shape["data"]
@@ -81,7 +83,8 @@ class RolloutWorkers:
             if drafter is not None:
                 d_graph, d_state = nnx.split(drafter)
                 local_drafter = nnx.merge(d_graph, jax.device_put(d_state, shardings_for(d_state, sub)))
-            engine = RolloutEngine(model, cfg.rollout, sd=cfg.sd, drafter=local_drafter, progress=progress, history=history)
+            engine = RolloutEngine(model, cfg.rollout, sd=cfg.sd, drafter=local_drafter, progress=progress, history=history,
+                                   drafter_accept=drafter_accept)
             self.replicas.append(Replica(i, sub, shardings, engine))
 
     def update_weights(self, params: dict) -> None:
@@ -97,10 +100,11 @@ class RolloutWorkers:
             return params
         return self._cast(params)
 
-    def update_drafter(self, drafter: Drafter) -> None:
+    def update_drafter(self, drafter: Drafter, accept: float = math.nan) -> None:
+        """New drafter weights for every local engine, with their estimated tokens per step when known."""
         d_graph, d_state = nnx.split(cast_floating(drafter, self.dtype))
         for r in self.replicas:
-            r.engine.update_drafter(nnx.merge(d_graph, jax.device_put(d_state, shardings_for(d_state, r.mesh))))
+            r.engine.update_drafter(nnx.merge(d_graph, jax.device_put(d_state, shardings_for(d_state, r.mesh))), accept)
 
     def generate(self, requests: Sequence[Request], group_size: int, *,
                  replica_done: Callable[[int], None] | None = None,

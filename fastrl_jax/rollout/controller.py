@@ -11,7 +11,9 @@ Pure host-side logic, no JAX. The engine asks it once per host step (one program
   group: 'beg' (bucketed epsilon-greedy on the median reward over a sliding window, TLT's BEG),
   'ucb1' (UCB1 on the windowed mean), or 'fixed' (the group's first strategy). Reward = tokens
   emitted per second per live row (comparable across the live batches of a bucket), the drafter
-  prefill a switch needed included.
+  prefill a switch needed included. Arms that draft with the EAGLE drafter sit out while the
+  drafter's estimated tokens per step (`drafter_accept`, set by its owner) is below
+  `min_drafter_accept`: a randomly initialised drafter would only cost their compiles and explorations.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ class StrategyChooser:
       window: rewards per strategy kept (the sliding window).
       seed: the exploration RNG's seed; the same seed and rewards give the same choices.
       plain_arm: plain decoding is an arm wherever a group's range holds the live batch.
+      min_drafter_accept: EAGLE arms compete only while drafter_accept (inf until told: a trained
+        drafter is trusted) is at least this.
     """
 
     def __init__(
@@ -68,6 +72,7 @@ class StrategyChooser:
         window: int = 16,
         seed: int = 0,
         plain_arm: bool = False,
+        min_drafter_accept: float = 0.0,
     ):
         if kind not in BANDITS:
             raise ValueError(f"bandit kind must be one of {BANDITS}, got {kind!r}")
@@ -79,6 +84,7 @@ class StrategyChooser:
         if any(lo < 1 or hi < lo for lo, hi in ranges.values()):
             raise ValueError(f"live-batch ranges must be [min, max] with 1 <= min <= max, got {ranges}")
         self.strategies, self.ranges, self.kind, self.epsilon, self.plain_arm = list(strategies), ranges, kind, epsilon, plain_arm
+        self.min_drafter_accept, self.drafter_accept = min_drafter_accept, math.inf
         # Rewards per bucket (the groups covering a live batch): what an arm earns depends on the live batch.
         self.rewards: dict[tuple[tuple[int, ...], Strategy], deque[float]] = defaultdict(lambda: deque(maxlen=window))
         self.pulls: Counter = Counter()
@@ -91,7 +97,8 @@ class StrategyChooser:
 
     def arms(self, bucket: tuple[int, ...]) -> list[Strategy]:
         """The bucket's arms in the order the strategies were given, then plain decoding."""
-        arms = [s for s in self.strategies if s.num_nodes in bucket]
+        drafter_ok = self.drafter_accept >= self.min_drafter_accept
+        arms = [s for s in self.strategies if s.num_nodes in bucket and (drafter_ok or not s.uses_drafter)]
         return [*arms, PLAIN] if arms and self.plain_arm else arms
 
     def choose(self, live_batch: int) -> Strategy | None:

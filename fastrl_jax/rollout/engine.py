@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
+import math
 import sys
 import time
 from collections import deque
@@ -117,11 +118,14 @@ class RolloutEngine:
         progress: bool = True,
         history: HistoryStore | None = None,
         feature_layers: tuple[int, ...] | None = None,
+        drafter_accept: float = math.inf,
     ):
         """history: earlier completions per prompt that history strategies draft from (the caller adds
         to it, e.g. the trainer after each RL step); within a call, finished siblings count anyway.
         feature_layers: the policy features kept as hidden states (Decoder capture indices; () the
-        last-layer hidden state); None: the drafter's (Drafter.feature_layers), () without one."""
+        last-layer hidden state); None: the drafter's (Drafter.feature_layers), () without one.
+        drafter_accept: the drafter's estimated tokens per step (set_drafter_accept); inf, trusted, by
+        default; 1.0 for a randomly initialised one."""
         self.cfg = cfg
         self.model_cfg = model.cfg
         self.graphdef, self.state = nnx.split(model)
@@ -140,8 +144,10 @@ class RolloutEngine:
         # The bandit outlives a rollout: what it learned carries over to the next RL step.
         ranges = sd.live_batch_ranges() if sd.mode == "adaptive" else {}
         self.chooser = StrategyChooser(
-            self.strategies, ranges, sd.bandit, sd.epsilon, sd.window_host_steps, sd.bandit_seed, sd.plain_arm
+            self.strategies, ranges, sd.bandit, sd.epsilon, sd.window_host_steps, sd.bandit_seed, sd.plain_arm,
+            sd.min_drafter_accept,
         ) if ranges else None
+        self.set_drafter_accept(drafter_accept)
         self.drafter_graphdef, self.drafter_state = (
             nnx.split(drafter) if drafter is not None and self.uses_drafter else (None, None))
         if feature_layers is None:
@@ -316,15 +322,30 @@ class RolloutEngine:
         if self.chooser is not None:
             c = self.chooser
             self.chooser = StrategyChooser(c.strategies, c.ranges, c.kind, c.epsilon, self.sd.window_host_steps,
-                                           self.sd.bandit_seed, c.plain_arm)
+                                           self.sd.bandit_seed, c.plain_arm, c.min_drafter_accept)
+            self.chooser.drafter_accept = c.drafter_accept
 
-    def update_drafter(self, drafter: Drafter) -> None:
-        """Swaps in new drafter weights; every compiled program is reused."""
+    def update_drafter(self, drafter: Drafter, accept: float = math.nan) -> None:
+        """Swaps in new drafter weights (every compiled program is reused), with their estimated
+        tokens per step when known (set_drafter_accept)."""
         graphdef, state = nnx.split(drafter)
         if graphdef != self.drafter_graphdef:
             raise ValueError("update_drafter needs a drafter of the same structure as the engine's")
         _check_dtypes("update_drafter", state, self.drafter_state)
         self.drafter_state = state
+        self.set_drafter_accept(accept)
+
+    def set_drafter_accept(self, accept: float) -> None:
+        """The drafter's estimated tokens per step (NaN: no estimate, nothing changes). The adaptive
+        controller's EAGLE arms compete only from sd.min_drafter_accept on."""
+        c = self.chooser
+        if c is None or math.isnan(accept) or not self.uses_drafter:
+            return
+        was = c.drafter_accept >= c.min_drafter_accept
+        c.drafter_accept = accept
+        if was != (accept >= c.min_drafter_accept):
+            log.info("EAGLE arms %s: the drafter's estimated tokens per step %.2f %s sd.min_drafter_accept=%.2f",
+                     "compete" if not was else "sit out", accept, "<" if was else ">=", c.min_drafter_accept)
 
     def update_weights(self, model: Decoder) -> None:
         """Swaps in new policy weights (same shapes and shardings); every compiled program is reused."""
@@ -534,6 +555,8 @@ class RolloutEngine:
         longest = int(max(before[5, r] for r in range(batch) if table.row_req[r] >= 0))
         prefill_s = 0.0
         wide = None
+        if pulled and self.sd.compile_in_background and not self._compiled(table, strategy, longest):
+            strategy, pulled = speculative.PLAIN, False  # plain decoding while the arm's programs compile
         if strategy.is_plain:
             kv_len = bucket_for(longest + 1, c.length_buckets)
             steps = min(c.steps_per_call, kv_len - longest)
@@ -546,7 +569,7 @@ class RolloutEngine:
         else:
             prefill_s = self._prepare_drafting(table, strategy, longest, rec)
             n, depth = strategy.num_nodes, max(strategy.steps, strategy.history_tokens)
-            kv_len = bucket_for(min(longest + n, self.max_len), c.length_buckets)
+            kv_len = self._sd_kv_len(strategy, longest)
             steps = min(c.steps_per_call, (kv_len - longest - n) // (depth + 1) + 1)
             key, args = ("sd", batch, kv_len, strategy), (self.state, self.drafter_state, table.slots)
         if steps < 1:  # the windows and buckets above always leave a step; without one the stream would spin
@@ -568,6 +591,20 @@ class RolloutEngine:
             rec.sd_call(strategy.label, live, tokens, row_steps, int(diff[1].max()), seconds, eagle, hist, kv_len, batch)
         if pulled:  # the drafter prefill a switch to EAGLE needed is part of the arm's cost
             self.chooser.record(strategy, live, tokens / (seconds + prefill_s) / live)
+
+    def _sd_kv_len(self, strategy: speculative.Strategy, longest: int) -> int:
+        return bucket_for(min(longest + strategy.num_nodes, self.max_len), self.cfg.length_buckets)
+
+    def _compiled(self, table: _Table, strategy: speculative.Strategy, longest: int) -> bool:
+        """Whether the programs a call of `strategy` runs now are compiled; those that are not start
+        compiling in the background (sd.compile_in_background)."""
+        keys = [("sd", table.batch, self._sd_kv_len(strategy, longest), strategy)]
+        if strategy.uses_drafter and not table.draft_fresh:
+            keys.append(self._draft_prefill_key(table, longest))
+        return all([self.pool.ready(k) for k in keys])  # a list, not a generator: every missing one starts
+
+    def _draft_prefill_key(self, table: _Table, longest: int) -> tuple:
+        return ("draft_prefill", table.batch, bucket_for(longest + 1, self.cfg.length_buckets))
 
     def _windows(self, table: _Table, lengths: np.ndarray, kv_len: int) -> tuple[list[int], int, int] | None:
         """Per-row windows for a plain call, when they read fewer cache slots than one kv_len window for
@@ -598,8 +635,8 @@ class RolloutEngine:
             return 0.0
         if table.draft_fresh:
             return 0.0
-        kv = bucket_for(longest + 1, self.cfg.length_buckets)
-        table.slots, seconds = self._run(rec, ("draft_prefill", table.batch, kv), self.state, self.drafter_state, table.slots)
+        table.slots, seconds = self._run(rec, self._draft_prefill_key(table, longest), self.state, self.drafter_state,
+                                         table.slots)
         table.draft_fresh = True
         return seconds
 

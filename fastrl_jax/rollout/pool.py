@@ -15,6 +15,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Hashable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -80,6 +81,7 @@ class ProgramStats:
     temp_bytes: int
     argument_bytes: int
     from_cache: bool  # loaded from the persistent compilation cache instead of compiled
+    background: bool = False  # compiled on the pool's compile thread while the caller went on
 
 
 class ProgramPool:
@@ -95,6 +97,10 @@ class ProgramPool:
     programs is dropped (with JAX's in-memory copies: jax.clear_caches()); one reached again compiles
     again, from the persistent cache when that is on. `memory_maps` (maps held, limit) is replaceable
     for tests.
+
+    `ready(key)` never blocks: a program not compiled yet starts compiling on the pool's one compile
+    thread, and the caller does something else (the engine decodes plainly) until it is. Its seconds
+    count apart from compile_seconds(), which are the seconds callers waited.
     """
 
     def __init__(self, build: Callable[[Hashable], tuple[Callable, tuple]],
@@ -106,6 +112,9 @@ class ProgramPool:
         self._programs: dict[Hashable, Callable] = {}  # least recently used first
         self.stats: dict[Hashable, ProgramStats] = {}  # of each key's latest compile
         self._compile_seconds = 0.0
+        self.background_seconds = 0.0  # compiling on the compile thread
+        self._pending: dict[Hashable, Future] = {}  # compiling on the compile thread
+        self._thread: ThreadPoolExecutor | None = None
         self.dropped = 0  # programs dropped to stay under the memory-map limit
 
     def __len__(self) -> int:
@@ -115,39 +124,68 @@ class ProgramPool:
         return key in self._programs
 
     def get(self, key: Hashable) -> Callable:
-        if key not in self._programs:
-            self._compile(key)
+        """The program of `key`, compiled first (or its background compile waited for) if need be."""
+        if key in self._pending:
+            t0 = time.perf_counter()
+            self._store(key, *self._pending.pop(key).result(), background=True)
+            self._compile_seconds += time.perf_counter() - t0  # the caller waited that long
+        elif key not in self._programs:
+            self._make_room()
+            self._store(key, *self._compiled(key))
+            self._compile_seconds += self.stats[key].compile_seconds
         self._programs[key] = self._programs.pop(key)  # now the most recently used
         return self._programs[key]
+
+    def ready(self, key: Hashable) -> bool:
+        """Whether `key`'s program can run without compiling; if not, it starts compiling in the background."""
+        if key in self._programs:
+            return True
+        future = self._pending.get(key)
+        if future is None:
+            self._make_room()
+            if self._thread is None:
+                self._thread = ThreadPoolExecutor(1, thread_name_prefix="compile")
+            self._pending[key] = self._thread.submit(self._compiled, key)
+            return False
+        if not future.done():
+            return False
+        self._store(key, *self._pending.pop(key).result(), background=True)  # a compile error surfaces here
+        return True
 
     def warm_up(self, keys: Iterable[Hashable], progress: bool = True) -> None:
         keys = [k for k in keys if k not in self._programs]
         for key in tqdm(keys, desc="compiling programs", file=sys.stderr, disable=not progress or not keys):
-            self._compile(key)
+            self.get(key)
 
-    def _compile(self, key: Hashable) -> None:
-        self._make_room()
+    def _compiled(self, key: Hashable) -> tuple[Callable, float, bool]:
+        """(compiled program, seconds, whether the persistent cache served it); on either thread."""
         fn, args = self._build(key)
         hits = _CacheHits.count
         t0 = time.perf_counter()
         compiled = fn.lower(*args).compile(compiler_options=self._compiler_options(key))
-        seconds = time.perf_counter() - t0
-        self._compile_seconds += seconds
+        return compiled, time.perf_counter() - t0, _CacheHits.count > hits
+
+    def _store(self, key: Hashable, compiled, seconds: float, from_cache: bool, background: bool = False) -> None:
         memory = compiled.memory_analysis()
         self._programs[key] = compiled
+        self.background_seconds += seconds if background else 0.0
         self.stats[key] = ProgramStats(
             key=key,
             compile_seconds=seconds,
             temp_bytes=getattr(memory, "temp_size_in_bytes", 0) if memory else 0,
             argument_bytes=getattr(memory, "argument_size_in_bytes", 0) if memory else 0,
-            from_cache=_CacheHits.count > hits,
+            from_cache=from_cache,
+            background=background,
         )
 
     def _make_room(self) -> None:
-        """Drops the least recently used half of the programs when the process is near its memory-map limit."""
+        """Drops the least recently used half of the programs when the process is near its memory-map limit
+        (after any background compile: JAX's caches are cleared with no compile under way)."""
         maps = self._memory_maps()
-        if maps is None or maps[0] < self._map_share * maps[1] or len(self._programs) < 2:
+        if maps is None or maps[0] < self._map_share * maps[1] or len(self._programs) + len(self._pending) < 2:
             return
+        for key in list(self._pending):
+            self._store(key, *self._pending.pop(key).result(), background=True)
         drop = list(self._programs)[: len(self._programs) // 2]
         for key in drop:
             del self._programs[key]
@@ -160,7 +198,8 @@ class ProgramPool:
         self.dropped += len(drop)
 
     def compile_seconds(self) -> float:
-        """Seconds spent compiling over the pool's life, recompiles of dropped programs included."""
+        """Seconds callers waited for compiles over the pool's life, recompiles of dropped programs
+        included (background compiles only for the part a caller waited on; background_seconds has them)."""
         return self._compile_seconds
 
     def report(self, where: Callable[[Hashable], bool] = lambda key: True) -> str:
@@ -171,7 +210,9 @@ class ProgramPool:
         peak_temp = max((s.temp_bytes for s in stats), default=0)
         peak_args = max((s.argument_bytes for s in stats), default=0)
         dropped = f", {self.dropped} dropped near the memory-map limit" if self.dropped else ""
+        background = sum(s.background for s in stats)
+        background = f", {background} compiled in the background" if background else ""
         return (
-            f"{len(stats)} programs ({cached} from the persistent cache) in {total:.1f}s{dropped}, "
+            f"{len(stats)} programs ({cached} from the persistent cache) in {total:.1f}s{background}{dropped}, "
             f"largest arguments {peak_args / 2**20:.0f} MiB, largest scratch {peak_temp / 2**20:.0f} MiB"
         )

@@ -99,4 +99,6 @@ def tiny_overrides(tmp: Path, steps: int = 3) -> list[str]:
         "optim.learning_rate=0.003", "rollout.batch_buckets=[4, 16]", "rollout.length_buckets=[32, 64]",
         "rollout.prompt_buckets=[8, 16]", "rollout.steps_per_call=8", "rollout.compile_cache_dir=",
         "rollout.warm_up=false",
+        # Speculation runs in these seconds-long rollouts, with a random drafter too: the tests check it is lossless.
+        "sd.min_drafter_accept=0", "sd.compile_in_background=false",
     ]
