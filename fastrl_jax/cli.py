@@ -129,7 +129,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tokenizer, prompts, requests, _ = _checked_requests(args, cfg, resolve_model_path(cfg.model.path))
     policy = _policy(cfg, tokenizer)
     drafter = make_drafter(cfg, policy.cfg, args.drafter, cfg.model.engine_dtype) if cfg.sd.uses_drafter() else None
-    engine = RolloutEngine(policy.model, cfg.rollout, sd=cfg.sd, drafter=drafter, drafter_accept=drafter_accept_prior(args.drafter))
+    engine = RolloutEngine(policy.model, cfg.rollout, sd=cfg.sd, drafter=drafter,
+                           drafter_accept=drafter_accept_prior(args.drafter))
     t0 = time.perf_counter()
     results = engine.generate(requests)
     seconds = time.perf_counter() - t0
