@@ -1,6 +1,7 @@
 """Adaptive speculative decoding: the controller on synthetic inputs, and the engine switching SD on mid-run."""
 
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -217,17 +218,18 @@ def test_a_random_drafter_speculates_only_once_estimated_to_pay(model):
 
 
 def test_an_arm_compiles_in_the_background_while_plain_decoding_goes_on(model):
-    """sd.compile_in_background: a chosen arm whose program is not compiled decodes plainly until the
-    compile thread has it; outputs never change, and a later call speculates with it."""
-    engine = RolloutEngine(model, ADAPTIVE_CFG, sd=dataclasses.replace(ADAPTIVE, compile_in_background=True),
-                           drafter=Drafter(TINY, nnx.Rngs(5)), progress=False)
+    """sd.compile_in_background: a chosen arm whose programs are not compiled decodes plainly until the
+    compile thread has them; outputs never change, and later calls speculate with them."""
+    sd = SpecConfig(mode="adaptive", threshold_live_batch=3, patience_host_steps=1, strategies=((2, 2, 4),),
+                    plain_arm=True)  # one tree and plain decoding at live batch 1..3
+    engine = RolloutEngine(model, ADAPTIVE_CFG, sd=sd, drafter=Drafter(TINY, nnx.Rngs(5)), progress=False)
     reqs = _greedy_requests()
     expected = [greedy_generate(model, r.prompt_ids, r.max_new_tokens) for r in reqs]
-    for _ in range(30):  # the compile thread's pace is the machine's
+    speculated, deadline = False, time.monotonic() + 300  # the compile thread's pace is the machine's
+    while not (speculated and engine.chooser.pulls[(4,), PLAIN]) and time.monotonic() < deadline:
         assert [o.tokens for o in engine.generate(reqs)] == expected
-        if engine.stats.steps_sd:
-            break
-    assert engine.stats.steps_sd > 0
+        speculated |= engine.stats.steps_sd > 0
+    assert speculated and engine.chooser.pulls[(4,), PLAIN] > 0  # the bandit chose plain decoding too
     speculative_programs = [s for k, s in engine.pool.stats.items() if k[0] in ("sd", "draft_prefill")]
     assert speculative_programs and all(s.background for s in speculative_programs)
     assert "compiled in the background" in engine.pool.report()

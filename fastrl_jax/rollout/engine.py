@@ -555,7 +555,7 @@ class RolloutEngine:
         longest = int(max(before[5, r] for r in range(batch) if table.row_req[r] >= 0))
         prefill_s = 0.0
         wide = None
-        if pulled and self.sd.compile_in_background and not self._compiled(table, strategy, longest):
+        if pulled and not strategy.is_plain and self.sd.compile_in_background and not self._compiled(table, strategy, longest):
             strategy, pulled = speculative.PLAIN, False  # plain decoding while the arm's programs compile
         if strategy.is_plain:
             kv_len = bucket_for(longest + 1, c.length_buckets)
