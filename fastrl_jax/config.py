@@ -495,6 +495,10 @@ class DrafterOnlineConfig:
     min_idle_replicas: int = 1  # several replicas: lend devices once this many replicas are idle
     max_steps_per_rollout: int = 0  # drafter steps per RL step at most; 0 = as many as the idle time allows
     tail_time_share: float = 0.25  # one replica: share of the tail's wall time given to drafter steps
+    # One replica: 'saved' spends on drafter steps (and on acceptance estimates) only the seconds speculation
+    # saved against plain decoding so far in the run, so adaptive SD never costs more than SD off; 'share'
+    # gives them tail_time_share of every rollout, an investment that pays once the drafter has learned.
+    tail_budget: str = "saved"
     tail_live_batch: int = 8  # one replica: drafter steps interleave while the live batch is at most this
     preempt_bound_s: float = 10.0  # handing the devices back may take this long (one drafter step); warn above
     eval_depth: int = 4  # chain depth of the per-step acceptance estimate on the step's own rollouts
@@ -502,6 +506,7 @@ class DrafterOnlineConfig:
     frozen_eval_every_steps: int = 5  # the starting drafter's acceptance too, every N RL steps; 0 = never
 
     def __post_init__(self):
+        _check_choice("drafter_online.tail_budget", self.tail_budget, ("saved", "share"))
         _check_at_least("drafter_online", self, ("keep_steps", "batch_rows", "min_idle_replicas",
                                                  "eval_depth", "eval_rows"), 1)
         _check_at_least("drafter_online", self, ("min_buffer_tokens", "warmup_steps", "max_steps_per_rollout",

@@ -2,6 +2,7 @@
 rollout token, hands the devices back within the bound, and loses no sample or optimizer step; the
 teacher-forced acceptance estimate matches a step-by-step drafting oracle."""
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -174,6 +175,7 @@ def test_buffer_sampling_leaves_the_buffer_intact():
 
 @pytest.mark.parametrize("override, message", [
     ("drafter_online.tail_time_share=1.0", "tail_time_share"),
+    ("drafter_online.tail_budget=spent", "tail_budget"),
     ("drafter_online.seq_len_tokens=4", "seq_len_tokens >= 8"),
     ("drafter_online.batch_rows=0", "batch_rows must be >= 1"),
 ])
@@ -182,3 +184,34 @@ def test_online_config_validation(override, message):
 
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
+
+
+def test_one_replica_spends_on_drafter_steps_only_what_speculation_saved(tmp_path: Path):
+    """tail_budget 'saved': a tail step needs seconds in the bank (what speculation saved, less the
+    estimates), and the steps' seconds come out of it; 'share' trains whatever the bank holds."""
+    cfg = load_config(None, [*tiny_overrides(tmp_path), "mesh.fsdp=-1", "sd.mode=adaptive", "drafter_online.tail_budget=saved",
+                             "drafter_online.min_buffer_tokens=8", "drafter_online.batch_rows=2",
+                             "drafter_online.seq_len_tokens=32", "drafter_train.unroll_steps=1"])
+    mesh = make_mesh(cfg.mesh)
+    model, _ = load_model(cfg.model.path, mesh, cfg.model.dtype)
+    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(state)
+    drafter = Drafter(model.cfg, nnx.Rngs(0))
+    requests = [Request([1, 2, 3, 4 + i], 8, 1.0, seed=i) for i in range(4)]
+    completions, _ = RolloutWorkers(cfg, graphdef, params, mesh, drafter).generate(requests, 4)
+    spot = SpotTrainer(cfg, drafter, graphdef, params, mesh, seed=0)
+    spot.add(requests, completions, step=1)
+
+    def phase():
+        spot.begin(params)
+        spot.tail_step(1)
+        return spot.end()
+
+    assert phase()["drafter_steps"] == 0  # nothing saved yet
+    spot.deposit(5.0)
+    report = phase()
+    assert report["drafter_steps"] == 1 and report["drafter_bank_s"] == pytest.approx(5.0 - report["drafter_spot_s"])
+    spot.deposit(-10.0)  # speculation cost more than it saved
+    assert phase()["drafter_steps"] == 0
+    spot.cfg = dataclasses.replace(spot.cfg, tail_budget="share")
+    assert phase()["drafter_steps"] == 1

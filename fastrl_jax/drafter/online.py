@@ -10,7 +10,10 @@ devices) stops the thread between two steps and returns within one step's time: 
 since a step replaces the drafter and optimizer state only when it has finished, and sampling
 leaves the buffer as it was. With a single replica nothing is ever lent; instead `tail_step`
 interleaves drafter steps into the tail of the rollout (live batch <= tail_live_batch) under a
-wall-time share.
+wall-time share and, with tail_budget 'saved', only while the run's bank holds seconds: the trainer
+deposits what speculation saved against plain decoding and withdraws its acceptance estimates, and
+the drafter steps spend the rest, so that training on the rollout's own device never makes adaptive
+SD slower than SD off.
 
 The engines keep the drafter they were given for the whole rollout; the trainer hands them the new
 weights before the next one (`drafter()`), so a rollout never mixes drafters (it would stay lossless
@@ -98,6 +101,7 @@ class SpotTrainer:
         self._placements_lock = threading.Lock()  # the compile, spot and trainer threads all place
         self.blocks = aligned_blocks(self.num_replicas, self.cfg.batch_rows)
         self.steps_done = 0  # drafter optimizer steps over the run (checkpointed)
+        self.bank_s = 0.0  # one replica, tail_budget 'saved': the seconds drafter steps may still spend
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None  # from the spot or compile thread, raised by end()
@@ -198,12 +202,18 @@ class SpotTrainer:
             self._cv.notify()
 
     def tail_step(self, live_batch: int) -> None:
-        """Engine hook (single replica): one drafter step while the tail is thin and the share allows."""
-        c = self.cfg
+        """Engine hook (single replica): one drafter step while the tail is thin and the share (and with
+        tail_budget 'saved', the bank) allows."""
+        c, spent = self.cfg, self._phase["seconds"]
         if (self.num_replicas > 1 or not c.tail_time_share or live_batch > c.tail_live_batch or not self.ready()
-                or self._phase["seconds"] > c.tail_time_share * (time.perf_counter() - self._t_begin)):
+                or spent > c.tail_time_share * (time.perf_counter() - self._t_begin)
+                or (c.tail_budget == "saved" and spent >= self.bank_s)):
             return
         self._train_step((0,))
+
+    def deposit(self, seconds: float) -> None:
+        """Adds to the bank (speculation's savings) or takes from it (negative: work done for the drafter)."""
+        self.bank_s += seconds
 
     def end(self) -> dict[str, float]:
         """The rollout is over: stops drafter training (between two steps) and reports the phase."""
@@ -221,7 +231,10 @@ class SpotTrainer:
             log.warning("handing the devices back took %.1fs, over drafter_online.preempt_bound_s=%.1fs: "
                         "lower drafter_online.batch_rows or seq_len_tokens", delay, self.cfg.preempt_bound_s)
         ph = self._phase
+        if self.num_replicas == 1:  # tail steps took the rollout's own device
+            self.bank_s -= ph["seconds"]
         return {
+            "drafter_bank_s": self.bank_s,
             "drafter_steps": ph["steps"],
             "drafter_spot_s": ph["seconds"],
             "drafter_loss": float(np.mean(ph["loss"])) if ph["loss"] else float("nan"),

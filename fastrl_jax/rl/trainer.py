@@ -95,6 +95,9 @@ class Trainer:
         self.workers = RolloutWorkers(cfg, self.graphdef, self.params, self.mesh, self.drafter, self.history,
                                       drafter_accept=drafter_accept_prior(rl.drafter_path))
         self.spot = None
+        # Drafter steps done at its latest acceptance estimate; a random drafter's prior (~1 token per step)
+        # stands for one at 0 steps, a checkpoint has none.
+        self._estimated_at = None if rl.drafter_path else 0
         if self.drafter is not None and cfg.drafter_online.enabled:
             if jax.process_count() > 1:
                 log.warning("drafter_online: online drafter training runs in single-process runs only; "
@@ -151,6 +154,7 @@ class Trainer:
                                                            replica_done=spot.lend, between_steps=spot.tail_step)
             finally:
                 report = spot.end()  # the devices come back before anything else runs on them
+            spot.deposit(stats.sd_saved_s)
         for c in completions:
             if c.finish_reason == "error":
                 raise ValueError(f"rollout request failed: {c.error}")
@@ -159,16 +163,23 @@ class Trainer:
         return requests, completions, stats, report
 
     def track_drafter(self, requests: list[Request], completions: list[Completion], step: int) -> dict[str, float]:
-        """Acceptance estimates on this step's rollouts (before they join the buffer), then the buffer
-        update and the hand-off of the drafter trained during the rollout to the engines."""
+        """Acceptance estimates on this step's rollouts (before they join the buffer) of a drafter that has
+        trained since its last estimate (an unchanged one keeps it, and the metric is NaN), paid from the
+        spot trainer's bank; then the buffer update and the hand-off of a changed drafter to the engines."""
         t0 = time.perf_counter()
-        on = self.cfg.drafter_online
-        out = {"drafter_accept": self.spot.acceptance(requests, completions, step)}
+        on, spot = self.cfg.drafter_online, self.spot
+        changed = spot.steps_done != self._estimated_at
+        out = {"drafter_accept": spot.acceptance(requests, completions, step) if changed else math.nan}
         if on.frozen_eval_every_steps and (step == 1 or step % on.frozen_eval_every_steps == 0):
-            out["drafter_accept_frozen"] = self.spot.acceptance(requests, completions, step, frozen=True)
-        self.spot.add(requests, completions, step)
-        self.drafter = self.spot.drafter()
-        self.workers.update_drafter(self.drafter, out["drafter_accept"])
+            # The starting drafter: the current one until it has trained.
+            out["drafter_accept_frozen"] = (spot.acceptance(requests, completions, step, frozen=True)
+                                            if spot.steps_done else out["drafter_accept"])
+        spot.deposit(-(time.perf_counter() - t0))
+        spot.add(requests, completions, step)
+        if changed:
+            self._estimated_at = spot.steps_done
+            self.drafter = spot.drafter()
+            self.workers.update_drafter(self.drafter, out["drafter_accept"])
         out["drafter_eval_s"] = time.perf_counter() - t0
         return out
 
@@ -364,6 +375,7 @@ class Trainer:
             self.workers.update_drafter(self.drafter)  # its acceptance: the prior until this run estimates it
         if self.spot is not None:
             self.spot.restore(self.drafter, arrays["drafter_optimizer"])
+            self._estimated_at = None if self.spot.steps_done else self._estimated_at  # a trained drafter: estimate it
         self.workers.update_weights(self.params)
         self.data.restore(meta["data"])
         if self.history is not None:

@@ -165,6 +165,7 @@ class RolloutEngine:
             NamedSharding(weights.mesh, PartitionSpec()) if isinstance(weights, NamedSharding) else weights
         )
         self.pool = ProgramPool(self._build, compiler_options)
+        self._plain_step_s: dict[tuple[int, int], float] = {}  # (batch, kv_len): the latest plain call's seconds per step
         self.stats = RolloutStats()  # the last rollout's
         self.timeline: list[Call] = []  # the last rollout's program calls
         if cfg.warm_up:
@@ -587,8 +588,12 @@ class RolloutEngine:
         rec.stats.idle_row_steps += idle
         if strategy.is_plain:
             rec.decode_call(live, tokens, int(diff[0].max()), seconds, kv_len, batch)
+            self._plain_step_s[batch, kv_len] = seconds / max(int(diff[0].max()), 1)
         else:
             rec.sd_call(strategy.label, live, tokens, row_steps, int(diff[1].max()), seconds, eagle, hist, kv_len, batch)
+            plain_step = self._plain_step_s.get((batch, bucket_for(longest + 1, c.length_buckets)))
+            if plain_step is not None:  # plain decoding emits a token per live row and step
+                rec.stats.sd_saved_s += tokens / live * plain_step - seconds - prefill_s
         if pulled:  # the drafter prefill a switch to EAGLE needed is part of the arm's cost
             self.chooser.record(strategy, live, tokens / (seconds + prefill_s) / live)
 

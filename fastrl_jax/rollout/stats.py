@@ -48,6 +48,9 @@ class RolloutStats:
     idle_row_steps: int = 0  # device steps finished rows waited for their refill (streaming)
     drafts_eagle: int = 0  # emitted tokens the EAGLE drafter had drafted
     drafts_history: int = 0  # emitted tokens drafted from history (a draft both proposed counts twice)
+    # Seconds speculative calls saved against plain steps of the same table (negative: they cost more),
+    # from the latest plain call's seconds per step at that batch and length bucket.
+    sd_saved_s: float = 0.0
     calls: Counter = dataclasses.field(default_factory=Counter)  # program calls per phase
     # Seconds per program phase (prefill, decode, decode_admit, sd, draft_prefill, resize), plus 'compile' (programs
     # compiled during the rollout), 'host' (the rest of the loop) and 'total' (wall time).
@@ -61,7 +64,8 @@ class RolloutStats:
             idle_row_steps=self.idle_row_steps + other.idle_row_steps,
             steps_sd=self.steps_sd + other.steps_sd, sd_tokens=self.sd_tokens + other.sd_tokens,
             sd_steps=self.sd_steps + other.sd_steps, drafts_eagle=self.drafts_eagle + other.drafts_eagle,
-            drafts_history=self.drafts_history + other.drafts_history, calls=self.calls + other.calls,
+            drafts_history=self.drafts_history + other.drafts_history, sd_saved_s=self.sd_saved_s + other.sd_saved_s,
+            calls=self.calls + other.calls,
             seconds=self.seconds + other.seconds,
             strategies={k: self.strategies.get(k, StrategyStats()) + other.strategies.get(k, StrategyStats()) for k in labels},
         )

@@ -101,4 +101,5 @@ def tiny_overrides(tmp: Path, steps: int = 3) -> list[str]:
         "rollout.warm_up=false",
         # Speculation runs in these seconds-long rollouts, with a random drafter too: the tests check it is lossless.
         "sd.min_drafter_accept=0", "sd.compile_in_background=false",
+        "drafter_online.tail_budget=share",  # the drafter trains in the tail whatever speculation saved
     ]
