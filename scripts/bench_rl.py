@@ -34,6 +34,7 @@ def run(cfg, policy, mode: str, out_dir: Path) -> dict:
         drafter = m.get("drafter_eval_s", 0.0)
         rows.append({"step": m["step"], "rollout_s": m["rollout_s"], "update_s": m["train_s"], "drafter_s": drafter,
                      "drafter_spot_s": m.get("drafter_spot_s", 0.0), "compile_s": m["rollout_compile_s"],
+                     "sd_saved_s": m["sd_saved_s"], "drafter_bank_s": m.get("drafter_bank_s", 0.0),
                      "step_s": m["rollout_s"] + m["train_s"] + drafter,
                      "reward_mean": m["reward_mean"], "digest": m["rollout_digest"], "tokens": m["tokens"],
                      "sd_share": m["sd_share"], "acceptance_length": m["acceptance_length"]})

@@ -35,6 +35,7 @@ def rollout_summary(rewards: Sequence[float], correct: Sequence[float], lengths:
     out["sd_share"] = float(spec / (plain + spec)) if plain + spec else 0.0
     out["sd_token_share"] = float(stats.sd_tokens / tokens) if tokens else 0.0
     out["rollout_compile_s"] = float(stats.seconds["compile"])
+    out["sd_saved_s"] = float(stats.sd_saved_s)  # against plain steps of the same tables (negative: SD cost more)
     out["acceptance_length"] = stats.acceptance_length()
     return out
 
