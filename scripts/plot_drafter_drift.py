@@ -48,16 +48,20 @@ def main() -> None:
     for r in rows:
         print(f"{r['step']:>4} {r['accept_online']:>10.3f} {r['accept_frozen']:>10.3f} {r['drafter_steps']:>7} "
               f"{r['drafter_spot_s']:>6.1f} {r['drafter_loss']:>7.3f} {r['rollout_s']:>6.1f} {r['rollout_s_without']:>14.1f}")
-    first = rows[0]["accept_online"]
-    summary = {"start": first, "online_last": rows[-1]["accept_online"],
-               "online_min_after_start": min(r["accept_online"] for r in rows[1:]) if len(rows) > 1 else first,
-               "steps_online_at_or_above_start": sum(r["accept_online"] >= first for r in rows[1:]),
+    # A step whose drafter had not trained since its last estimate has none (NaN).
+    estimated = [r for r in rows if not math.isnan(r["accept_online"])]
+    if not estimated:
+        raise SystemExit(f"{args.metrics}: the drafter was never estimated (it never trained: see drafter_online.tail_budget)")
+    first = estimated[0]["accept_online"]
+    summary = {"start": first, "online_last": estimated[-1]["accept_online"], "steps_estimated": len(estimated),
+               "online_min_after_start": min(r["accept_online"] for r in estimated[1:]) if len(estimated) > 1 else first,
+               "steps_online_at_or_above_start": sum(r["accept_online"] >= first for r in estimated[1:]),
                "frozen_last": next((r["accept_frozen"] for r in reversed(rows) if not math.isnan(r["accept_frozen"])), nan),
                "rollout_s_total": sum(r["rollout_s"] for r in rows),
                "rollout_s_total_without": sum(r["rollout_s_without"] for r in rows) if base else nan,
                "drafter_steps_total": sum(r["drafter_steps"] for r in rows)}
     # The per-step value moves with the step's prompts; online minus frozen on the same rollouts does not.
-    diff = [r["accept_online"] - r["accept_frozen"] for r in rows[1:] if not math.isnan(r["accept_frozen"])]
+    diff = [r["accept_online"] - r["accept_frozen"] for r in estimated[1:] if not math.isnan(r["accept_frozen"])]
     if diff:
         summary |= {"paired_steps": len(diff), "online_minus_frozen_mean": statistics.fmean(diff),
                     "online_minus_frozen_stderr": statistics.stdev(diff) / math.sqrt(len(diff)) if len(diff) > 1 else nan,
