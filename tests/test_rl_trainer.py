@@ -261,6 +261,8 @@ def test_smollm2_grpo_step(tmp_path):
         # One program per shape: 8 rows, short prompts and rollouts, one EAGLE strategy against plain decoding.
         "rollout.prompt_buckets=[128]", "rollout.length_buckets=[256]", "rollout.batch_buckets=[8]",
         "sd.strategies=[3/1/4]", "sd.group_live_batch_ranges=[[4, 1, 8]]",
+        # The random drafter speculates all the same (by default its arms wait for an estimate that pays).
+        "sd.min_drafter_accept=0", "sd.compile_in_background=false",
     ]
     proc = subprocess.run(train_cmd(overrides, "--config", str(ROOT / "configs" / "smollm2_cpu.yaml")), env=cpu_env(),
                           cwd=tmp_path, capture_output=True, text=True, timeout=900)
@@ -268,7 +270,9 @@ def test_smollm2_grpo_step(tmp_path):
     (metrics,) = read_metrics(tmp_path / "metrics.jsonl")
     assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
     assert metrics["len_max"] <= 32 and 0 <= metrics["accuracy"] <= 1
-    assert metrics["sd_share"] > 0 and metrics["drafter_accept"] >= 1.0
+    assert metrics["sd_share"] > 0
+    # Step 1's rollouts fill the drafter's buffer: it has not trained, so it is not estimated again.
+    assert metrics["drafter_steps"] == 0 and math.isnan(metrics["drafter_accept"])
     assert (tmp_path / "checkpoints" / "1").is_dir()
 
 
