@@ -556,7 +556,8 @@ class RolloutEngine:
         longest = int(max(before[5, r] for r in range(batch) if table.row_req[r] >= 0))
         prefill_s = 0.0
         wide = None
-        if pulled and not strategy.is_plain and self.sd.compile_in_background and not self._compiled(table, strategy, longest):
+        background = pulled and not strategy.is_plain and self.sd.compile_in_background
+        if background and not self._sd_programs_ready(table, strategy, longest):
             strategy, pulled = speculative.PLAIN, False  # plain decoding while the arm's programs compile
         if strategy.is_plain:
             kv_len = bucket_for(longest + 1, c.length_buckets)
@@ -600,7 +601,7 @@ class RolloutEngine:
     def _sd_kv_len(self, strategy: speculative.Strategy, longest: int) -> int:
         return bucket_for(min(longest + strategy.num_nodes, self.max_len), self.cfg.length_buckets)
 
-    def _compiled(self, table: _Table, strategy: speculative.Strategy, longest: int) -> bool:
+    def _sd_programs_ready(self, table: _Table, strategy: speculative.Strategy, longest: int) -> bool:
         """Whether the programs a call of `strategy` runs now are compiled; those that are not start
         compiling in the background (sd.compile_in_background)."""
         keys = [("sd", table.batch, self._sd_kv_len(strategy, longest), strategy)]

@@ -127,7 +127,7 @@ class ProgramPool:
         """The program of `key`, compiled first (or its background compile waited for) if need be."""
         if key in self._pending:
             t0 = time.perf_counter()
-            self._store(key, *self._pending.pop(key).result(), background=True)
+            self._collect(key)
             self._compile_seconds += time.perf_counter() - t0  # the caller waited that long
         elif key not in self._programs:
             self._make_room()
@@ -149,8 +149,12 @@ class ProgramPool:
             return False
         if not future.done():
             return False
-        self._store(key, *self._pending.pop(key).result(), background=True)  # a compile error surfaces here
+        self._collect(key)
         return True
+
+    def _collect(self, key: Hashable) -> None:
+        """Stores the program of a background compile, once it is done (a compile error surfaces here)."""
+        self._store(key, *self._pending.pop(key).result(), background=True)
 
     def warm_up(self, keys: Iterable[Hashable], progress: bool = True) -> None:
         keys = [k for k in keys if k not in self._programs]
@@ -185,7 +189,7 @@ class ProgramPool:
         if maps is None or maps[0] < self._map_share * maps[1] or len(self._programs) + len(self._pending) < 2:
             return
         for key in list(self._pending):
-            self._store(key, *self._pending.pop(key).result(), background=True)
+            self._collect(key)
         drop = list(self._programs)[: len(self._programs) // 2]
         for key in drop:
             del self._programs[key]
