@@ -15,7 +15,10 @@ the rest still run, and none starts once the budget is spent:
   plain_decode     tok/s at each batch vs HF and vs the HBM floor (weight bytes / measured copy bandwidth)
                    for the model and random-weight Qwen2.5-1.5B / 7B shapes initialised on the device
   sd_step_profile  per-phase ms of one SD step per strategy and batch, reduced-vocabulary random drafter
+  trace            profiler traces of plain and speculative decoding at batch 1: device busy time and kernel
+                   launches per step, device time per program, the costliest kernels (traces kept as perfetto JSON)
   trained_drafter  train-drafter on the device (small budget, wall time), then bench-sd at batch 1
+                   (--drafter DIR: bench-sd with that drafter, no training)
   longtail         scripts/bench_rollout.py --workload longtail with that drafter
   grpo             GRPO steps with SD off and adaptive
   device_tests     the device test subset (pytest -m "device and not slow"), its wall time
@@ -43,10 +46,10 @@ from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("environment", "kernel_tests", "greedy_vs_hf", "sd_lossless", "plain_decode", "sd_step_profile",
+SECTIONS = ("environment", "kernel_tests", "greedy_vs_hf", "sd_lossless", "plain_decode", "sd_step_profile", "trace",
             "trained_drafter", "longtail", "grpo", "device_tests", "memory")
 # Seconds a section needs at least; with less left it is skipped (its figures stay open).
-MIN_SECONDS = {"kernel_tests": 20, "greedy_vs_hf": 20, "sd_lossless": 30, "plain_decode": 40, "sd_step_profile": 30,
+MIN_SECONDS = {"kernel_tests": 20, "greedy_vs_hf": 20, "sd_lossless": 30, "plain_decode": 40, "sd_step_profile": 30, "trace": 30,
                "trained_drafter": 60, "longtail": 60, "grpo": 60, "device_tests": 60}
 
 
@@ -69,11 +72,13 @@ class Sizes:
     pytest_kernels: tuple[str, ...]
     pytest_device: tuple[str, ...]
     copy_bytes: int
+    reduced: bool = False
 
 
 FULL = Sizes(
     shapes=("model", "qwen2.5-1.5b", "qwen2.5-7b"), decode_batches=(1, 16, 64), new_tokens=128,
-    profile_shapes=("model", "qwen2.5-1.5b"), profile_batches=(1, 4, 16), strategies=("3/1/4", "6/4/16", "8/4/48"),
+    # issue 19's SD-step targets: 3/1/4 and 6/4/16 at batch <= 4
+    profile_shapes=("model", "qwen2.5-1.5b"), profile_batches=(1, 4), strategies=("3/1/4", "6/4/16"),
     draft_vocab=4096, prompts=16, check_tokens=64,
     drafter_overrides=("drafter_train.num_prompts=512", "drafter_train.max_new_tokens=128", "drafter_train.steps=400",
                        "drafter_train.batch_rows=8", "drafter_train.seq_len_tokens=256", "drafter_train.eval_prompts=0",
@@ -92,7 +97,7 @@ REDUCED = Sizes(
     longtail_args=("--problems", "1", "--samples", "2", "--max-new-tokens", "8"), grpo_steps=1,
     pytest_kernels=("tests/test_kernels.py", "-k", "matches_numpy and B3T1"),
     pytest_device=("tests/test_kernels.py", "-k", "tree_mask_builder or select_backend"),
-    copy_bytes=1 << 24,
+    copy_bytes=1 << 24, reduced=True,
 )
 
 
@@ -134,7 +139,7 @@ class Ctx:
     @property
     def dtype(self) -> str:
         """The dtype the speed sections run: bfloat16 on an accelerator, float32 on CPU (XLA CPU's bf16 is slow)."""
-        return self.args.dtype or ("float32" if self.sizes is REDUCED else "bfloat16")
+        return self.args.dtype or ("float32" if self.sizes.reduced else "bfloat16")
 
 
 # ---- sections -------------------------------------------------------------------------------------
@@ -155,7 +160,7 @@ def environment(ctx: Ctx) -> dict:
         "summary": f"{dev.device_kind} x{jax.device_count()} ({jax.default_backend()}), jax {versions.get('jax')}",
         "backend": jax.default_backend(), "device_kind": dev.device_kind, "device_count": jax.device_count(),
         "memory_bytes": stats.get("bytes_limit"), "versions": versions, "python": platform.python_version(),
-        "date": datetime.date.today().isoformat(), "reduced": ctx.sizes is REDUCED,
+        "date": datetime.date.today().isoformat(), "reduced": ctx.sizes.reduced,
     }
 
 
@@ -379,6 +384,85 @@ def sd_step_profile(ctx: Ctx) -> dict:
             "rows": rows}
 
 
+def trace(ctx: Ctx) -> dict:
+    """Profiler traces of one request decoded plainly and speculatively (each strategy, a random drafter over
+    the reduced draft vocabulary) at batch 1 on the first profile shape, summarised per run (device_summary),
+    so a step's time can be placed once the machine is gone. The traces (perfetto JSON) stay in the output."""
+    import shutil
+    import tempfile
+
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from fastrl_jax.config import SpecConfig, StrategySpec
+    from fastrl_jax.drafter.bench import bench_cfg
+    from fastrl_jax.models.decoder import DTYPES
+    from fastrl_jax.models.drafter import Drafter
+    from fastrl_jax.rollout.engine import Request, RolloutEngine
+
+    shape, tokens = ctx.sizes.profile_shapes[0], min(ctx.sizes.new_tokens, 64)
+    model, _ = _model(ctx, shape, ctx.dtype)
+    vocab = model.cfg.vocab_size
+    drafter = Drafter(model.cfg, nnx.Rngs(1), DTYPES[ctx.dtype], draft_vocab=np.arange(min(ctx.sizes.draft_vocab, vocab)))
+    specs = [StrategySpec(s) for s in ctx.sizes.strategies]
+    cfg = bench_cfg(ctx.config().rollout, [1], 32, tokens, max(s.nodes() for s in specs))
+    request = [Request(np.random.default_rng(0).integers(0, vocab, 32).tolist(), tokens)]
+    runs = {}
+    for spec in [None, *specs]:
+        name = str(spec) if spec else "plain"
+        sd = SpecConfig(mode="on", strategies=(spec,)) if spec else SpecConfig()
+        engine = RolloutEngine(model, cfg, sd=sd, drafter=drafter if spec else None, progress=False)
+        engine.generate(request)  # compiles
+        path = ctx.out / f"trace_{name.replace('/', '-')}.json.gz"
+        with tempfile.TemporaryDirectory() as tmp:
+            with jax.profiler.trace(tmp, create_perfetto_trace=True):
+                engine.generate(request)
+            shutil.copy(next(Path(tmp).rglob("perfetto_trace.json.gz")), path)
+        stats = engine.stats
+        steps = stats.steps_plain + stats.steps_sd
+        runs[name] = {"trace": path.name, "steps": steps, "tokens": stats.tokens, "wall_s": stats.seconds["total"],
+                      **device_summary(path, steps)}
+    return {"summary": "; ".join(f"{k} {r['steps']} steps, {r.get('busy_us_per_step', 0):.0f} us busy / "
+                                 f"{r.get('span_us_per_step', 0):.0f} us per step, {r.get('kernels_per_step', 0):.0f} kernels"
+                                 for k, r in runs.items()),
+            "model": ctx.label(shape), "dtype": ctx.dtype, "draft_vocab": min(ctx.sizes.draft_vocab, vocab), "runs": runs}
+
+
+def device_summary(trace: Path, steps: int, top: int = 20) -> dict:
+    """A perfetto trace's device side per step: busy microseconds (the union of its events), the span from the
+    first event to the last, launches, device time per XLA program (hlo_module) and the costliest kernels.
+    Without device events (XLA CPU traces host threads only) it says so."""
+    import gzip
+    from collections import Counter
+
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    meta = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
+            if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name")}
+    device = [e for e in events if e.get("ph") == "X" and meta.get((e["pid"], None), "").startswith("/device:")]
+    if not device:
+        return {"device_events": 0}
+    threads = Counter(meta.get((e["pid"], e.get("tid")), str(e.get("tid"))) for e in device)
+    # Kernels and copies run on streams; other device lines (if any) summarise them and would count twice.
+    streams = [e for e in device if meta.get((e["pid"], e.get("tid")), "").startswith("Stream")] or device
+    busy, start, end = 0.0, min(e["ts"] for e in streams), float("-inf")
+    for s, t in sorted((e["ts"], e["ts"] + e["dur"]) for e in streams):
+        busy += max(0.0, t - max(s, end))
+        end = max(end, t)
+    by_kernel, launches, by_program = Counter(), Counter(), Counter()
+    for e in streams:
+        by_kernel[e["name"]] += e["dur"]
+        launches[e["name"]] += 1
+        by_program[e.get("args", {}).get("hlo_module", "?")] += e["dur"]
+    steps = max(steps, 1)
+    return {"device_events": len(device), "threads": dict(threads), "busy_us_per_step": busy / steps,
+            "span_us_per_step": (end - start) / steps, "busy_share": busy / max(end - start, 1e-9),
+            "kernels_per_step": len(streams) / steps, "program_us": dict(by_program.most_common()),
+            "top_kernels": [{"name": k, "us_per_step": d / steps, "launches_per_step": launches[k] / steps,
+                             "args": next(e.get("args") for e in streams if e["name"] == k)}
+                            for k, d in by_kernel.most_common(top)]}
+
+
 def trained_drafter(ctx: Ctx) -> dict:
     """`train-drafter` (train_drafter, what the command runs) on this device with a small budget, then bench-sd at batch 1."""
     import shutil
@@ -390,13 +474,16 @@ def trained_drafter(ctx: Ctx) -> dict:
     from fastrl_jax.models.drafter_io import load_drafter
 
     out_dir = ctx.out / "drafter"
-    shutil.rmtree(out_dir, ignore_errors=True)
     cfg = ctx.config(*ctx.sizes.drafter_overrides, f"drafter_train.out_dir={out_dir}", "rollout.warm_up=false")
-    check_trainable(cfg, "train-drafter")
     policy = ctx.policy(cfg.model.engine_dtype)
-    t0 = time.perf_counter()
-    summary = train_drafter(cfg, policy.model, policy.tokenizer, resume=False, progress=False)
-    wall = time.perf_counter() - t0
+    if ctx.args.drafter:  # a drafter trained elsewhere: bench-sd only
+        summary, wall = {"drafter": ctx.args.drafter}, None
+    else:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        check_trainable(cfg, "train-drafter")
+        t0 = time.perf_counter()
+        summary = train_drafter(cfg, policy.model, policy.tokenizer, resume=False, progress=False)
+        wall = time.perf_counter() - t0
     ctx.shared["drafter_dir"] = summary["drafter"]
     drafter = load_drafter(summary["drafter"], policy.cfg, cfg.model.engine_dtype)
     prompts = held_out_sets(cfg, policy.tokenizer, max(ctx.sizes.prompts // 2, 2))["math"]
@@ -404,7 +491,8 @@ def trained_drafter(ctx: Ctx) -> dict:
         policy.model, drafter, {"math": prompts}, policy.stop_ids, base_cfg=cfg.rollout, batch_sizes=[1],
         strategies=[StrategySpec("3/1/4"), StrategySpec("6/4/16")], temperatures=[0.0], vocabs=["reduced"], new_tokens=ctx.sizes.new_tokens,
         repeats=1, log=lambda line: None)]
-    return {"summary": f"train-drafter {wall:.0f}s; bench-sd bs1 " + ", ".join(
+    trained = f"train-drafter {wall:.0f}s" if wall is not None else f"drafter {ctx.args.drafter}"
+    return {"summary": f"{trained}; bench-sd bs1 " + ", ".join(
                 f"{r['strategy']} {r['speedup']:.2f}x (accept {r['acceptance_length']:.2f}, "
                 f"same {r['same_tokens']}/{r['requests']})" for r in rows),
             "train_drafter_wall_s": wall, "collect": summary.get("collect"), "data": summary.get("data"),
@@ -526,6 +614,13 @@ def markdown(results: dict) -> str:
                                               "cache move", "other", "SD step", "SD / plain"], [
         [r["model"], r["strategy"], r["batch"], *(f"{r[k]:.2f}" for k in phases), f"{r['sd_over_plain']:.2f}x"]
         for r in prof])
+    traced = results.get("trace", {}).get("runs", {})
+    lines += _table(f"Traced at batch 1 ({results.get('trace', {}).get('model', '')}, per step)", [
+        "run", "steps", "device busy us", "span us", "busy share", "kernels", "costliest kernels (us)"], [
+        [k, r["steps"], _fmt(r.get("busy_us_per_step"), ".0f"), _fmt(r.get("span_us_per_step"), ".0f"),
+         _fmt(r.get("busy_share"), ".0%"), _fmt(r.get("kernels_per_step"), ".0f"),
+         ", ".join(f"{t['name'][:40]} {t['us_per_step']:.0f}" for t in r.get("top_kernels", [])[:3])]
+        for k, r in traced.items()])
     bench_rows = [*results.get("sd_lossless", {}).get("rows", []), *results.get("trained_drafter", {}).get("rows", [])]
     lines += _table("Plain vs speculative (bench-sd rows)", ["dtype", "prompts", "T", "batch", "strategy", "vocab",
                                                              "plain tok/s", "SD tok/s", "accept", "speedup", "same"], [
@@ -546,11 +641,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="directory for gpu_check.json, gpu_check.md and the sections' files")
     p.add_argument("--budget-s", type=float, default=560.0, help="no section starts after this many seconds")
     p.add_argument("--reduced", action="store_true", help="tiny sizes (the default on CPU)")
-    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="sections to run, in this order")
     p.add_argument("--config", help="YAML config (default: configs/smollm2_gpu.yaml, reduced: configs/smollm2_cpu.yaml)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every section")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="plain_decode / sd_step_profile dtype "
                    "(default bfloat16, reduced float32)")
+    p.add_argument("--shapes", nargs="+", help="plain_decode models instead of the defaults: 'model' (--config's "
+                   "model.path) or known shapes with random weights (models.known_configs)")
+    p.add_argument("--profile-shapes", nargs="+", help="sd_step_profile / trace models instead of the defaults (as --shapes)")
+    p.add_argument("--drafter", help="trained_drafter benches this drafter directory instead of training one; "
+                   "longtail and grpo use it too")
     p.add_argument("--skip-hf", action="store_true", help="plain_decode without the transformers comparison")
     p.add_argument("--compile-cache", default="", help="JAX persistent compilation cache directory ('' = off)")
     return p.parse_args(argv)
@@ -561,11 +661,20 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import jax
 
+    from fastrl_jax.models.known_configs import KNOWN
+
+    unknown = [s for s in [*(args.shapes or ()), *(args.profile_shapes or ())] if s != "model" and s not in KNOWN]
+    if unknown:
+        raise SystemExit(f"gpu_check: unknown shapes {unknown}: use 'model' or one of {sorted(KNOWN)}")
     sizes = REDUCED if args.reduced or jax.default_backend() == "cpu" else FULL
+    sizes = dataclasses.replace(sizes, shapes=tuple(args.shapes or sizes.shapes),
+                                profile_shapes=tuple(args.profile_shapes or sizes.profile_shapes))
     args.config = args.config or str(ROOT / "configs" / ("smollm2_cpu.yaml" if sizes is REDUCED else "smollm2_gpu.yaml"))
     out = Path(args.out).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     ctx = Ctx(args, sizes, out, time.monotonic() + args.budget_s, {})
+    if args.drafter:
+        ctx.shared["drafter_dir"] = args.drafter
     if args.compile_cache:
         from fastrl_jax.rollout.pool import enable_persistent_cache
 
@@ -577,9 +686,8 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGALRM, overrun)  # a section stuck past the budget is recorded as an error
     signal.alarm(int(args.budget_s) + 15)
     try:
-        for name in SECTIONS:
-            if name in args.sections:
-                run_section(ctx, name)
+        for name in dict.fromkeys(args.sections):  # in the order asked: a short budget runs the first ones
+            run_section(ctx, name)
     finally:
         signal.alarm(0)
         write(ctx)

@@ -32,7 +32,7 @@ def test_reduced_gpu_check_runs_every_section(tmp_path):
     errors = {k: r.get("traceback", r["summary"]) for k, r in results.items() if r["status"] != "ok"}
     assert proc.returncode == 0 and not errors, (errors, proc.stderr[-3000:])
     assert list(results) == ["environment", "kernel_tests", "greedy_vs_hf", "sd_lossless", "plain_decode",
-                             "sd_step_profile", "trained_drafter", "longtail", "grpo", "device_tests", "memory"]
+                             "sd_step_profile", "trace", "trained_drafter", "longtail", "grpo", "device_tests", "memory"]
     assert results["environment"]["backend"] == "cpu" and results["environment"]["reduced"]
     for name in ("kernel_tests", "device_tests"):
         r = results[name]
@@ -47,10 +47,13 @@ def test_reduced_gpu_check_runs_every_section(tmp_path):
     assert results["plain_decode"]["copy_bandwidth_gbs"] > 0 and all(0 < r["floor_fraction"] for r in decode)
     prof = results["sd_step_profile"]["rows"][0]
     assert prof["draft_vocab"] == 64 and prof["sd_step"] > 0 and prof["verify_forward"] > 0
+    traced = results["trace"]["runs"]
+    assert list(traced) == ["plain", "3/1/4"] and all(r["steps"] > 0 and (out / r["trace"]).stat().st_size > 0
+                                                      for r in traced.values()), traced
     drafted = results["trained_drafter"]
     assert drafted["train_drafter_wall_s"] > 0 and (Path(drafted["drafter"]) / "_CHECKPOINT_METADATA").exists()
     assert [r["same_tokens"] == r["requests"] for r in drafted["rows"]] == [True, True]
     assert results["longtail"]["drafter"] == drafted["drafter"] and results["longtail"]["adaptive_vs_plain"] > 0
     assert results["grpo"]["same_token_counts"] and results["grpo"]["runs"]["adaptive"]["sd_share"][0] > 0
     md = (out / "gpu_check.md").read_text()
-    assert "| section | status | seconds | result |" in md and "## Plain decode" in md and "## SD step by phase" in md
+    assert "| section | status | seconds | result |" in md and "## Plain decode" in md and "## SD step by phase" in md and "## Traced at batch 1" in md

@@ -44,7 +44,8 @@ def with_full_vocab(drafter: Drafter) -> Drafter:
     return nnx.merge(graphdef, state)
 
 
-def _bench_cfg(base: RolloutConfig, batch_sizes, prompt_len: int, new_tokens: int, margin: int) -> RolloutConfig:
+def bench_cfg(base: RolloutConfig, batch_sizes, prompt_len: int, new_tokens: int, margin: int) -> RolloutConfig:
+    """`base` with one prompt and one length bucket that hold prompt_len + new_tokens + margin (tree slots), no warm-up."""
     prompt_bucket = -(-prompt_len // 32) * 32
     length = -(-(prompt_bucket + new_tokens + margin) // 64) * 64
     return dataclasses.replace(
@@ -91,7 +92,7 @@ def run_bench(policy: Decoder, drafter: Drafter | None, prompt_sets: dict[str, S
     an RL group: history strategies ('hD') draft from the earlier samples."""
     margin = max(s.nodes() for s in strategies)
     longest = max(len(p) for prompts in prompt_sets.values() for p in prompts)
-    cfg = _bench_cfg(base_cfg, batch_sizes, longest, new_tokens, margin)
+    cfg = bench_cfg(base_cfg, batch_sizes, longest, new_tokens, margin)
     if any(s.parts()[0] for s in strategies) and drafter is None:
         raise ValueError("EAGLE strategies (S/K/V) need a drafter: --drafter DIR")
     drafters = {"reduced": drafter, "full": with_full_vocab(drafter) if drafter is not None else None}
