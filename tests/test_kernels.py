@@ -91,12 +91,21 @@ def test_tree_mask_builder():
     assert mask[0, 4].tolist() == [True, True, True, True, False, True, True, False, False, False]
 
 
+def runs_on(backend: str, case) -> str:
+    """The backend a case runs on: the GPU kernels take power-of-two head dims >= 16 and hand the rest
+    (D=8 here; real models have 64-256) to the reference, as seen on an H100."""
+    D = case[4]
+    if not ON_CPU and backend in ("pallas", "triton") and (D < 16 or D & (D - 1)):
+        return "reference"
+    return backend
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}T{}KV{}G{}D{}S{}-{}".format(*c))
 def test_matches_numpy(backend, case):
     q, k, v, mask = make_case(sum(case[:6]), *case)
     out, used = attention.masked_attention(q, k, v, mask, backend=backend, with_backend=True)
-    assert used == backend
+    assert used == runs_on(backend, case)
     assert out.shape == q.shape and out.dtype == q.dtype
     np.testing.assert_allclose(np.asarray(out), naive_attention(q, k, v, mask), **tolerance())
 
@@ -127,7 +136,7 @@ def test_cached_attention_sees_the_new_tokens_not_the_stale_slots(backend, case)
     there, whether the backend splits the softmax (reference) or is handed the placed window."""
     q, k, v, mask, (k_cached, v_cached, k_new, v_new, starts) = split_case(sum(case[:6]), case)
     out, used = attention.cached_attention(q, k_cached, v_cached, k_new, v_new, starts, mask, backend=backend, with_backend=True)
-    assert used == backend
+    assert used == runs_on(backend, case)
     assert out.shape == q.shape and out.dtype == q.dtype
     np.testing.assert_allclose(np.asarray(out), naive_attention(q, k, v, mask), **tolerance())
 
