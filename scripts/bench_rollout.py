@@ -55,7 +55,7 @@ def make_prompts(n: int) -> list[str]:
     ]
 
 
-def bench_engine(model, prompt_ids, batch_sizes, new_tokens, repeats):
+def bench_engine(model, prompt_ids, batch_sizes, new_tokens, repeats, layer_loop="auto"):
     from fastrl_jax.config import RolloutConfig
     from fastrl_jax.rollout.engine import Request, RolloutEngine
 
@@ -66,6 +66,7 @@ def bench_engine(model, prompt_ids, batch_sizes, new_tokens, repeats):
         prompt_buckets=(prompt_bucket,),
         length_buckets=tuple(prompt_bucket + k for k in (new_tokens // 2, new_tokens)),
         steps_per_call=new_tokens,
+        layer_loop=layer_loop,
     )
     t0 = time.perf_counter()
     engine = RolloutEngine(model, cfg, progress=False)

@@ -328,22 +328,24 @@ def plain_decode(ctx: Ctx) -> dict:
         model, hf_factory = _model(ctx, shape, dtype)
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
         prompts = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (64, 32)).tolist()
-        ours, start_s, _ = br.bench_engine(model, prompts, list(sizes.decode_batches), sizes.new_tokens, 1)
+        # Both layer loops (rollout.layer_loop), while the GPU default ('auto': unrolled) is young.
+        ours = {loop: br.bench_engine(model, prompts, list(sizes.decode_batches), sizes.new_tokens, 1, loop)[:2]
+                for loop in ("scan", "unrolled")}
         hf = {}
         if not ctx.args.skip_hf and ctx.left() > 60:
             hf = br.bench_hf(hf_factory(), prompts, list(sizes.decode_batches), sizes.new_tokens, 1, 0)
-        for b in sizes.decode_batches:
-            floor = b * bandwidth * 1e9 / weight_bytes
-            rows.append({"model": ctx.label(shape), "dtype": dtype, "batch": b, "tok_s": ours[b][0],
-                         "hf_tok_s": hf.get(b, (None,))[0],
-                         "floor_tok_s": floor, "floor_fraction": ours[b][0] / floor, "weight_bytes": weight_bytes,
-                         "engine_start_s": start_s})
+        for loop, (tok_s, start_s) in ours.items():
+            for b in sizes.decode_batches:
+                floor = b * bandwidth * 1e9 / weight_bytes
+                rows.append({"model": ctx.label(shape), "dtype": dtype, "layer_loop": loop, "batch": b, "tok_s": tok_s[b][0],
+                             "hf_tok_s": hf.get(b, (None,))[0], "floor_tok_s": floor, "floor_fraction": tok_s[b][0] / floor,
+                             "weight_bytes": weight_bytes, "engine_start_s": start_s})
         del model, hf_factory, ours
         gc.collect()
         _free_torch()
     one = [r for r in rows if r.get("batch") == 1]
-    return {"summary": "; ".join(f"{r['model']} bs1 {r['tok_s']:.0f} tok/s = {r['floor_fraction']:.0%} of floor"
-                                 for r in one), "copy_bandwidth_gbs": bandwidth, "rows": rows}
+    return {"summary": "; ".join(f"{r['model']} bs1 {r['layer_loop']} {r['tok_s']:.0f} tok/s = {r['floor_fraction']:.0%} "
+                                 "of floor" for r in one), "copy_bandwidth_gbs": bandwidth, "rows": rows}
 
 
 def _free_torch() -> None:
@@ -357,6 +359,7 @@ def _free_torch() -> None:
 
 def sd_step_profile(ctx: Ctx) -> dict:
     """bench.profile_step per model, batch and strategy, with a random drafter over a reduced draft vocabulary."""
+    import jax
     import numpy as np
     from flax import nnx
 
@@ -366,6 +369,7 @@ def sd_step_profile(ctx: Ctx) -> dict:
     from fastrl_jax.models.drafter import Drafter
 
     sizes, rows = ctx.sizes, []
+    unrolled = ctx.config().rollout.unrolled_layers(jax.default_backend())  # as the engines run the layers
     for shape in sizes.profile_shapes:
         model, _ = _model(ctx, shape, ctx.dtype)
         vocab = np.arange(min(sizes.draft_vocab, model.cfg.vocab_size))
@@ -375,9 +379,9 @@ def sd_step_profile(ctx: Ctx) -> dict:
                 if ctx.left() < 15:
                     rows.append({"model": shape, "batch": batch, "strategy": strategy, "skipped": "budget"})
                     continue
-                ms = bench.profile_step(model, drafter, StrategySpec(strategy), batch=batch, repeats=5)
-                rows.append({"model": ctx.label(shape), "dtype": ctx.dtype, "batch": batch,
-                             "strategy": strategy,
+                ms = bench.profile_step(model, drafter, StrategySpec(strategy), batch=batch, repeats=5, unrolled=unrolled)
+                rows.append({"model": ctx.label(shape), "dtype": ctx.dtype, "batch": batch, "strategy": strategy,
+                             "layer_loop": "unrolled" if unrolled else "scan",
                              "draft_vocab": len(vocab), **ms, "sd_over_plain": ms["sd_step"] / ms["plain_decode_step"]})
     done = [r for r in rows if "sd_over_plain" in r]
     return {"summary": ", ".join(f"{r['model']} {r['strategy']} bs{r['batch']} {r['sd_over_plain']:.2f}x" for r in done[:6]),
@@ -605,9 +609,9 @@ def markdown(results: dict) -> str:
             r = results[name]
             lines.append(f"| {name} | {r['status']} | {_fmt(r.get('seconds'), '.0f')} | {r.get('summary', '')} |")
     decode = [r for r in results.get("plain_decode", {}).get("rows", []) if "batch" in r]
-    lines += _table("Plain decode", ["model", "dtype", "batch", "tok/s", "HF tok/s", "floor tok/s", "of floor"], [
-        [r["model"], r["dtype"], r["batch"], f"{r['tok_s']:.0f}", _fmt(r["hf_tok_s"], ".0f"), f"{r['floor_tok_s']:.0f}",
-         f"{r['floor_fraction']:.0%}"] for r in decode])
+    lines += _table("Plain decode", ["model", "dtype", "layer loop", "batch", "tok/s", "HF tok/s", "floor tok/s", "of floor"], [
+        [r["model"], r["dtype"], r.get("layer_loop", "scan"), r["batch"], f"{r['tok_s']:.0f}", _fmt(r["hf_tok_s"], ".0f"),
+         f"{r['floor_tok_s']:.0f}", f"{r['floor_fraction']:.0%}"] for r in decode])
     prof = [r for r in results.get("sd_step_profile", {}).get("rows", []) if "sd_step" in r]
     phases = ("plain_decode_step", "draft_tree", "verify_forward", "accept", "cache_move", "other", "sd_step")
     lines += _table("SD step by phase (ms)", ["model", "strategy", "batch", "plain step", "draft tree", "verify", "accept",

@@ -43,7 +43,8 @@ def test_reduced_gpu_check_runs_every_section(tmp_path):
     assert {(r["dtype"], r["temperature"]) for r in rows} == {(d, t) for d in ("float32", "bfloat16") for t in (0.0, 0.7)}
     assert all(r["same_tokens"] == r["requests"] for r in rows), rows
     decode = results["plain_decode"]["rows"]
-    assert [r["batch"] for r in decode] == [1, 4] and all(r["tok_s"] > 0 and r["hf_tok_s"] > 0 for r in decode)
+    assert [(r["layer_loop"], r["batch"]) for r in decode] == [("scan", 1), ("scan", 4), ("unrolled", 1), ("unrolled", 4)]
+    assert all(r["tok_s"] > 0 and r["hf_tok_s"] > 0 for r in decode)
     assert results["plain_decode"]["copy_bandwidth_gbs"] > 0 and all(0 < r["floor_fraction"] for r in decode)
     prof = results["sd_step_profile"]["rows"][0]
     assert prof["draft_vocab"] == 64 and prof["sd_step"] > 0 and prof["verify_forward"] > 0

@@ -110,6 +110,38 @@ def test_ragged_rows_share_one_prefill(tiny):
         assert relative_error(step_logits[r, 0], ref[n]) < model_rtol()
 
 
+def test_unstacked_layers_run_unrolled_to_the_same_outputs(tiny):
+    """unstack_layers (the engines' layout on GPU): logits, captured features and the new cache are the
+    scan's, bit for bit, in one jitted program each, for a prefill and for the pass that runs two groups
+    of tokens together; the caller's stacked state is left as it was."""
+    from flax import nnx
+
+    from fastrl_jax.models.decoder import unstack_layers
+
+    _, model, cfg = tiny
+    graphdef, state = nnx.split(model)
+    unstacked = unstack_layers(state)
+    assert all(isinstance(v.get_value(), tuple) and len(v.get_value()) == cfg.num_layers
+               for v in jax.tree.leaves(unstacked["layers"], is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    assert all(not isinstance(v.get_value(), tuple)
+               for v in jax.tree.leaves(state["layers"], is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 7)))
+    positions, start = jnp.broadcast_to(jnp.arange(7), (2, 7)), jnp.array([0, 3], jnp.int32)
+    capture = (0, cfg.num_layers)
+
+    @jax.jit
+    def forward(state):
+        m = nnx.merge(graphdef, state)
+        cache = KVCache.zeros(cfg, 2, 16)
+        one = m(tokens, positions, cache, start, capture=capture)
+        mask = jnp.ones((2, 7, 16), bool)
+        two = m.hidden_and_features_together([(tokens, positions, cache, start, mask, None)] * 2, capture)
+        return one, two
+
+    for a, b in zip(jax.tree.leaves(forward(state)), jax.tree.leaves(forward(unstacked))):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_kv_len_bucket_and_tree_mask(tiny):
     """Attending to a shorter length bucket changes nothing; a block mask limits what new tokens see."""
     _, model, cfg = tiny

@@ -132,6 +132,27 @@ def test_coupled_sampling_equals_plain_sampling(model, kind, temperature):
         np.testing.assert_allclose(b.hidden_states, a.hidden_states, atol=1e-4 * scale)
 
 
+def test_unrolled_layer_loop_decodes_what_the_scan_decodes(model, eagle):
+    """rollout.layer_loop='unrolled' (the GPU default): plain and speculative engines give the scan's
+    tokens, log-probs and hidden states for sampled requests, also after update_weights."""
+    reqs = [Request(p, max_new_tokens=12, temperature=0.8, seed=i, stop_ids=(7,)) for i, p in enumerate(prompts(5, seed=3))]
+    sd = SpecConfig(mode="on", steps=3, topk=2, verify_tokens=6)
+    unrolled_cfg = dataclasses.replace(SD_CFG, layer_loop="unrolled")
+
+    def run(cfg, weights, **kw):
+        engine = RolloutEngine(model, cfg, keep_hidden=True, progress=False, **kw)
+        engine.update_weights(weights)
+        assert isinstance(engine.state["layers"]["w_up"].get_value(), tuple) == (cfg.layer_loop == "unrolled")
+        return engine.generate(reqs)
+
+    other = tiny_model(seed=1)  # update_weights hands the engine these
+    for kw in ({}, {"sd": sd, "drafter": eagle}):
+        for a, b in zip(run(SD_CFG, other, **kw), run(unrolled_cfg, other, **kw)):
+            assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
+            np.testing.assert_array_equal(a.logprobs, b.logprobs)
+            np.testing.assert_array_equal(a.hidden_states, b.hidden_states)
+
+
 def oracle_draft_tree(policy, drafter, ds, root_token, root_pos, strategy, kv_len, params=None):
     """A perfect drafter behind a decoy: node 1 is a wrong token, nodes 2.. the policy's greedy chain.
 

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from fastrl_jax.config import RolloutConfig, SpecConfig, StrategySpec
-from fastrl_jax.models.decoder import Decoder, KVCache
+from fastrl_jax.models.decoder import Decoder, KVCache, unstack_layers
 from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.plotting import pyplot
 from fastrl_jax.rollout import accept as accept_lib
@@ -203,10 +203,12 @@ def _median_ms(fn, *args, repeats: int) -> float:
 
 
 def profile_step(policy: Decoder, drafter: Drafter, strategy: StrategySpec, *, batch: int = 1,
-                 prefix_len: int = 160, kv_len: int = 320, temperature: float = 0.0, repeats: int = 10) -> dict[str, float]:
+                 prefix_len: int = 160, kv_len: int = 320, temperature: float = 0.0, repeats: int = 10,
+                 unrolled: bool = False) -> dict[str, float]:
     """Median milliseconds of each phase of one speculative step (each jitted alone, same shapes and
     dtypes as the engine's: the policy's), of the whole sd_step, and of one plain decode step. Random
-    prefix contents: the cost does not depend on them."""
+    prefix contents: the cost does not depend on them. unrolled: the policy's layer loop as an engine
+    with rollout.layer_loop 'unrolled' runs it (RolloutConfig.unrolled_layers)."""
     st = speculative.Strategy(*strategy.parts())
     if st.steps == 0:
         raise ValueError(f"--profile times an EAGLE tree's phases; {strategy} has none")
@@ -214,6 +216,7 @@ def profile_step(policy: Decoder, drafter: Drafter, strategy: StrategySpec, *, b
     B, N = batch, st.verify_tokens
     dtype = policy.embed[...].dtype
     pg, ps = nnx.split(policy)
+    ps = unstack_layers(ps) if unrolled else ps
     dg, dstate = nnx.split(drafter)
     L = jnp.full((B,), prefix_len, jnp.int32)
     cache = KVCache.zeros(cfg, B, kv_len, dtype)

@@ -196,17 +196,44 @@ def run_layers(cfg: ModelConfig, layers: Layers, x, positions, cache: KVCache, s
     if remat:
         layer = jax.checkpoint(layer)
 
-    # The cache is only read inside the scan; the new keys/values come out as small [L, B, KV, T, D]
+    # The cache is only read inside the loop; the new keys/values come out as small [L, B, KV, T, D]
     # outputs and are written once afterwards, in place (the caller donates the cache). Carrying
     # the cache through the scan instead made XLA copy it at every layer.
     aux = tuple(jnp.zeros_like(x) for _ in capture)
-    steps = jnp.arange(cache.k.shape[0])
-    (x, aux), (k_new, v_new) = jax.lax.scan(layer, (x, aux), (steps, layer_params, cache.k, cache.v))
+    (x, aux), (k_new, v_new) = _over_layers(layer, (x, aux), layer_params, (cache.k, cache.v))
     cache = KVCache(k=_write_rows(cache.k, k_new, start), v=_write_rows(cache.v, v_new, start))
     if not capture:
         return x, cache
     aux = _grab(capture, cache.k.shape[0], x, aux)
     return x, jnp.concatenate(aux, axis=-1), cache
+
+
+def _over_layers(body, carry, params: dict, xs):
+    """jax.lax.scan(body, carry, (layer index, layer weights, *xs)) with xs [L, ...] per layer. Weights that
+    unstack_layers split (a tuple of per-layer arrays each) run the same loop unrolled instead."""
+    first = next(iter(params.values()))
+    if not isinstance(first, tuple):
+        return jax.lax.scan(body, carry, (jnp.arange(first.shape[0]), params, *xs))
+    outs = []
+    for i in range(len(first)):
+        carry, out = body(carry, (i, {k: v[i] for k, v in params.items()}, *(jax.tree.map(lambda a: a[i], x) for x in xs)))
+        outs.append(out)
+    return carry, jax.tree.map(lambda *o: jnp.stack(o), *outs)
+
+
+def unstack_layers(state: nnx.State) -> nnx.State:
+    """A decoder's state (nnx.split) with every stacked layer weight [L, ...] split into a tuple of L
+    arrays, each its own buffer once passed through jit: run_layers then unrolls the layer loop. The
+    engines' layout on accelerators (rollout.layer_loop): under the scan, XLA GPU copied each layer's MLP
+    weights out of the stacked arrays at every layer of every decode step, tripling their HBM traffic
+    (docs/gpu.md, 2026-11-26). Stacked states (training, checkpoints, export) are unchanged."""
+    def split(var):
+        value = var.get_value()
+        return var.replace(tuple(value[i] for i in range(value.shape[0])) if not isinstance(value, tuple) else value)
+
+    state = jax.tree.map(lambda x: x, state)  # new Variables over the same arrays: the caller's state stays stacked
+    state["layers"] = jax.tree.map(split, state["layers"], is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return state
 
 
 def _grab(capture: tuple[int, ...], i, x, aux):
@@ -253,9 +280,8 @@ def run_layers_together(cfg: ModelConfig, layers: Layers, parts, capture: tuple[
 
     x = flat([x for x, *_ in parts])
     aux = tuple(jnp.zeros_like(x) for _ in capture)
-    steps = jnp.arange(cfg.num_layers)
     cached = [(cache.k, cache.v) for _, _, cache, *_ in parts]
-    (x, aux), new = jax.lax.scan(layer, (x, aux), (steps, layer_params, cached))
+    (x, aux), new = _over_layers(layer, (x, aux), layer_params, (cached,))
     features = jnp.concatenate(_grab(capture, cfg.num_layers, x, aux), axis=-1) if capture else x
     out = []
     for x_, f_, (k_new, v_new), (_, _, cache, start, *_) in zip(split(x), split(features), new, parts):

@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from fastrl_jax.config import RolloutConfig, SpecConfig
-from fastrl_jax.models.decoder import Decoder, KVCache
+from fastrl_jax.models.decoder import Decoder, KVCache, unstack_layers
 from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.rollout import history as history_lib
 from fastrl_jax.rollout import programs, speculative
@@ -129,6 +129,9 @@ class RolloutEngine:
         self.cfg = cfg
         self.model_cfg = model.cfg
         self.graphdef, self.state = nnx.split(model)
+        self.unrolled = cfg.unrolled_layers(jax.default_backend())
+        if self.unrolled:
+            self.state = unstack_layers(self.state)
         self.dtype = model.embed.get_value().dtype
         self.sd = sd
         self.strategies = [speculative.Strategy(*spec.parts()) for spec in sd.strategy_list()] if sd.mode != "off" else []
@@ -353,6 +356,8 @@ class RolloutEngine:
         graphdef, state = nnx.split(model)
         if graphdef != self.graphdef:
             raise ValueError("update_weights needs a model of the same structure as the engine's")
+        if self.unrolled:
+            state = unstack_layers(state)
         _check_dtypes("update_weights", state, self.state)
         self.state = state
 
