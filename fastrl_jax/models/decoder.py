@@ -229,7 +229,11 @@ def unstack_layers(state: nnx.State) -> nnx.State:
     (docs/gpu.md, 2026-11-26). Stacked states (training, checkpoints, export) are unchanged."""
     def split(var):
         value = var.get_value()
-        return var.replace(tuple(value[i] for i in range(value.shape[0])) if not isinstance(value, tuple) else value)
+        if isinstance(value, tuple):
+            return var
+        if isinstance(value, jax.ShapeDtypeStruct):  # an abstract model (dry runs)
+            return var.replace(tuple(jax.ShapeDtypeStruct(value.shape[1:], value.dtype) for _ in range(value.shape[0])))
+        return var.replace(tuple(value[i] for i in range(value.shape[0])))
 
     state = jax.tree.map(lambda x: x, state)  # new Variables over the same arrays: the caller's state stays stacked
     state["layers"] = jax.tree.map(split, state["layers"], is_leaf=lambda x: isinstance(x, nnx.Variable))

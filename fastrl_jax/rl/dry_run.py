@@ -72,7 +72,12 @@ def memory_plan(cfg: Config, devices: int | None = None) -> dict[str, float]:
     params = _per_device_bytes(shardings_for(state, mesh, master_rules(cfg.model)), state)
     mixed = cfg.model.engine_dtype != cfg.model.dtype  # else the engines share the trainer's buffers
     engine_state = nnx.state(abstract_decoder(mcfg, DTYPES[cfg.model.engine_dtype]))
-    rollout_params = _per_device_bytes(shardings_for(engine_state, mesh), engine_state) if mixed else 0
+    engine_params = _per_device_bytes(shardings_for(engine_state, mesh), engine_state)
+    rollout_params = engine_params if mixed else 0
+    # Unrolled engines (rollout.layer_loop; 'auto' unrolls on GPU, what a plan is for) copy the layer
+    # weights into per-layer buffers beside the stacked ones the drafter trainer reads.
+    layers = nnx.state(abstract_decoder(mcfg, DTYPES[cfg.model.engine_dtype]).layers)
+    unrolled = _per_device_bytes(shardings_for(layers, mesh), layers) if cfg.rollout.layer_loop != "scan" else 0
     itemsize = np.dtype(DTYPES[cfg.model.engine_dtype]).itemsize
     B, S = cfg.rollout.batch_buckets[-1], cfg.rollout.length_buckets[-1]
     # The engine keeps its row table (KV cache included) replicated on the replica's devices.
@@ -89,11 +94,11 @@ def memory_plan(cfg: Config, devices: int | None = None) -> dict[str, float]:
         "param_count": sum(math.prod(v.shape) for v in jax.tree.leaves(state)),
         "params": params, "grads": params, "optimizer": 2 * params,
         "reference": params if cfg.rl.kl_coef > 0 else 0,
-        "rollout_params": rollout_params,
+        "rollout_params": rollout_params, "unrolled_layers": unrolled,
         "kv_cache": kv, "hidden_states": hidden, "drafter_kv_cache": drafter_kv, "train_logits": logits,
     }
-    plan["total"] = sum(plan[k] for k in ("params", "grads", "optimizer", "reference", "rollout_params", "kv_cache",
-                                         "hidden_states", "drafter_kv_cache", "train_logits"))
+    plan["total"] = sum(plan[k] for k in ("params", "grads", "optimizer", "reference", "rollout_params", "unrolled_layers",
+                                         "kv_cache", "hidden_states", "drafter_kv_cache", "train_logits"))
     return plan
 
 
@@ -133,6 +138,7 @@ def plan(cfg: Config, devices: int | None = None) -> str:
         "optimizer": "AdamW first and second moments",
         "reference": "frozen reference policy (rl.kl_coef > 0)",
         "rollout_params": f"the engines' {cfg.model.engine_dtype} copy (model.rollout_dtype)",
+        "unrolled_layers": "the engines' per-layer copy of the layer weights (rollout.layer_loop unrolled; auto: on GPU)",
         "kv_cache": f"rollout KV cache, {cfg.rollout.batch_buckets[-1]} rows x {cfg.rollout.length_buckets[-1]} slots",
         "hidden_states": "last-layer hidden states kept for the drafter (sd on)",
         "drafter_kv_cache": "drafter's one-layer KV cache (sd on)",
