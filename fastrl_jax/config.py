@@ -119,10 +119,10 @@ class RolloutConfig:
     prefill_with_decode: bool = False
     compile_cache_dir: str = "~/.cache/fastrl_jax/xla"  # JAX persistent compilation cache; "" disables
     warm_up: bool = True  # compile every program at engine start
-    # How the engines' programs run the policy's layers: 'scan' (lax.scan over stacked weights: short compiles),
-    # 'unrolled' (each layer's weights their own buffers: on an H100 the scan copied every layer's MLP weights
-    # at every step, docs/gpu.md), or 'auto': unrolled on GPU, scan elsewhere.
-    layer_loop: str = "auto"
+    # How the engines' programs run the policy's layers: 'scan' (lax.scan over the stacked weights) or 'unrolled'
+    # (each layer's weights their own buffers). On an H100 the scan copied every layer's MLP weights at every
+    # decode step (docs/gpu.md); unrolled is not yet measured there, and on CPU it decodes slower.
+    layer_loop: str = "scan"
 
     def __post_init__(self):
         for name in ("batch_buckets", "length_buckets", "prompt_buckets"):
@@ -140,11 +140,7 @@ class RolloutConfig:
             raise ConfigError(f"rollout.window_rows must be an increasing list of positive ints, got {list(self.window_rows)}")
         _check_at_least("rollout", self, ("steps_per_call", "max_stop_ids", "refill_rows"), 1)
         _check_at_least("rollout", self, ("shared_prefix_min",), 0)
-        _check_choice("rollout.layer_loop", self.layer_loop, ("auto", "scan", "unrolled"))
-
-    def unrolled_layers(self, backend: str) -> bool:
-        """Whether engines on `backend` ('cpu', 'gpu', 'tpu') unroll the layer loop (layer_loop)."""
-        return self.layer_loop == "unrolled" or (self.layer_loop == "auto" and backend == "gpu")
+        _check_choice("rollout.layer_loop", self.layer_loop, ("scan", "unrolled"))
 
 
 class StrategySpec(str):

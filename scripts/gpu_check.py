@@ -328,7 +328,7 @@ def plain_decode(ctx: Ctx) -> dict:
         model, hf_factory = _model(ctx, shape, dtype)
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
         prompts = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (64, 32)).tolist()
-        # Both layer loops (rollout.layer_loop), while the GPU default ('auto': unrolled) is young.
+        # Both layer loops (rollout.layer_loop): on an H100 the scan copied MLP weights at every step (docs/gpu.md).
         ours = {loop: br.bench_engine(model, prompts, list(sizes.decode_batches), sizes.new_tokens, 1, loop)[:2]
                 for loop in ("scan", "unrolled")}
         hf = {}
@@ -359,7 +359,6 @@ def _free_torch() -> None:
 
 def sd_step_profile(ctx: Ctx) -> dict:
     """bench.profile_step per model, batch and strategy, with a random drafter over a reduced draft vocabulary."""
-    import jax
     import numpy as np
     from flax import nnx
 
@@ -369,7 +368,7 @@ def sd_step_profile(ctx: Ctx) -> dict:
     from fastrl_jax.models.drafter import Drafter
 
     sizes, rows = ctx.sizes, []
-    unrolled = ctx.config().rollout.unrolled_layers(jax.default_backend())  # as the engines run the layers
+    unrolled = ctx.config().rollout.layer_loop == "unrolled"  # as the engines run the layers
     for shape in sizes.profile_shapes:
         model, _ = _model(ctx, shape, ctx.dtype)
         vocab = np.arange(min(sizes.draft_vocab, model.cfg.vocab_size))

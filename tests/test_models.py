@@ -111,7 +111,7 @@ def test_ragged_rows_share_one_prefill(tiny):
 
 
 def test_unstacked_layers_run_unrolled_to_the_same_outputs(tiny):
-    """unstack_layers (the engines' layout on GPU): logits, captured features and the new cache are the
+    """unstack_layers (rollout.layer_loop 'unrolled'): logits, captured features and the new cache are the
     scan's, bit for bit, in one jitted program each, for a prefill and for the pass that runs two groups
     of tokens together; the caller's stacked state is left as it was."""
     from flax import nnx

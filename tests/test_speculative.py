@@ -133,7 +133,7 @@ def test_coupled_sampling_equals_plain_sampling(model, kind, temperature):
 
 
 def test_unrolled_layer_loop_decodes_what_the_scan_decodes(model, eagle):
-    """rollout.layer_loop='unrolled' (the GPU default): plain and speculative engines give the scan's
+    """rollout.layer_loop='unrolled': plain and speculative engines give the scan's
     tokens, log-probs and hidden states for sampled requests, also after update_weights."""
     reqs = [Request(p, max_new_tokens=12, temperature=0.8, seed=i, stop_ids=(7,)) for i, p in enumerate(prompts(5, seed=3))]
     sd = SpecConfig(mode="on", steps=3, topk=2, verify_tokens=6)

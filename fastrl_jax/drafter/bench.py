@@ -207,8 +207,8 @@ def profile_step(policy: Decoder, drafter: Drafter, strategy: StrategySpec, *, b
                  unrolled: bool = False) -> dict[str, float]:
     """Median milliseconds of each phase of one speculative step (each jitted alone, same shapes and
     dtypes as the engine's: the policy's), of the whole sd_step, and of one plain decode step. Random
-    prefix contents: the cost does not depend on them. unrolled: the policy's layer loop as an engine
-    with rollout.layer_loop 'unrolled' runs it (RolloutConfig.unrolled_layers)."""
+    prefix contents: the cost does not depend on them. unrolled: the policy's layers as an engine with
+    rollout.layer_loop 'unrolled' runs them."""
     st = speculative.Strategy(*strategy.parts())
     if st.steps == 0:
         raise ValueError(f"--profile times an EAGLE tree's phases; {strategy} has none")

@@ -218,15 +218,17 @@ def _over_layers(body, carry, params: dict, xs):
     for i in range(len(first)):
         carry, out = body(carry, (i, {k: v[i] for k, v in params.items()}, *(jax.tree.map(lambda a: a[i], x) for x in xs)))
         outs.append(out)
-    return carry, jax.tree.map(lambda *o: jnp.stack(o), *outs)
+    # The last layer's new keys do not depend on its own reads of xs (the cache): without the barrier XLA
+    # may write them into the donated cache before those reads and so copies the whole cache at every step.
+    return jax.lax.optimization_barrier((carry, jax.tree.map(lambda *o: jnp.stack(o), *outs)))
 
 
 def unstack_layers(state: nnx.State) -> nnx.State:
     """A decoder's state (nnx.split) with every stacked layer weight [L, ...] split into a tuple of L
-    arrays, each its own buffer once passed through jit: run_layers then unrolls the layer loop. The
-    engines' layout on accelerators (rollout.layer_loop): under the scan, XLA GPU copied each layer's MLP
-    weights out of the stacked arrays at every layer of every decode step, tripling their HBM traffic
-    (docs/gpu.md, 2026-11-26). Stacked states (training, checkpoints, export) are unchanged."""
+    arrays, each its own buffer once passed through jit: run_layers then unrolls the layer loop
+    (rollout.layer_loop 'unrolled'). Under the scan, XLA GPU copied each layer's MLP weights out of the
+    stacked arrays at every layer of every decode step, tripling their HBM traffic (docs/gpu.md,
+    2026-11-26). Stacked states (training, checkpoints, export) are unchanged."""
     def split(var):
         value = var.get_value()
         if isinstance(value, tuple):
