@@ -55,7 +55,7 @@ def make_prompts(n: int) -> list[str]:
     ]
 
 
-def bench_engine(model, prompt_ids, batch_sizes, new_tokens, repeats, layer_loop="auto"):
+def bench_engine(model, prompt_ids, batch_sizes, new_tokens, repeats, layer_loop="scan"):
     from fastrl_jax.config import RolloutConfig
     from fastrl_jax.rollout.engine import Request, RolloutEngine
 
