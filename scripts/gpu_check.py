@@ -357,22 +357,29 @@ def _free_torch() -> None:
         torch.cuda.empty_cache()
 
 
-def sd_step_profile(ctx: Ctx) -> dict:
-    """bench.profile_step per model, batch and strategy, with a random drafter over a reduced draft vocabulary."""
+def _random_drafter(ctx: Ctx, model):
+    """A randomly initialised drafter for `model` over a reduced draft vocabulary (the first draft_vocab ids)."""
     import numpy as np
     from flax import nnx
 
-    from fastrl_jax.config import StrategySpec
-    from fastrl_jax.drafter import bench
     from fastrl_jax.models.decoder import DTYPES
     from fastrl_jax.models.drafter import Drafter
+
+    vocab = np.arange(min(ctx.sizes.draft_vocab, model.cfg.vocab_size))
+    return Drafter(model.cfg, nnx.Rngs(1), DTYPES[ctx.dtype], draft_vocab=vocab)
+
+
+def sd_step_profile(ctx: Ctx) -> dict:
+    """bench.profile_step per model, batch and strategy, with a random drafter over a reduced draft vocabulary."""
+
+    from fastrl_jax.config import StrategySpec
+    from fastrl_jax.drafter import bench
 
     sizes, rows = ctx.sizes, []
     unrolled = ctx.config().rollout.layer_loop == "unrolled"  # as the engines run the layers
     for shape in sizes.profile_shapes:
         model, _ = _model(ctx, shape, ctx.dtype)
-        vocab = np.arange(min(sizes.draft_vocab, model.cfg.vocab_size))
-        drafter = Drafter(model.cfg, nnx.Rngs(1), DTYPES[ctx.dtype], draft_vocab=vocab)
+        drafter = _random_drafter(ctx, model)
         for batch in sizes.profile_batches:
             for strategy in sizes.strategies:
                 if ctx.left() < 15:
@@ -381,7 +388,8 @@ def sd_step_profile(ctx: Ctx) -> dict:
                 ms = bench.profile_step(model, drafter, StrategySpec(strategy), batch=batch, repeats=5, unrolled=unrolled)
                 rows.append({"model": ctx.label(shape), "dtype": ctx.dtype, "batch": batch, "strategy": strategy,
                              "layer_loop": "unrolled" if unrolled else "scan",
-                             "draft_vocab": len(vocab), **ms, "sd_over_plain": ms["sd_step"] / ms["plain_decode_step"]})
+                             "draft_vocab": len(drafter.draft_vocab[...]), **ms,
+                             "sd_over_plain": ms["sd_step"] / ms["plain_decode_step"]})
     done = [r for r in rows if "sd_over_plain" in r]
     return {"summary": ", ".join(f"{r['model']} {r['strategy']} bs{r['batch']} {r['sd_over_plain']:.2f}x" for r in done[:6]),
             "rows": rows}
@@ -396,18 +404,15 @@ def trace(ctx: Ctx) -> dict:
 
     import jax
     import numpy as np
-    from flax import nnx
 
     from fastrl_jax.config import SpecConfig, StrategySpec
     from fastrl_jax.drafter.bench import bench_cfg
-    from fastrl_jax.models.decoder import DTYPES
-    from fastrl_jax.models.drafter import Drafter
     from fastrl_jax.rollout.engine import Request, RolloutEngine
 
     shape, tokens = ctx.sizes.profile_shapes[0], min(ctx.sizes.new_tokens, 64)
     model, _ = _model(ctx, shape, ctx.dtype)
     vocab = model.cfg.vocab_size
-    drafter = Drafter(model.cfg, nnx.Rngs(1), DTYPES[ctx.dtype], draft_vocab=np.arange(min(ctx.sizes.draft_vocab, vocab)))
+    drafter = _random_drafter(ctx, model)
     specs = [StrategySpec(s) for s in ctx.sizes.strategies]
     cfg = bench_cfg(ctx.config().rollout, [1], 32, tokens, max(s.nodes() for s in specs))
     request = [Request(np.random.default_rng(0).integers(0, vocab, 32).tolist(), tokens)]
@@ -432,7 +437,7 @@ def trace(ctx: Ctx) -> dict:
     return {"summary": "; ".join(f"{k} {r['steps']} steps, {r.get('busy_us_per_step', 0):.0f} us busy / "
                                  f"{r.get('span_us_per_step', 0):.0f} us per step, {r.get('kernels_per_step', 0):.0f} kernels"
                                  for k, r in runs.items()),
-            "model": ctx.label(shape), "dtype": ctx.dtype, "draft_vocab": min(ctx.sizes.draft_vocab, vocab), "runs": runs}
+            "model": ctx.label(shape), "dtype": ctx.dtype, "draft_vocab": len(drafter.draft_vocab[...]), "runs": runs}
 
 
 def device_summary(trace: Path, steps: int, top: int = 20) -> dict:
@@ -455,17 +460,18 @@ def device_summary(trace: Path, steps: int, top: int = 20) -> dict:
     for s, t in sorted((e["ts"], e["ts"] + e["dur"]) for e in streams):
         busy += max(0.0, t - max(s, end))
         end = max(end, t)
-    by_kernel, launches, by_program = Counter(), Counter(), Counter()
+    by_kernel, launches, by_program, first_args = Counter(), Counter(), Counter(), {}
     for e in streams:
         by_kernel[e["name"]] += e["dur"]
         launches[e["name"]] += 1
         by_program[e.get("args", {}).get("hlo_module", "?")] += e["dur"]
+        first_args.setdefault(e["name"], e.get("args"))
     steps = max(steps, 1)
     return {"device_events": len(device), "threads": dict(threads), "busy_us_per_step": busy / steps,
             "span_us_per_step": (end - start) / steps, "busy_share": busy / max(end - start, 1e-9),
             "kernels_per_step": len(streams) / steps, "program_us": dict(by_program.most_common()),
             "top_kernels": [{"name": k, "us_per_step": d / steps, "launches_per_step": launches[k] / steps,
-                             "args": next(e.get("args") for e in streams if e["name"] == k)}
+                             "args": first_args[k]}
                             for k, d in by_kernel.most_common(top)]}
 
 

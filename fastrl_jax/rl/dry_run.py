@@ -72,11 +72,10 @@ def memory_plan(cfg: Config, devices: int | None = None) -> dict[str, float]:
     params = _per_device_bytes(shardings_for(state, mesh, master_rules(cfg.model)), state)
     mixed = cfg.model.engine_dtype != cfg.model.dtype  # else the engines share the trainer's buffers
     engine_state = nnx.state(abstract_decoder(mcfg, DTYPES[cfg.model.engine_dtype]))
-    engine_params = _per_device_bytes(shardings_for(engine_state, mesh), engine_state)
-    rollout_params = engine_params if mixed else 0
+    rollout_params = _per_device_bytes(shardings_for(engine_state, mesh), engine_state) if mixed else 0
     # Unrolled engines (rollout.layer_loop) copy the layer weights into per-layer buffers beside the
     # stacked ones the drafter trainer reads.
-    layers = nnx.state(abstract_decoder(mcfg, DTYPES[cfg.model.engine_dtype]).layers)
+    layers = engine_state["layers"]
     unrolled = _per_device_bytes(shardings_for(layers, mesh), layers) if cfg.rollout.layer_loop == "unrolled" else 0
     itemsize = np.dtype(DTYPES[cfg.model.engine_dtype]).itemsize
     B, S = cfg.rollout.batch_buckets[-1], cfg.rollout.length_buckets[-1]
