@@ -55,7 +55,8 @@ def make_prompts(n: int) -> list[str]:
     ]
 
 
-def bench_engine(model, prompt_ids, batch_sizes, new_tokens, repeats, layer_loop="scan"):
+def bench_engine(model, prompt_ids, batch_sizes, new_tokens, repeats, layer_loop=None):
+    """layer_loop: rollout.layer_loop (None: RolloutConfig's default)."""
     from fastrl_jax.config import RolloutConfig
     from fastrl_jax.rollout.engine import Request, RolloutEngine
 
@@ -66,7 +67,7 @@ def bench_engine(model, prompt_ids, batch_sizes, new_tokens, repeats, layer_loop
         prompt_buckets=(prompt_bucket,),
         length_buckets=tuple(prompt_bucket + k for k in (new_tokens // 2, new_tokens)),
         steps_per_call=new_tokens,
-        layer_loop=layer_loop,
+        layer_loop=layer_loop or RolloutConfig.layer_loop,
     )
     t0 = time.perf_counter()
     engine = RolloutEngine(model, cfg, progress=False)
@@ -226,13 +227,13 @@ def stream_requests(policy, args):
             for i, (t, n) in enumerate(zip(texts, lengths))]
 
 
-def stream_rollout_config(cfg, requests, batch: int):
-    """Batch buckets down to 1; packed prefills of 32 to 384 tokens by 32 (a refill's 4 prompts fill one
-    pack of ~160); length buckets every 128 slots."""
+def stream_rollout_config(cfg, requests, batch: int, prompt_step: int = 32, batch_buckets=None):
+    """Batch buckets (default: powers of two down to 1); packed prefills of prompt_step to 384 tokens by
+    prompt_step (a refill's 4 prompts fill one pack of ~150); length buckets every 128 slots."""
     longest = max(len(r.prompt_ids) for r in requests)
-    prompts = tuple(range(32, max(384, -(-longest // 32) * 32) + 1, 32))
+    prompts = tuple(range(prompt_step, max(384, -(-longest // prompt_step) * prompt_step) + 1, prompt_step))
     full = -(-max(longest + max(r.max_new_tokens for r in requests), prompts[-1] + 1) // 128) * 128
-    buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < batch) + (batch,)
+    buckets = tuple(sorted({b for b in batch_buckets or (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < batch} | {batch}))
     return dataclasses.replace(cfg.rollout, batch_buckets=buckets, prompt_buckets=prompts,
                                length_buckets=tuple(range(128, full + 1, 128)), warm_up=False)
 
@@ -274,7 +275,7 @@ def bench_stream(args) -> int:
     policy = load_smollm2(cfg)
     requests = stream_requests(policy, args)
     sd = dataclasses.replace(cfg.sd, mode=args.sd) if args.sd != "off" else SpecConfig()
-    rollout_cfg = stream_rollout_config(cfg, requests, args.batch)
+    rollout_cfg = stream_rollout_config(cfg, requests, args.batch, args.prompt_step, args.batch_buckets)
     drafter = make_drafter(cfg, policy.cfg, args.drafter, cfg.model.engine_dtype) if sd.uses_drafter() else None
     engine = RolloutEngine(policy.model, rollout_cfg, sd=sd, drafter=drafter, progress=False)
     t0 = time.perf_counter()
@@ -508,6 +509,8 @@ def main(argv=None) -> int:
     stream.add_argument("--requests", type=int, default=512)
     stream.add_argument("--batch", type=int, default=64, help="rows of the table")
     stream.add_argument("--sd", choices=["off", "adaptive"], default="off", help="speculation in the stream's tail")
+    stream.add_argument("--prompt-step", type=int, default=32, help="prompt (pack) buckets every this many tokens")
+    stream.add_argument("--batch-buckets", type=int, nargs="+", help="table sizes (default: powers of two up to --batch)")
     args = parser.parse_args(argv)
     if args.workload == "longtail":
         return bench_longtail(args)
