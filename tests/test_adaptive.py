@@ -72,6 +72,18 @@ def test_bandit_finds_the_better_strategy_and_keeps_exploring(kind):
     assert chooser.pulls[(16,), A] - pulls[(16,), A] > 0.7 * 300
 
 
+def test_a_forgetting_bandit_chooses_as_a_fresh_one():
+    """reset_controller's cold start: after forget(seed) the chooser replays a new chooser's choices for
+    the same rewards, and keeps the drafter's acceptance estimate."""
+    means = {A: 100.0, B: 160.0}
+    fresh = _play("beg", means, seed=3)
+    used = _play("beg", {A: 160.0, B: 100.0}, seed=5)
+    used.drafter_accept = 2.5
+    used.forget(3)
+    assert used.drafter_accept == 2.5 and not used.pulls
+    assert _play("beg", means, chooser=used, seed=3).pulls == fresh.pulls
+
+
 @pytest.mark.parametrize("kind", ["beg", "ucb1"])
 def test_plain_decoding_wins_when_speculation_does_not_pay(kind):
     """A random drafter: every strategy earns less than plain decoding, which the bandit then plays."""

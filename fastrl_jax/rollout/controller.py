@@ -85,8 +85,14 @@ class StrategyChooser:
             raise ValueError(f"live-batch ranges must be [min, max] with 1 <= min <= max, got {ranges}")
         self.strategies, self.ranges, self.kind, self.epsilon, self.plain_arm = list(strategies), ranges, kind, epsilon, plain_arm
         self.min_drafter_accept, self.drafter_accept = min_drafter_accept, math.inf
+        self.window = window
+        self.forget(seed)
+
+    def forget(self, seed: int = 0) -> None:
+        """Forgets every reward and pull and reseeds exploration: a cold start over the same arms (the
+        drafter's estimate stays)."""
         # Rewards per bucket (the groups covering a live batch): what an arm earns depends on the live batch.
-        self.rewards: dict[tuple[tuple[int, ...], Strategy], deque[float]] = defaultdict(lambda: deque(maxlen=window))
+        self.rewards: dict[tuple[tuple[int, ...], Strategy], deque[float]] = defaultdict(lambda: deque(maxlen=self.window))
         self.pulls: Counter = Counter()
         self.rng = np.random.default_rng(seed)
         self.exploring = False  # whether the last choice was exploration (untried or random), not the best arm

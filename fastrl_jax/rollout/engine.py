@@ -324,10 +324,7 @@ class RolloutEngine:
         """Forgets what the adaptive controller learned (benchmarks time cold rollouts with it)."""
         self.onoff.reset()
         if self.chooser is not None:
-            c = self.chooser
-            self.chooser = StrategyChooser(c.strategies, c.ranges, c.kind, c.epsilon, self.sd.window_host_steps,
-                                           self.sd.bandit_seed, c.plain_arm, c.min_drafter_accept)
-            self.chooser.drafter_accept = c.drafter_accept
+            self.chooser.forget(self.sd.bandit_seed)
 
     def update_drafter(self, drafter: Drafter, accept: float = math.nan) -> None:
         """Swaps in new drafter weights (every compiled program is reused), with their estimated
@@ -507,7 +504,7 @@ class RolloutEngine:
             if ride and len(pack) <= riders:
                 lengths, live = jax.device_get((table.slots.length, table.slots.live))  # rows the step decodes
                 adm, _, n = self._admission(reqs, rows, groups, skip, riders)
-                key = ("decode_admit", table.batch, bucket_for(int(lengths[live].max()) + 1, self.cfg.length_buckets), n, skip)
+                key = ("decode_admit", table.batch, self._plain_kv_len(int(lengths[live].max())), n, skip)
                 ride = False
             else:
                 adm, p, n = self._admission(reqs, rows, groups, skip)
@@ -565,7 +562,7 @@ class RolloutEngine:
         if background and not self._sd_programs_ready(table, strategy, longest):
             strategy, pulled = speculative.PLAIN, False  # plain decoding while the arm's programs compile
         if strategy.is_plain:
-            kv_len = bucket_for(longest + 1, c.length_buckets)
+            kv_len = self._plain_kv_len(longest)
             steps = min(c.steps_per_call, kv_len - longest)
             key, args = ("decode", batch, kv_len), (self.state, table.slots)
             window = self._windows(table, before[5], kv_len)
@@ -597,11 +594,15 @@ class RolloutEngine:
             self._plain_step_s[batch, kv_len] = seconds / max(int(diff[0].max()), 1)
         else:
             rec.sd_call(strategy.label, live, tokens, row_steps, int(diff[1].max()), seconds, eagle, hist, kv_len, batch)
-            plain_step = self._plain_step_s.get((batch, bucket_for(longest + 1, c.length_buckets)))
+            plain_step = self._plain_step_s.get((batch, self._plain_kv_len(longest)))
             if plain_step is not None:  # plain decoding emits a token per live row and step
                 rec.stats.sd_saved_s += tokens / live * plain_step - seconds - prefill_s
         if pulled:  # the drafter prefill a switch to EAGLE needed is part of the arm's cost
             self.chooser.record(strategy, live, tokens / (seconds + prefill_s) / live)
+
+    def _plain_kv_len(self, longest: int) -> int:
+        """The length bucket a plain step reads when the longest row holds `longest` tokens (its new token's slot included)."""
+        return bucket_for(longest + 1, self.cfg.length_buckets)
 
     def _sd_kv_len(self, strategy: speculative.Strategy, longest: int) -> int:
         return bucket_for(min(longest + strategy.num_nodes, self.max_len), self.cfg.length_buckets)
@@ -615,7 +616,7 @@ class RolloutEngine:
         return all([self.pool.ready(k) for k in keys])  # a list, not a generator: every missing one starts
 
     def _draft_prefill_key(self, table: _Table, longest: int) -> tuple:
-        return ("draft_prefill", table.batch, bucket_for(longest + 1, self.cfg.length_buckets))
+        return ("draft_prefill", table.batch, self._plain_kv_len(longest))
 
     def _windows(self, table: _Table, lengths: np.ndarray, kv_len: int) -> tuple[list[int], int, int] | None:
         """Per-row windows for a plain call, when they read fewer cache slots than one kv_len window for
