@@ -72,6 +72,9 @@ class Sizes:
     pytest_kernels: tuple[str, ...]
     pytest_device: tuple[str, ...]
     copy_bytes: int
+    # pytest-xdist processes for the test sections (when installed): the tests are compile-bound, and a
+    # GPU host's cores compile side by side while the workers share the GPU (conftest turns off preallocation)
+    pytest_workers: int = 0
     reduced: bool = False
 
 
@@ -85,7 +88,7 @@ FULL = Sizes(
                        "drafter_train.checkpoint_every_steps=400", "drafter_train.tensorboard=false"),
     longtail_args=(), grpo_steps=5,
     pytest_kernels=("tests/test_kernels.py",), pytest_device=("tests", "-m", "device and not slow"),
-    copy_bytes=1 << 30,
+    copy_bytes=1 << 30, pytest_workers=4,
 )
 REDUCED = Sizes(
     shapes=("model",), decode_batches=(1, 4), new_tokens=8, profile_shapes=("model",), profile_batches=(1,),
@@ -167,8 +170,12 @@ def environment(ctx: Ctx) -> dict:
 def _pytest(ctx: Ctx, args: tuple[str, ...], name: str, timeout_s: float) -> dict:
     """Runs pytest on the checkout's tests in a child process; pass/fail counts from its JUnit XML."""
     xml = ctx.out / f"{name}.xml"
+    workers = ctx.sizes.pytest_workers if importlib.util.find_spec("xdist") else 1
+    if workers < ctx.sizes.pytest_workers:
+        print(f"[gpu_check] {name}: pytest-xdist is not installed, so the tests run in one process", file=sys.stderr)
+    parallel = ["-n", str(workers), "--dist", "loadfile"] if workers > 1 else []
     cmd = [sys.executable, *(["-P"] if sys.flags.safe_path else []), "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           f"--junitxml={xml}", "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"),
+           f"--junitxml={xml}", "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"), *parallel,
            *[str(ROOT / a) if a.startswith("tests") else a for a in args]]
     t0 = time.monotonic()
     try:
@@ -188,8 +195,9 @@ def _pytest(ctx: Ctx, args: tuple[str, ...], name: str, timeout_s: float) -> dic
                 failed.append(f"{case.get('name')}: {(bad.get('message') or '')[:200]}")
     passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
     return {"summary": f"{passed} passed, {counts['failures'] + counts['errors']} failed, {counts['skipped']} skipped "
-                       f"in {wall:.0f}s (exit {code})",
-            "passed": passed, **counts, "wall_s": wall, "exit": code, "failed": failed[:20], "output_tail": tail}
+                       f"in {wall:.0f}s, {max(workers, 1)} process(es) (exit {code})",
+            "passed": passed, **counts, "wall_s": wall, "workers": max(workers, 1), "exit": code, "failed": failed[:20],
+            "output_tail": tail}
 
 
 def kernel_tests(ctx: Ctx) -> dict:

@@ -4,16 +4,22 @@ Mesh tests need 8 devices. On CPU, XLA fakes them, but only if the flag is in XL
 before jax is first imported, and pytest imports conftest.py before any test module.
 The suite's time goes mostly into compiling thousands of small programs, most of it in LLVM's
 optimizer: tests compile without it (backend optimization level 0; measured 1.6x faster on two
-test files, docs/measurements.md). Test subprocesses inherit both flags through the environment.
-Flags are appended so that XLA_FLAGS a developer already set still apply.
+test files, docs/measurements.md). On a GPU, tests also skip XLA's gemm autotuning, which times
+candidate kernels at every compile (a parity test needs a correct gemm, not the fastest). Test
+subprocesses inherit the flags through the environment. Flags are appended so that XLA_FLAGS a
+developer already set still apply. Under pytest-xdist the workers share one GPU, so none preallocates
+its memory.
 """
 
 import os
 
-TEST_XLA_FLAGS = {"xla_force_host_platform_device_count": "8", "xla_backend_optimization_level": "0"}
+TEST_XLA_FLAGS = {"xla_force_host_platform_device_count": "8", "xla_backend_optimization_level": "0",
+                  "xla_gpu_autotune_level": "0"}
 for _flag, _value in TEST_XLA_FLAGS.items():
     if _flag not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{_flag}={_value}".strip()
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import gc  # noqa: E402
 
