@@ -170,9 +170,10 @@ def environment(ctx: Ctx) -> dict:
 def _pytest(ctx: Ctx, args: tuple[str, ...], name: str, timeout_s: float) -> dict:
     """Runs pytest on the checkout's tests in a child process; pass/fail counts from its JUnit XML."""
     xml = ctx.out / f"{name}.xml"
-    workers = ctx.sizes.pytest_workers if importlib.util.find_spec("xdist") else 1
-    if workers < ctx.sizes.pytest_workers:
+    workers = max(ctx.sizes.pytest_workers, 1)
+    if workers > 1 and importlib.util.find_spec("xdist") is None:
         print(f"[gpu_check] {name}: pytest-xdist is not installed, so the tests run in one process", file=sys.stderr)
+        workers = 1
     parallel = ["-n", str(workers), "--dist", "loadfile"] if workers > 1 else []
     cmd = [sys.executable, *(["-P"] if sys.flags.safe_path else []), "-m", "pytest", "-q", "-p", "no:cacheprovider",
            f"--junitxml={xml}", "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"), *parallel,
@@ -195,8 +196,8 @@ def _pytest(ctx: Ctx, args: tuple[str, ...], name: str, timeout_s: float) -> dic
                 failed.append(f"{case.get('name')}: {(bad.get('message') or '')[:200]}")
     passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
     return {"summary": f"{passed} passed, {counts['failures'] + counts['errors']} failed, {counts['skipped']} skipped "
-                       f"in {wall:.0f}s, {max(workers, 1)} process(es) (exit {code})",
-            "passed": passed, **counts, "wall_s": wall, "workers": max(workers, 1), "exit": code, "failed": failed[:20],
+                       f"in {wall:.0f}s, {workers} process(es) (exit {code})",
+            "passed": passed, **counts, "wall_s": wall, "workers": workers, "exit": code, "failed": failed[:20],
             "output_tail": tail}
 
 
