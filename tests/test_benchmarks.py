@@ -34,3 +34,21 @@ def test_bench_rl_compares_sd_off_and_adaptive_from_the_same_seeds(tmp_path):
     assert max(result["summary"]["sd_share_by_step"]) > 0  # speculation ran
     has_matplotlib = importlib.util.find_spec("matplotlib") is not None  # the [plot] extra; CI installs [dev] only
     assert out.with_suffix(".png").is_file() == has_matplotlib
+
+
+def test_stream_bucket_grids():
+    """bench_rollout --workload stream's grid options: prompt buckets every --prompt-step tokens up to 384,
+    the table sizes given (the table's own always among them), length buckets by 128 past the longest row."""
+    from types import SimpleNamespace
+
+    from fastrl_jax.config import RolloutConfig
+    from fastrl_jax.rollout.engine import Request
+
+    stream_rollout_config = load_script("bench_rollout").stream_rollout_config
+    cfg = SimpleNamespace(rollout=RolloutConfig())
+    requests = [Request(list(range(1, 61)), 300), Request(list(range(1, 41)), 100)]
+    default = stream_rollout_config(cfg, requests, 64)
+    assert default.prompt_buckets == tuple(range(32, 385, 32)) and default.batch_buckets == (1, 2, 4, 8, 16, 32, 64)
+    assert default.length_buckets == (128, 256, 384, 512)  # 60 + 300 tokens, and room past the largest pack
+    fine = stream_rollout_config(cfg, requests, 64, prompt_step=16, batch_buckets=[48, 1, 16, 24, 128])
+    assert fine.prompt_buckets == tuple(range(16, 385, 16)) and fine.batch_buckets == (1, 16, 24, 48, 64)
