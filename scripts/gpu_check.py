@@ -380,7 +380,6 @@ def _random_drafter(ctx: Ctx, model):
 
 def sd_step_profile(ctx: Ctx) -> dict:
     """bench.profile_step per model, batch and strategy, with a random drafter over a reduced draft vocabulary."""
-
     from fastrl_jax.config import StrategySpec
     from fastrl_jax.drafter import bench
 
