@@ -106,6 +106,9 @@ class RolloutConfig:
     prompt_buckets: tuple[int, ...] = (64, 128, 256)
     steps_per_call: int = 32  # decode steps per program call between host visits
     refill_rows: int = 4  # while requests wait, a call runs until this many rows (<= 1/8 of the table) finish; one packed prefill refills them
+    # A refill that fits one pack may take queued requests up to this many places behind the free rows' share
+    # (the queue's head always goes), when that pads its pack less to the prompt bucket; 0: first come, first in.
+    refill_lookahead: int = 8
     # Requests of a stream that share this many leading prompt tokens (a chat template's system turn,
     # a GRPO group's prompt) prefill them once, in multiples of it; 0 disables.
     shared_prefix_min: int = 8
@@ -139,7 +142,7 @@ class RolloutConfig:
         if list(self.window_rows) != sorted(set(self.window_rows)) or any(n < 1 for n in self.window_rows):
             raise ConfigError(f"rollout.window_rows must be an increasing list of positive ints, got {list(self.window_rows)}")
         _check_at_least("rollout", self, ("steps_per_call", "max_stop_ids", "refill_rows"), 1)
-        _check_at_least("rollout", self, ("shared_prefix_min",), 0)
+        _check_at_least("rollout", self, ("shared_prefix_min", "refill_lookahead"), 0)
         _check_choice("rollout.layer_loop", self.layer_loop, ("scan", "unrolled"))
 
 

@@ -14,7 +14,7 @@ from scipy.stats import chisquare
 
 from fastrl_jax.config import ConfigError, RolloutConfig, SpecConfig
 from fastrl_jax.models.drafter import Drafter
-from fastrl_jax.rollout.engine import Request, RolloutEngine, pack_prompts
+from fastrl_jax.rollout.engine import Request, RolloutEngine, pack_prompts, pick_refill
 from fastrl_jax.rollout.sampling import SamplingParams, filtered_logits, first_argmax, position_gumbel, sample
 
 
@@ -341,8 +341,8 @@ def test_smollm2_greedy_matches_transformers(smollm2):
 @pytest.mark.parametrize("with_decode", [False, True], ids=["prefill", "prefill_with_decode"])
 def test_stream_refills_rows_and_matches_one_request_at_a_time(model, with_decode):
     """30 requests of mixed lengths through a 16-row table, refilled 2 rows at a time (by prefills, or
-    riding on decode steps): every output is what the request gives alone, errors come first, and
-    finished rows wait a few steps at most."""
+    riding on decode steps): every output is what the request gives alone and what a first-come,
+    first-in stream gives, errors come first, and finished rows wait a few steps at most."""
     cfg = dataclasses.replace(CFG, batch_buckets=(1, 2, 16), prompt_buckets=(8, 16, 32), refill_rows=2, steps_per_call=6,
                               prefill_with_decode=with_decode)
     engine = RolloutEngine(model, cfg, progress=False)
@@ -366,6 +366,10 @@ def test_stream_refills_rows_and_matches_one_request_at_a_time(model, with_decod
         assert single.tokens == streamed[i].tokens and len(single.tokens) == reqs[i].max_new_tokens
         np.testing.assert_allclose(single.logprobs, streamed[i].logprobs, rtol=1e-4, atol=1e-4)
     assert all(c.live == 16 for c in engine.timeline[:3])  # the table stays full while requests wait
+    # Refills picked to fill their packs admit requests out of queue order, and change no output.
+    fifo = RolloutEngine(model, dataclasses.replace(cfg, refill_lookahead=0), progress=False)
+    assert [i for i, _ in fifo.stream(reqs)] != order
+    assert [c.tokens for c in fifo.generate(reqs)] == [c.tokens for c in streamed]
 
 
 def test_per_row_windows_change_no_output(model):
@@ -396,6 +400,33 @@ def test_pack_prompts_fills_packs_longest_first_and_keeps_repeats_together():
     for p in packs:
         assert sum(lengths[i] for i in {tuple(prompts_[i]): i for i in p}.values()) <= 12
     assert packs == [[1, 3, 2], [4, 0], [5]]  # first fit, longest first: 9+3, 7+5, 2
+
+
+def test_pick_refill_pads_its_pack_less_and_always_takes_the_head():
+    buckets = (8, 16, 32)
+
+    def of(*lengths):
+        return [[k] * n for k, n in enumerate(lengths)]
+
+    def padding(prompts_, take):
+        n = sum(map(len, {tuple(prompts_[i]) for i in take}))
+        return min(b for b in buckets if b >= n) - n
+
+    assert pick_refill(of(5, 6, 4, 3, 2), 2, buckets) == [0, 3]  # 5 + 3 fills 8; first come: 5 + 6 pads 11 to 16
+    assert pick_refill(of(5, 3, 4, 3), 2, buckets) == [0, 1]  # already no padding: first come, first in
+    assert pick_refill(of(2, 9, 9, 9, 6), 2, buckets) == [0, 4]  # 2 + 6 fills 8; 9 + 6 pads less too, but the head goes
+    assert pick_refill(of(7, 9, 8, 12), 3, buckets) == [0, 1, 3]  # best swap: 7 + 9 + 12 pads 4, 7 + 12 + 8 pads 5
+    repeated = of(5, 6, 4) + [[0] * 5]
+    assert pick_refill(repeated, 2, buckets) == [0, 3]  # a repeat of the head adds no tokens: 5 pads to 8 only
+    assert pick_refill(of(20, 20, 3, 1), 2, buckets) == [0, 1]  # more than one pack: first come, first in
+    assert pick_refill(of(5, 6), 2, buckets) == [0, 1] and pick_refill(of(5), 1, buckets) == [0]
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        rows = int(rng.integers(1, 5))
+        prompts_ = of(*rng.integers(1, 9, rows + int(rng.integers(0, 6))))
+        take = pick_refill(prompts_, rows, buckets)
+        assert take[0] == 0 and len(take) == rows == len(set(take))
+        assert padding(prompts_, take) <= padding(prompts_, range(rows))
 
 
 def test_packed_prefill_of_repeated_prompts_matches_one_request_at_a_time(model):

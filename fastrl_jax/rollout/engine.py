@@ -104,6 +104,28 @@ def pack_prompts(prompts: Sequence[Sequence[int]], capacity: int) -> list[list[i
     return packs
 
 
+def pick_refill(prompts: Sequence[Sequence[int]], rows: int, buckets: Sequence[int]) -> list[int]:
+    """Which `rows` of the queued `prompts` (the queue's first ones, its head first) a refill takes: the
+    first `rows`, with later ones swapped in, best swap first, while that pads the refill's one pack less
+    to its prompt bucket. The head always goes, so no request waits longer than its place in the queue.
+    A refill whose prompts need more than one pack stays first come, first in."""
+
+    def padding(take: list[int]) -> float:
+        n = sum(map(len, {tuple(prompts[i]) for i in take}))  # a repeated prompt is prefilled once
+        return bucket_for(n, buckets) - n if n <= buckets[-1] else math.inf
+
+    take, spare = list(range(rows)), list(range(rows, len(prompts)))
+    best = padding(take)
+    while 0 < best < math.inf:
+        swaps = [(padding(take[:a] + [spare[b]] + take[a + 1 :]), a, b) for a in range(1, rows) for b in range(len(spare))]
+        least = min(swaps, default=(best,))
+        if least[0] >= best:
+            break
+        best, a, b = least
+        take[a], spare[b] = spare[b], take[a]
+    return sorted(take)
+
+
 class RolloutEngine:
     """Generates completions for many requests at once on one model replica."""
 
@@ -488,16 +510,21 @@ class RolloutEngine:
         return out, seconds
 
     def _admit(self, table: _Table, queue: deque[int], requests: Sequence[Request], rec: Recorder) -> None:
-        """Prefills queued requests into the free rows: their distinct prompts packed into sequences of at
-        most the largest prompt bucket (first fit, longest first), one prefill call per pack, each padded
-        to the smallest prompt bucket that holds it. With rollout.prefill_with_decode, a pack of at most
-        an eighth of the table's rows rides on a decode step of the live rows instead (decode_and_admit)."""
-        free = table.free_rows()
-        take = [queue.popleft() for _ in range(min(len(queue), len(free)))]
-        if not take:
+        """Prefills queued requests into the free rows (pick_refill chooses them among the queue's first,
+        rollout.refill_lookahead places deep): their distinct prompts packed into sequences of at most the
+        largest prompt bucket (first fit, longest first), one prefill call per pack, each padded to the
+        smallest prompt bucket that holds it. With rollout.prefill_with_decode, a pack of at most an eighth
+        of the table's rows rides on a decode step of the live rows instead (decode_and_admit)."""
+        free, skip = table.free_rows(), table.prefix.tokens.shape[0]
+        if not free or not queue:
             return
+        window = [queue.popleft() for _ in range(min(len(queue), len(free) + self.cfg.refill_lookahead))]
+        picked = pick_refill([requests[i].prompt_ids[skip:] for i in window], min(len(window), len(free)),
+                             self.cfg.prompt_buckets)
+        take = [window[j] for j in picked]
+        queue.extendleft(reversed([i for i in window if i not in take]))  # the others keep their places
         ride = self.cfg.prefill_with_decode and table.busy() > 0  # one pack per visit rides on a decode step
-        skip, riders = table.prefix.tokens.shape[0], self._refill_limit(table.batch)
+        riders = self._refill_limit(table.batch)
         for pack in pack_prompts([requests[i].prompt_ids[skip:] for i in take], self.cfg.prompt_buckets[-1]):
             ids = [take[j] for j in pack]
             reqs, rows, groups = [requests[i] for i in ids], [free[j] for j in pack], [table.text.group_of[i] for i in ids]
