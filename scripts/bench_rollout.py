@@ -255,6 +255,7 @@ def stream_metrics(engine, seconds: float, batch: int) -> dict:
         "decode_admit_share": s.seconds["decode_admit"] / seconds, "decode_admit_calls": s.calls["decode_admit"],
         "host_share": s.seconds["host"] / seconds, "bucket_moves": sum(a != b for a, b in zip(kv, kv[1:])),
         "idle_row_steps": s.idle_row_steps, "decode_calls": len(calls), "prefill_calls": s.calls["prefill"],
+        "pack_padding": s.prompt_slots / s.prompt_tokens - 1,  # prefill packs' padding per prompt token
         "stats": s.as_dict(), "timeline": [c._asdict() for c in calls],
     }
 
@@ -301,8 +302,8 @@ def bench_stream(args) -> int:
     identical = all(m["outputs"] == runs[0]["outputs"] for m in runs)
     facts = machine_facts()
     keys = ("tok_s", "full_batch_tok_s", "stream_vs_full_batch", "mean_live_rows", "prefill_share", "decode_admit_share",
-            "compile_share", "host_share", "bucket_moves", "idle_row_steps", "prefill_calls", "decode_admit_calls",
-            "decode_calls")
+            "compile_share", "host_share", "bucket_moves", "idle_row_steps", "prefill_calls", "pack_padding",
+            "decode_admit_calls", "decode_calls")
     print(f"machine: {format_machine(facts)}")
     print(f"{len(requests)} requests (new tokens p50 {np.median([r.max_new_tokens for r in requests]):.0f}, max "
           f"{max(r.max_new_tokens for r in requests)}), batch {args.batch}, sd {sd.mode}; median of {args.repeats}")

@@ -370,6 +370,7 @@ def test_stream_refills_rows_and_matches_one_request_at_a_time(model, with_decod
     fifo = RolloutEngine(model, dataclasses.replace(cfg, refill_lookahead=0), progress=False)
     assert [i for i, _ in fifo.stream(reqs)] != order
     assert [c.tokens for c in fifo.generate(reqs)] == [c.tokens for c in streamed]
+    assert engine.stats.prompt_tokens == fifo.stats.prompt_tokens == sum(len(r.prompt_ids) for r in reqs)
 
 
 def test_per_row_windows_change_no_output(model):

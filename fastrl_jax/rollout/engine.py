@@ -536,6 +536,8 @@ class RolloutEngine:
             else:
                 adm, p, n = self._admission(reqs, rows, groups, skip)
                 key = ("prefill", table.batch, p, n, skip)
+            rec.stats.prompt_tokens += int(np.sum(adm.segment >= 0))
+            rec.stats.prompt_slots += n
             table.slots, _ = self._run(rec, key, self.state, table.slots, adm, table.prefix)
         for row, i in zip(free, take):
             table.row_req[row] = i

@@ -46,6 +46,8 @@ class RolloutStats:
     sd_tokens: int = 0  # tokens emitted by speculative steps
     sd_steps: int = 0  # speculative row-steps
     idle_row_steps: int = 0  # device steps finished rows waited for their refill (streaming)
+    prompt_tokens: int = 0  # distinct prompt tokens prefilled (after a stream's shared prefix)
+    prompt_slots: int = 0  # tokens the prefill packs ran: prompt_tokens and the padding to prompt buckets
     drafts_eagle: int = 0  # emitted tokens the EAGLE drafter had drafted
     drafts_history: int = 0  # emitted tokens drafted from history (a draft both proposed counts twice)
     # Seconds speculative calls saved against plain steps of the same table (negative: they cost more),
@@ -62,6 +64,7 @@ class RolloutStats:
         return RolloutStats(
             tokens=self.tokens + other.tokens, steps_plain=self.steps_plain + other.steps_plain,
             idle_row_steps=self.idle_row_steps + other.idle_row_steps,
+            prompt_tokens=self.prompt_tokens + other.prompt_tokens, prompt_slots=self.prompt_slots + other.prompt_slots,
             steps_sd=self.steps_sd + other.steps_sd, sd_tokens=self.sd_tokens + other.sd_tokens,
             sd_steps=self.sd_steps + other.sd_steps, drafts_eagle=self.drafts_eagle + other.drafts_eagle,
             drafts_history=self.drafts_history + other.drafts_history, sd_saved_s=self.sd_saved_s + other.sd_saved_s,
