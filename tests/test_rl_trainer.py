@@ -76,7 +76,7 @@ def test_lossless_sd_adaptive_matches_plain_decoding(tmp_path):
     last = [m["drafter_accept"] for m, e in zip(adaptive[1], estimated) if e][-1]
     assert {r.engine.chooser.drafter_accept for r in trainer.workers.replicas} == {last}
     resumed = make_trainer(tmp_path / "sd", *sd, resume=True)
-    assert resumed.spot.steps_done == trainer.spot.steps_done
+    assert resumed.spot.steps_done == trainer.spot.steps_done and resumed.spot.bank_s == trainer.spot.bank_s != 0
     jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(resumed.spot.params),
                  nnx.to_pure_dict(trainer.spot.params))
     for a, b in zip(off[1], adaptive[1]):

@@ -101,7 +101,7 @@ class SpotTrainer:
         self._placements_lock = threading.Lock()  # the compile, spot and trainer threads all place
         self.blocks = aligned_blocks(self.num_replicas, self.cfg.batch_rows)
         self.steps_done = 0  # drafter optimizer steps over the run (checkpointed)
-        self.bank_s = 0.0  # one replica, tail_budget 'saved': the seconds drafter steps may still spend
+        self.bank_s = 0.0  # one replica, tail_budget 'saved': the seconds drafter steps may still spend (checkpointed)
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None  # from the spot or compile thread, raised by end()
