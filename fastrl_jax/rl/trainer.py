@@ -337,7 +337,7 @@ class Trainer:
         if self.history is not None:
             meta["history"] = self.history.state()
         if self.spot is not None:
-            meta["drafter_bank_s"] = self.spot.bank_s  # tail_budget 'saved': what speculation saved, not yet spent
+            meta["run"]["drafter_bank_s"] = self.spot.bank_s  # tail_budget 'saved': what speculation saved, not yet spent
         try:
             self.checkpointer.save(self.step, self._arrays(), meta)
         except OSError as e:
@@ -377,7 +377,7 @@ class Trainer:
             self.workers.update_drafter(self.drafter)  # its acceptance: the prior until this run estimates it
         if self.spot is not None:
             self.spot.restore(self.drafter, arrays["drafter_optimizer"])
-            self.spot.bank_s = float(meta.get("drafter_bank_s", 0.0))  # checkpoints before 2026-11-26 have none
+            self.spot.bank_s = float(meta["run"].get("drafter_bank_s", 0.0))  # checkpoints before 2026-11-26 have none
             self._estimated_at = None if self.spot.steps_done else self._estimated_at  # a trained drafter: estimate it
         self.workers.update_weights(self.params)
         self.data.restore(meta["data"])
