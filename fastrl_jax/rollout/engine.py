@@ -16,7 +16,7 @@ import logging
 import math
 import sys
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 
 import jax
@@ -109,19 +109,27 @@ def pick_refill(prompts: Sequence[Sequence[int]], rows: int, buckets: Sequence[i
     first `rows`, with later ones swapped in, best swap first, while that pads the refill's one pack less
     to its prompt bucket. The head always goes, so no request waits longer than its place in the queue.
     A refill whose prompts need more than one pack stays first come, first in."""
+    keys = [tuple(p) for p in prompts]
+    take, spare = list(range(rows)), list(range(rows, len(prompts)))
+    copies = Counter(keys[i] for i in take)
+    tokens = sum(map(len, copies))  # a repeated prompt is prefilled once
 
-    def padding(take: list[int]) -> float:
-        n = sum(map(len, {tuple(prompts[i]) for i in take}))  # a repeated prompt is prefilled once
+    def padding(n: int) -> float:
         return bucket_for(n, buckets) - n if n <= buckets[-1] else math.inf
 
-    take, spare = list(range(rows)), list(range(rows, len(prompts)))
-    best = padding(take)
+    def swapped(a: int, b: int) -> int:  # the pack's tokens with take[a] swapped for spare[b]
+        out, into = keys[take[a]], keys[spare[b]]
+        return tokens - len(out) * (copies[out] == 1) + len(into) * (copies[into] == 0) if out != into else tokens
+
+    best = padding(tokens)
     while 0 < best < math.inf:
-        swaps = [(padding(take[:a] + [spare[b]] + take[a + 1 :]), a, b) for a in range(1, rows) for b in range(len(spare))]
-        least = min(swaps, default=(best,))
+        least = min(((padding(swapped(a, b)), a, b) for a in range(1, rows) for b in range(len(spare))), default=(best,))
         if least[0] >= best:
             break
         best, a, b = least
+        tokens = swapped(a, b)
+        copies[keys[take[a]]] -= 1
+        copies[keys[spare[b]]] += 1
         take[a], spare[b] = spare[b], take[a]
     return sorted(take)
 
