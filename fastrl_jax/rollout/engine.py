@@ -527,13 +527,13 @@ class RolloutEngine:
         if not free or not queue:
             return
         window = [queue.popleft() for _ in range(min(len(queue), len(free) + self.cfg.refill_lookahead))]
-        picked = pick_refill([requests[i].prompt_ids[skip:] for i in window], min(len(window), len(free)),
-                             self.cfg.prompt_buckets)
+        prompts = [requests[i].prompt_ids[skip:] for i in window]
+        picked = pick_refill(prompts, min(len(window), len(free)), self.cfg.prompt_buckets)
         take = [window[j] for j in picked]
         queue.extendleft(reversed([i for i in window if i not in take]))  # the others keep their places
         ride = self.cfg.prefill_with_decode and table.busy() > 0  # one pack per visit rides on a decode step
         riders = self._refill_limit(table.batch)
-        for pack in pack_prompts([requests[i].prompt_ids[skip:] for i in take], self.cfg.prompt_buckets[-1]):
+        for pack in pack_prompts([prompts[j] for j in picked], self.cfg.prompt_buckets[-1]):
             ids = [take[j] for j in pack]
             reqs, rows, groups = [requests[i] for i in ids], [free[j] for j in pack], [table.text.group_of[i] for i in ids]
             if ride and len(pack) <= riders:
