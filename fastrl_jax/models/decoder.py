@@ -218,8 +218,10 @@ def _over_layers(body, carry, params: dict, xs):
     for i in range(len(first)):
         carry, out = body(carry, (i, {k: v[i] for k, v in params.items()}, *(jax.tree.map(lambda a: a[i], x) for x in xs)))
         outs.append(out)
-    # The last layer's new keys do not depend on its own reads of xs (the cache): without the barrier XLA
-    # may write them into the donated cache before those reads and so copies the whole cache at every step.
+    # The last layer's new keys do not depend on its own reads of xs (the cache): the barrier keeps XLA from
+    # writing them before those reads. XLA still copies a stacked cache twice per decode step here (copy
+    # insertion: the cache slices are read and written in one while body); only per-layer cache buffers
+    # avoid it (docs/measurements.md, "Where a batch-64 decode step goes").
     return jax.lax.optimization_barrier((carry, jax.tree.map(lambda *o: jnp.stack(o), *outs)))
 
 
