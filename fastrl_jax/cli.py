@@ -87,6 +87,21 @@ def _generate_config(args: argparse.Namespace):
     return _config(args, ["rollout.warm_up=false", *spec])
 
 
+def untrained_drafter_note(sd, drafter: str | None, command: str) -> str | None:
+    """What adaptive SD runs in `command` (generate, eval) without --drafter, or None when nothing sits out:
+    those commands never train the random drafter, so its estimate (~1 token per step) stays below
+    sd.min_drafter_accept and the EAGLE arms never compete."""
+    if sd.mode != "adaptive" or drafter or not sd.uses_drafter() or sd.min_drafter_accept <= 1.0:
+        return None
+    arms = sd.strategy_list()
+    eagle = [str(a) for a in arms if a.parts()[0]]
+    rest = [str(a) for a in arms if not a.parts()[0]] + (["plain decoding"] if sd.plain_arm else [])
+    runs = f"{' and '.join(rest)} compete" if len(rest) > 1 else "plain decoding runs throughout"
+    return (f"--sd adaptive without --drafter: the EAGLE arms ({', '.join(eagle)}) sit out, as a randomly initialised "
+            f"drafter accepts ~1 token per step, below sd.min_drafter_accept ({sd.min_drafter_accept}), and {command} "
+            f"does not train it; {runs}. Give --drafter DIR (a train-drafter out_dir) to speculate with a trained drafter")
+
+
 def _checked_requests(args: argparse.Namespace, cfg, path: Path):
     """(tokenizer, prompts, requests, problems): every request built and checked before the model loads;
     all invalid is an error here, some invalid a warning (they fail alone, the command exits 1)."""
@@ -126,6 +141,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ConfigError(f"bad sampling settings: {problem}")
     if args.drafter:
         drafter_dir(args.drafter)
+    if note := untrained_drafter_note(cfg.sd, args.drafter, "generate"):
+        print(f"[fastrl-jax] {note}", file=sys.stderr)
     tokenizer, prompts, requests, _ = _checked_requests(args, cfg, resolve_model_path(cfg.model.path))
     policy = _policy(cfg, tokenizer)
     drafter = make_drafter(cfg, policy.cfg, args.drafter, cfg.model.engine_dtype) if cfg.sd.uses_drafter() else None
@@ -361,6 +378,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     num_prompts, samples, temperature, max_new = _eval_settings(args, cfg)
     if args.drafter:
         drafter_dir(args.drafter)
+    if note := untrained_drafter_note(cfg.sd, args.drafter, "eval"):
+        print(f"[fastrl-jax] {note}", file=sys.stderr)
     source = args.prompts or cfg.data.eval_source
     records = held_out_records(cfg, num_prompts, source)
     if len(records) < num_prompts:

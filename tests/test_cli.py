@@ -1,6 +1,7 @@
 """The `fastrl-jax` command line: generate end to end, and clear errors for bad input."""
 
 import json
+from pathlib import Path
 
 import pytest
 from helpers.cli import fastrl_jax
@@ -81,3 +82,21 @@ def test_a_batch_with_invalid_requests_writes_the_rest_and_exits_1(tiny_dir, tmp
     assert [r["finish_reason"] for r in got] == ["length", "error", "error", "length"]
     assert len(got[0]["completion_ids"]) == 6 and len(got[3]["completion_ids"]) == 6
     assert "error" in got[1] and "error" not in got[0]
+
+
+def test_adaptive_sd_without_a_drafter_says_which_arms_sit_out():
+    from fastrl_jax.cli import untrained_drafter_note
+    from fastrl_jax.config import load_config
+
+    config = Path(__file__).parents[1] / "configs" / "smollm2_cpu.yaml"
+    sd = load_config(config, []).sd  # adaptive: 3/1/4, 2/2/4, h6, 3/1/4+h4, plain arm
+    note = untrained_drafter_note(sd, None, "generate")
+    assert note.startswith("--sd adaptive without --drafter: the EAGLE arms (3/1/4, 2/2/4, 3/1/4+h4) sit out")
+    assert "below sd.min_drafter_accept (1.3), and generate does not train it; h6 and plain decoding compete" in note
+    assert untrained_drafter_note(sd, "some/dir", "generate") is None  # a checkpoint is trusted
+    eagle_only = load_config(config, ["sd.strategies=['3/1/4']", "sd.group_live_batch_ranges=[]",
+                                                          "sd.plain_arm=false"]).sd
+    assert "3/1/4) sit out" in untrained_drafter_note(eagle_only, None, "eval")
+    assert "; plain decoding runs throughout. Give --drafter DIR" in untrained_drafter_note(eagle_only, None, "eval")
+    for overrides in (["sd.mode='on'"], ["sd.min_drafter_accept=0"], ["sd.strategies=['h6']", "sd.group_live_batch_ranges=[]"]):
+        assert untrained_drafter_note(load_config(config, overrides).sd, None, "generate") is None
