@@ -1,5 +1,7 @@
 """Decoder parity with transformers' PyTorch models, cache decode, sharded forward, loading."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -139,6 +141,40 @@ def test_unstacked_layers_run_unrolled_to_the_same_outputs(tiny):
         return one, two
 
     for a, b in zip(jax.tree.leaves(forward(state)), jax.tree.leaves(forward(unstacked))):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_unrolled_decode_steps_update_the_cache_in_place(tiny):
+    """Unrolled layers (unstack_layers) in a loop of decode steps over a donated cache: XLA must not copy
+    the cache. It copied the whole of it twice per step while the writes were not ordered after the last
+    layer's read (CPU, SmolLM2 at batch 64: 428 against 202 ms a step)."""
+    from flax import nnx
+
+    from fastrl_jax.models.decoder import unstack_layers
+
+    _, model, cfg = tiny
+    graphdef, state = nnx.split(model)
+
+    @functools.partial(jax.jit, donate_argnums=1)
+    def steps(state, cache):
+        m = nnx.merge(graphdef, state)
+
+        def step(i, carry):
+            token, cache = carry
+            length = jnp.full((4,), 5, jnp.int32) + i
+            logits, _, cache = m(token[:, None], length[:, None], cache, length, kv_len=16)
+            return jnp.argmax(logits[:, 0], -1).astype(jnp.int32), cache
+
+        return jax.lax.fori_loop(0, 3, step, (jnp.zeros(4, jnp.int32), cache))
+
+    cache = KVCache.zeros(cfg, 4, 32)
+    whole = f"f32[{','.join(map(str, cache.k.shape))}]"
+    for layers in (state, unstack_layers(state)):
+        hlo = steps.lower(layers, cache).compile().as_text()
+        copies = [line.strip()[:100] for line in hlo.splitlines() if whole in line and " copy(" in line]
+        assert not copies, copies
+    scan_out, unrolled_out = steps(state, KVCache.zeros(cfg, 4, 32)), steps(unstack_layers(state), KVCache.zeros(cfg, 4, 32))
+    for a, b in zip(jax.tree.leaves(scan_out), jax.tree.leaves(unrolled_out), strict=True):
         np.testing.assert_array_equal(a, b)
 
 

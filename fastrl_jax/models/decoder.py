@@ -201,28 +201,30 @@ def run_layers(cfg: ModelConfig, layers: Layers, x, positions, cache: KVCache, s
     # the cache through the scan instead made XLA copy it at every layer.
     aux = tuple(jnp.zeros_like(x) for _ in capture)
     (x, aux), (k_new, v_new) = _over_layers(layer, (x, aux), layer_params, (cache.k, cache.v))
-    cache = KVCache(k=_write_rows(cache.k, k_new, start), v=_write_rows(cache.v, v_new, start))
+    after = x if _unrolled(layer_params) else None
+    cache = KVCache(k=_write_rows(cache.k, k_new, start, after), v=_write_rows(cache.v, v_new, start, after))
     if not capture:
         return x, cache
     aux = _grab(capture, cache.k.shape[0], x, aux)
     return x, jnp.concatenate(aux, axis=-1), cache
 
 
+def _unrolled(params: dict) -> bool:
+    """Whether unstack_layers split these layer weights (a tuple of per-layer arrays each)."""
+    return isinstance(next(iter(params.values())), tuple)
+
+
 def _over_layers(body, carry, params: dict, xs):
     """jax.lax.scan(body, carry, (layer index, layer weights, *xs)) with xs [L, ...] per layer. Weights that
-    unstack_layers split (a tuple of per-layer arrays each) run the same loop unrolled instead."""
+    unstack_layers split run the same loop unrolled instead."""
     first = next(iter(params.values()))
-    if not isinstance(first, tuple):
+    if not _unrolled(params):
         return jax.lax.scan(body, carry, (jnp.arange(first.shape[0]), params, *xs))
     outs = []
     for i in range(len(first)):
         carry, out = body(carry, (i, {k: v[i] for k, v in params.items()}, *(jax.tree.map(lambda a: a[i], x) for x in xs)))
         outs.append(out)
-    # The last layer's new keys do not depend on its own reads of xs (the cache): the barrier keeps XLA from
-    # writing them before those reads. XLA still copies a stacked cache twice per decode step here (copy
-    # insertion: the cache slices are read and written in one while body); only per-layer cache buffers
-    # avoid it (docs/measurements.md, "Where a batch-64 decode step goes").
-    return jax.lax.optimization_barrier((carry, jax.tree.map(lambda *o: jnp.stack(o), *outs)))
+    return carry, jax.tree.map(lambda *o: jnp.stack(o), *outs)
 
 
 def unstack_layers(state: nnx.State) -> nnx.State:
@@ -292,8 +294,9 @@ def run_layers_together(cfg: ModelConfig, layers: Layers, parts, capture: tuple[
     (x, aux), new = _over_layers(layer, (x, aux), layer_params, (cached,))
     features = jnp.concatenate(_grab(capture, cfg.num_layers, x, aux), axis=-1) if capture else x
     out = []
+    after = x if _unrolled(layer_params) else None
     for x_, f_, (k_new, v_new), (_, _, cache, start, *_) in zip(split(x), split(features), new, parts):
-        out.append((x_, f_, KVCache(k=_write_rows(cache.k, k_new, start), v=_write_rows(cache.v, v_new, start))))
+        out.append((x_, f_, KVCache(k=_write_rows(cache.k, k_new, start, after), v=_write_rows(cache.v, v_new, start, after))))
     return out
 
 
@@ -337,11 +340,17 @@ def attention_mask(start: jax.Array, block_mask: jax.Array | None, T: int, kv_le
     return (rel < 0)[:, None, :] | in_block
 
 
-def _write_rows(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+def _write_rows(cache: jax.Array, new: jax.Array, start: jax.Array, after: jax.Array | None = None) -> jax.Array:
     """Writes new [L, B, KV, T, D] into cache [L, B, KV, S, D] at slot start[b] of each row b.
 
     One dynamic_update_slice per row in a loop updates the donated cache in place; the vmapped
     form lowers to a scatter that XLA CPU runs far slower (docs/measurements.md).
+
+    after: the unrolled layers' output, which the writes must follow. The last layer's new keys do not
+    depend on its own read of the cache, so XLA may order the writes before that read and then copies
+    the whole cache to keep it: twice per decode step (CPU, batch 64: 428 against 202 ms a step). An
+    optimization_barrier did not stop it; the loop's trip count, read off `after` (always B, but not
+    provably so), does.
     """
     new = new.astype(cache.dtype)
 
@@ -349,7 +358,10 @@ def _write_rows(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array
         row = jax.lax.dynamic_slice_in_dim(new, b, 1, axis=1)
         return jax.lax.dynamic_update_slice(cache, row, (0, b, 0, start[b], 0))
 
-    return jax.lax.fori_loop(0, cache.shape[1], write_row, cache)
+    rows = cache.shape[1]
+    if after is not None:
+        rows = jnp.minimum(rows, rows + jnp.argmax(after.reshape(-1)[:8]))
+    return jax.lax.fori_loop(0, rows, write_row, cache)
 
 
 def _layer(cfg: ModelConfig, p, x, k_cached, v_cached, cos, sin, start, mask, input_norm=True, embeds=None, narrow=None,
