@@ -91,7 +91,9 @@ def untrained_drafter_note(sd, drafter: str | None, command: str) -> str | None:
     """What adaptive SD runs in `command` (generate, eval) without --drafter, or None when nothing sits out:
     those commands never train the random drafter, so its estimate (~1 token per step) stays below
     sd.min_drafter_accept and the EAGLE arms never compete."""
-    if sd.mode != "adaptive" or drafter or not sd.uses_drafter() or sd.min_drafter_accept <= 1.0:
+    from fastrl_jax.models.drafter_io import drafter_accept_prior
+
+    if sd.mode != "adaptive" or not sd.uses_drafter() or drafter_accept_prior(drafter) >= sd.min_drafter_accept:
         return None
     arms = sd.strategy_list()
     eagle = [str(a) for a in arms if a.parts()[0]]
