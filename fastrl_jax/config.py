@@ -38,6 +38,8 @@ def _check_at_least(section: str, cfg: Any, names: Sequence[str], least: int) ->
 
 
 DTYPE_NAMES = ("float32", "bfloat16")
+# "auto" and kernels.backends.BACKENDS (config sits below kernels; tests/test_config.py keeps the two equal)
+ATTENTION_BACKENDS = ("auto", "reference", "pallas", "pallas_interpret", "triton")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +54,12 @@ class ModelSpec:
     path: str = "smollm2"  # 'smollm2', a local HF checkpoint directory, or a local .gguf file
     dtype: str = "float32"  # trained weights and optimizer state; float32 (bfloat16 only for inference)
     rollout_dtype: str = ""  # '' (= dtype) | float32 | bfloat16: the engines' weights; bfloat16 on GPU/TPU, float32 on CPU
+    # The layers' attention backend: auto (Triton then Pallas on GPU, Pallas on TPU, the XLA reference on CPU)
+    # or one by name, e.g. reference to compare the kernels against XLA's own fusion on a GPU (docs/gpu.md).
+    attention: str = "auto"
 
     def __post_init__(self):
+        _check_choice("model.attention", self.attention, ATTENTION_BACKENDS)
         _check_choice("model.dtype", self.dtype, DTYPE_NAMES)
         _check_choice("model.rollout_dtype", self.rollout_dtype, ("", *DTYPE_NAMES))
         if self.dtype == "bfloat16" and self.rollout_dtype == "float32":

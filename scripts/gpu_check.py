@@ -315,7 +315,8 @@ def _model(ctx: Ctx, shape: str, dtype: str):
             return torch_model(policy.path).to(device=_torch_device(), dtype=getattr(torch, dtype))
 
         return policy.model, hf
-    model = Decoder(ModelConfig.from_hf_dict(KNOWN[shape]), nnx.Rngs(0), DTYPES[dtype])  # on the default device
+    cfg = dataclasses.replace(ModelConfig.from_hf_dict(KNOWN[shape]), attention_backend=ctx.config().model.attention)
+    model = Decoder(cfg, nnx.Rngs(0), DTYPES[dtype])  # on the default device
     return model, lambda: random_torch_model(KNOWN[shape], dtype, _torch_device())
 
 
@@ -337,23 +338,28 @@ def plain_decode(ctx: Ctx) -> dict:
         model, hf_factory = _model(ctx, shape, dtype)
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
         prompts = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (64, 32)).tolist()
-        # Both layer loops (rollout.layer_loop): on an H100 the scan copied MLP weights at every step (docs/gpu.md).
-        ours = {loop: br.bench_engine(model, prompts, list(sizes.decode_batches), sizes.new_tokens, 1, loop)[:2]
-                for loop in ("scan", "unrolled")}
+        # Both layer loops (rollout.layer_loop): on an H100 the scan copied MLP weights at every step (docs/gpu.md);
+        # and each --attention backend (the kernels hand attention a copy of each layer's window, XLA need not).
+        ours = {}
+        for attention in ctx.args.attention or [ctx.config().model.attention]:
+            model.cfg = dataclasses.replace(model.cfg, attention_backend=attention)
+            for loop in ("scan", "unrolled"):
+                ours[loop, attention] = br.bench_engine(model, prompts, list(sizes.decode_batches), sizes.new_tokens, 1,
+                                                        loop)[:2]
         hf = {}
         if not ctx.args.skip_hf and ctx.left() > 60:
             hf = br.bench_hf(hf_factory(), prompts, list(sizes.decode_batches), sizes.new_tokens, 1, 0)
-        for loop, (tok_s, start_s) in ours.items():
+        for (loop, attention), (tok_s, start_s) in ours.items():
             for b in sizes.decode_batches:
                 floor = b * bandwidth * 1e9 / weight_bytes
-                rows.append({"model": ctx.label(shape), "dtype": dtype, "layer_loop": loop, "batch": b, "tok_s": tok_s[b][0],
-                             "hf_tok_s": hf.get(b, (None,))[0], "floor_tok_s": floor, "floor_fraction": tok_s[b][0] / floor,
-                             "weight_bytes": weight_bytes, "engine_start_s": start_s})
+                rows.append({"model": ctx.label(shape), "dtype": dtype, "layer_loop": loop, "attention": attention, "batch": b,
+                             "tok_s": tok_s[b][0], "hf_tok_s": hf.get(b, (None,))[0], "floor_tok_s": floor,
+                             "floor_fraction": tok_s[b][0] / floor, "weight_bytes": weight_bytes, "engine_start_s": start_s})
         del model, hf_factory, ours
         gc.collect()
         _free_torch()
     one = [r for r in rows if r.get("batch") == 1]
-    return {"summary": "; ".join(f"{r['model']} bs1 {r['layer_loop']} {r['tok_s']:.0f} tok/s = {r['floor_fraction']:.0%} "
+    return {"summary": "; ".join(f"{r['model']} bs1 {r['layer_loop']} {r['attention']} {r['tok_s']:.0f} tok/s = {r['floor_fraction']:.0%} "
                                  "of floor" for r in one), "copy_bandwidth_gbs": bandwidth, "rows": rows}
 
 
@@ -625,8 +631,10 @@ def markdown(results: dict) -> str:
             r = results[name]
             lines.append(f"| {name} | {r['status']} | {_fmt(r.get('seconds'), '.0f')} | {r.get('summary', '')} |")
     decode = [r for r in results.get("plain_decode", {}).get("rows", []) if "batch" in r]
-    lines += _table("Plain decode", ["model", "dtype", "layer loop", "batch", "tok/s", "HF tok/s", "floor tok/s", "of floor"], [
-        [r["model"], r["dtype"], r.get("layer_loop", "scan"), r["batch"], f"{r['tok_s']:.0f}", _fmt(r["hf_tok_s"], ".0f"),
+    lines += _table("Plain decode", ["model", "dtype", "layer loop", "attention", "batch", "tok/s", "HF tok/s", "floor tok/s",
+                                     "of floor"], [
+        [r["model"], r["dtype"], r.get("layer_loop", "scan"), r.get("attention", "auto"), r["batch"], f"{r['tok_s']:.0f}",
+         _fmt(r["hf_tok_s"], ".0f"),
          f"{r['floor_tok_s']:.0f}", f"{r['floor_fraction']:.0%}"] for r in decode])
     prof = [r for r in results.get("sd_step_profile", {}).get("rows", []) if "sd_step" in r]
     phases = ("plain_decode_step", "draft_tree", "verify_forward", "accept", "cache_move", "other", "sd_step")
@@ -657,6 +665,8 @@ def write(ctx: Ctx) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from fastrl_jax.config import ATTENTION_BACKENDS  # no jax: main sets the environment before jax loads
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="directory for gpu_check.json, gpu_check.md and the sections' files")
     p.add_argument("--budget-s", type=float, default=560.0, help="no section starts after this many seconds")
@@ -672,6 +682,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--drafter", help="trained_drafter benches this drafter directory instead of training one; "
                    "longtail and grpo use it too")
     p.add_argument("--skip-hf", action="store_true", help="plain_decode without the transformers comparison")
+    p.add_argument("--attention", nargs="+", choices=ATTENTION_BACKENDS, help="plain_decode times each of these "
+                   "attention backends (model.attention; default: the config's)")
     p.add_argument("--compile-cache", default="", help="JAX persistent compilation cache directory ('' = off)")
     return p.parse_args(argv)
 

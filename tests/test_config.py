@@ -150,6 +150,7 @@ def test_unknown_key_suggests_the_right_one(tmp_path):
         ("mesh.data=true", "mesh.data must be an int, got True"),
         ("mesh.data=0", "mesh.data must be >= 1, or -1 for all remaining devices; got 0"),
         ("model.dtype=float16", "model.dtype must be one of float32, bfloat16; got 'float16'"),
+        ("model.attention=flash", "model.attention must be one of auto, reference, pallas, pallas_interpret, triton; got 'flash'"),
         ("rollout.batch_buckets=[4, 1]", "rollout.batch_buckets must be a non-empty increasing list"),
         ("rollout.prompt_buckets=[2048]", "must be below rollout.length_buckets max"),
         ("seed.x=1", "seed must be an int, got {'x': 1}"),
@@ -161,6 +162,14 @@ def test_unknown_key_suggests_the_right_one(tmp_path):
 def test_bad_values_are_named(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, [override])
+
+
+def test_attention_choices_are_the_kernel_backends():
+    """config sits below kernels, so it lists the backends itself; they must stay the kernels' own."""
+    from fastrl_jax.config import ATTENTION_BACKENDS
+    from fastrl_jax.kernels.backends import BACKENDS
+
+    assert ATTENTION_BACKENDS == ("auto", *BACKENDS)
 
 
 def test_at_most_one_minus_one_axis():

@@ -1,5 +1,6 @@
 """Decoder parity with transformers' PyTorch models, cache decode, sharded forward, loading."""
 
+import dataclasses
 import functools
 
 import jax
@@ -110,6 +111,28 @@ def test_ragged_rows_share_one_prefill(tiny):
         ref = hf_logits(hf, row[None])[0]
         assert relative_error(logits[r, :n], ref[:n]) < model_rtol()
         assert relative_error(step_logits[r, 0], ref[n]) < model_rtol()
+
+
+def test_attention_backend_runs_the_named_kernel(tmp_path):
+    """model.attention reaches every layer: the loaded model's prefill and decode run the interpreted Pallas
+    kernel (the default, on CPU, runs none) and still match transformers."""
+    hf = save_random_hf_model("llama", tmp_path)
+    model, cfg = load_model(tmp_path, single_device_mesh(), attention="pallas_interpret")
+    assert cfg.attention_backend == model.cfg.attention_backend == "pallas_interpret"
+    default, _ = load_model(tmp_path, single_device_mesh())
+    tokens = np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 12))
+    ref = hf_logits(hf, tokens)
+    logits, _, cache = prefill(model, cfg, tokens[:, :11])
+    assert relative_error(logits, ref[:, :11]) < model_rtol()
+
+    def step(m, c):
+        return m(jnp.asarray(tokens[:, 11:]), jnp.full((2, 1), 11, jnp.int32), c, jnp.full(2, 11, jnp.int32))[0]
+
+    assert relative_error(step(model, cache)[:, 0], ref[:, 11]) < model_rtol()
+    assert "pallas_call" in str(jax.make_jaxpr(step)(model, cache))
+    assert "pallas_call" not in str(jax.make_jaxpr(step)(default, cache))
+    with pytest.raises(ValueError, match="attention backend 'flash' is unknown"):
+        dataclasses.replace(cfg, attention_backend="flash")
 
 
 def test_unstacked_layers_run_unrolled_to_the_same_outputs(tiny):

@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from fastrl_jax.kernels.backends import BACKENDS
+
 FAMILIES = ("llama", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -34,8 +36,13 @@ class ModelConfig:
     rope: tuple[tuple[str, Any], ...] = (("rope_type", "default"), ("rope_theta", 10000.0))
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Which tree-attention backend the layers run (kernels/backends.py): 'auto' (the platform's best) or
+    # one by name, as HF's attn_implementation; a run setting (model.attention), not the checkpoint's.
+    attention_backend: str = "auto"
 
     def __post_init__(self):
+        if self.attention_backend not in ("auto", *BACKENDS):
+            raise ValueError(f"attention backend {self.attention_backend!r} is unknown; use auto or one of {', '.join(BACKENDS)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_heads} is not a multiple of "

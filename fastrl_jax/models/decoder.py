@@ -396,7 +396,8 @@ def _attend(cfg: ModelConfig, q, k_cached, v_cached, k, v, start, mask, narrow=N
     B, T = q.shape[:2]
     G = cfg.num_heads // cfg.num_kv_heads
     qg = q.reshape(B, T, cfg.num_kv_heads, G, cfg.head_dim) / np.sqrt(cfg.head_dim).astype(q.dtype)
-    attn = _windowed_attention(qg, k_cached, v_cached, k, v, start, mask, narrow, cached_slots)  # [B, T, KV, G, D]
+    attn = _windowed_attention(qg, k_cached, v_cached, k, v, start, mask, narrow, cached_slots,  # [B, T, KV, G, D]
+                               cfg.attention_backend)
     return attn.reshape(B, T, cfg.num_heads * cfg.head_dim)
 
 
@@ -410,18 +411,19 @@ def _out_and_mlp(cfg: ModelConfig, p, x, attn):
     return x + jnp.einsum("btf,fh->bth", mlp, p["w_down"])
 
 
-def _windowed_attention(q, k_cached, v_cached, k, v, start, mask, narrow, cached_slots=None):
-    """cached_attention (the backend suits the device); with narrow = (wide_rows, S') every row reads the
-    first S' slots and then wide_rows, gathered, read the whole window: B x S' + n x S slots, not B x S."""
+def _windowed_attention(q, k_cached, v_cached, k, v, start, mask, narrow, cached_slots=None, backend="auto"):
+    """cached_attention on `backend` (ModelConfig.attention_backend); with narrow = (wide_rows, S') every row
+    reads the first S' slots and then wide_rows, gathered, read the whole window: B x S' + n x S slots, not B x S."""
     if narrow is None:
-        return cached_attention(q, k_cached, v_cached, k, v, start, mask, cached_slots=cached_slots)
+        return cached_attention(q, k_cached, v_cached, k, v, start, mask, cached_slots=cached_slots, backend=backend)
     rows, short = narrow
-    out = cached_attention(q, k_cached[:, :, :short], v_cached[:, :, :short], k, v, start, mask[..., :short])
+    out = cached_attention(q, k_cached[:, :, :short], v_cached[:, :, :short], k, v, start, mask[..., :short],
+                           backend=backend)
 
     def take(a):
         return jnp.take(a, rows, axis=0)
 
-    wide = cached_attention(*map(take, (q, k_cached, v_cached, k, v, start, mask)))
+    wide = cached_attention(*map(take, (q, k_cached, v_cached, k, v, start, mask)), backend=backend)
     return out.at[rows].set(wide)
 
 

@@ -59,22 +59,21 @@ def load_policy(spec: ModelSpec, mesh: Mesh, dtype: str | None = None, tokenizer
     name, spec.dtype (the training dtype) when None; spec.engine_dtype for inference only."""
     t0 = time.perf_counter()
     path = resolve_model_path(spec.path)
-    model, model_cfg = load_model(path, mesh, dtype or spec.dtype)
+    model, model_cfg = load_model(path, mesh, dtype or spec.dtype, spec.attention)
     tokenizer = load_tokenizer(path) if tokenizer is None else tokenizer
     print(f"[fastrl-jax] loaded {spec.path} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return Policy(model, tokenizer, stop_ids(model_cfg, tokenizer), path)
 
 
-def load_model(path: str | Path, mesh: Mesh, dtype: str = "float32") -> tuple[Decoder, ModelConfig]:
-    """Loads an HF checkpoint directory or a .gguf file onto `mesh`."""
+def load_model(path: str | Path, mesh: Mesh, dtype: str = "float32", attention: str = "auto") -> tuple[Decoder, ModelConfig]:
+    """Loads an HF checkpoint directory or a .gguf file onto `mesh`; attention: ModelConfig.attention_backend."""
     path = Path(path)
+    cfg = dataclasses.replace(read_model_config(path), attention_backend=attention)
     if path.suffix == ".gguf":
         from fastrl_jax.models import gguf_loader
 
-        cfg = ModelConfig.from_hf_dict(gguf_loader.read_gguf_config(path))
         tensors = gguf_loader.read_gguf_tensors(path)
         return decoder_from_hf_tensors(cfg, tensors.__getitem__, mesh, dtype), cfg
-    cfg = ModelConfig.from_hf_dict(read_hf_config(path))
     return decoder_from_hf_tensors(cfg, SafetensorsDir(path).get, mesh, dtype), cfg
 
 
