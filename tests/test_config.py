@@ -166,8 +166,9 @@ def test_bad_values_are_named(override, message):
 
 def test_attention_choices_are_the_kernel_backends():
     """config sits below kernels, so it lists the backends itself; they must stay the kernels' own."""
-    from fastrl_jax.config import ATTENTION_BACKENDS
     from fastrl_jax.kernels.backends import BACKENDS
+
+    from fastrl_jax.config import ATTENTION_BACKENDS
 
     assert ATTENTION_BACKENDS == ("auto", *BACKENDS)
 
