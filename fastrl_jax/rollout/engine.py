@@ -469,7 +469,14 @@ class RolloutEngine:
         to smaller batch buckets as they finish, and adaptive speculation may start. Errors (requests
         that cannot run) come first. between_steps(live_batch), when given, runs on the host after
         every decode call (the online drafter trainer interleaves its steps into the tail there).
-        engine.stats and engine.timeline describe the stream once it is exhausted."""
+        engine.stats and engine.timeline describe the stream once it is exhausted (or closed early: what ran)."""
+        rec = Recorder(self.pool.compile_seconds())
+        try:
+            yield from self._stream(requests, between_steps, rec)
+        finally:
+            self.stats, self.timeline = rec.finish(self.pool.compile_seconds()), rec.timeline
+
+    def _stream(self, requests: Sequence[Request], between_steps, rec: Recorder) -> Iterator[tuple[int, Completion]]:
         queue: deque[int] = deque()
         for i, r in enumerate(requests):
             error = self.validate(r)
@@ -479,11 +486,10 @@ class RolloutEngine:
                 queue.append(i)
         if not queue:
             return
-        c = self.cfg
+        c, valid = self.cfg, set(queue)
         table = _Table(self._placed_empty(bucket_for(min(len(queue), c.batch_buckets[-1]), c.batch_buckets)))
-        table.text = history_lib.GroupCorpus([r.prompt_ids for r in requests], self.history,
-                                             self.sd.history.corpus_tokens, self.sd.history.match_tokens)
-        rec = Recorder(self.pool.compile_seconds())
+        table.text = history_lib.GroupCorpus([r.prompt_ids if i in valid else () for i, r in enumerate(requests)],
+                                             self.history, self.sd.history.corpus_tokens, self.sd.history.match_tokens)
         shared = self.shared_prefix_len([requests[i] for i in queue])
         table.prefix = self._prefix(list(requests[queue[0]].prompt_ids[:shared]), rec)
         self.onoff.reset()
@@ -493,15 +499,16 @@ class RolloutEngine:
                 bar.update(len(done))
                 yield from done
                 self._admit(table, queue, requests, rec)  # into the rows just freed
-                live = table.busy()
+                # Rows still decoding: an admitted row may have finished at its prefill (max_new_tokens 1, or a
+                # stop id first); it is collected at the next visit, and a table of such rows needs no decode call.
+                live = int(np.sum(jax.device_get(table.slots.live)))
                 if not live:
                     continue
                 if not queue:
                     self._compact(table, rec)
-                self._advance(table, *self._plan(live, bool(queue)), rec, refill=bool(queue))
+                self._advance(table, *self._plan(live, bool(queue)), rec, refill=bool(queue), live=live)
                 if between_steps is not None:
                     between_steps(live)
-        self.stats, self.timeline = rec.finish(self.pool.compile_seconds()), rec.timeline
 
     # ---- the steps of one host visit ------------------------------------------------------------
     def _placed_empty(self, batch: int) -> programs.Slots:
@@ -585,12 +592,13 @@ class RolloutEngine:
                                    jax.device_put(index, self._replicated))
         table.row_req = [table.row_req[r] for r in live_rows] + [-1] * (target - len(live_rows))
 
-    def _advance(self, table: _Table, strategy: speculative.Strategy, pulled: bool, rec: Recorder, refill: bool) -> None:
+    def _advance(self, table: _Table, strategy: speculative.Strategy, pulled: bool, rec: Recorder, refill: bool,
+                 live: int) -> None:
         """One device call: plain decoding, or speculative steps of `strategy`, until rows finish: one
         row, or rollout.refill_rows (at most an eighth of the table) when `refill` (queued requests wait
-        for the rows). pulled: the bandit
-        chose the strategy; it gets the call's tokens per second back."""
-        c, batch, live = self.cfg, table.batch, table.busy()
+        for the rows). pulled: the bandit chose the strategy; it gets the call's tokens per second back.
+        live: the rows decoding (> 0)."""
+        c, batch = self.cfg, table.batch
         before = _counters(table.slots)  # [6, B]: tokens, speculative steps, EAGLE / history drafts, idle, length
         longest = int(max(before[5, r] for r in range(batch) if table.row_req[r] >= 0))
         prefill_s = 0.0

@@ -62,6 +62,11 @@ def _count_cache_hits() -> None:
     jax.monitoring.register_event_listener(_CacheHits.listen)
 
 
+# The growth in memory maps, as a share of vm.max_map_count, that makes another drop worth it after one that
+# left the process near the limit (5% of 65530: ~10 SmolLM2 programs).
+MAP_GROWTH = 0.05
+
+
 def memory_maps() -> tuple[int, int] | None:
     """(memory maps this process holds, the most Linux allows it: vm.max_map_count), or None where /proc
     does not tell."""
@@ -116,6 +121,7 @@ class ProgramPool:
         self._pending: dict[Hashable, Future] = {}  # compiling on the compile thread
         self._thread: ThreadPoolExecutor | None = None
         self.dropped = 0  # programs dropped to stay under the memory-map limit
+        self._maps_after_drop = 0  # maps held right after the last drop: what dropping could not free
 
     def __len__(self) -> int:
         return len(self._programs)
@@ -184,9 +190,13 @@ class ProgramPool:
 
     def _make_room(self) -> None:
         """Drops the least recently used half of the programs when the process is near its memory-map limit
-        (after any background compile: JAX's caches are cleared with no compile under way)."""
+        (after any background compile: JAX's caches are cleared with no compile under way). Maps a drop did
+        not free belong to something else (another engine's pool in this process): the next drop waits until
+        the process holds MAP_GROWTH of the limit more than just after this one, instead of emptying the pool
+        at every compile."""
         maps = self._memory_maps()
-        if maps is None or maps[0] < self._map_share * maps[1] or len(self._programs) + len(self._pending) < 2:
+        if (maps is None or maps[0] < max(self._map_share * maps[1], self._maps_after_drop + MAP_GROWTH * maps[1])
+                or len(self._programs) + len(self._pending) < 2):
             return
         for key in list(self._pending):
             self._collect(key)
@@ -195,6 +205,8 @@ class ProgramPool:
             del self._programs[key]
         jax.clear_caches()  # JAX keeps its own reference to every executable it compiled
         gc.collect()
+        after = self._memory_maps()
+        self._maps_after_drop = after[0] if after else 0
         if not self.dropped:
             log.warning("process at %d of vm.max_map_count=%d memory maps (XLA CPU maps each compiled kernel "
                         "apart): dropped the %d least recently used programs, which recompile when reached "

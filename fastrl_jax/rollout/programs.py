@@ -238,8 +238,9 @@ def steps_until_rows_finish(step: Callable[[Slots], Slots], slots: Slots, max_st
 
     def body(carry):
         i, s = carry
+        waiting = started & ~s.live  # finished before this step: not the step that emits a row's last token
         s = step(s)
-        return i + 1, s.replace(idle=s.idle + (started & ~s.live))
+        return i + 1, s.replace(idle=s.idle + waiting)
 
     return jax.lax.while_loop(cond, body, (jnp.int32(0), slots))[1]
 

@@ -32,8 +32,8 @@ def sampling_problem(max_new_tokens: int, temperature: float, top_k: int, top_p:
         extra = f" + {margin} draft-tree slots" if margin else ""
         return (f"max_new_tokens ({max_new_tokens}){extra} leaves no room for a prompt in the KV cache ({max_len} slots, "
                 "the largest rollout.length_buckets entry): lower it or raise rollout.length_buckets")
-    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-        return f"need temperature >= 0, top_k >= 0, 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}"
+    if not temperature >= 0 or not 0 <= top_k < 2**31 or not 0 < top_p <= 1:  # `not >=` catches NaN too
+        return f"need temperature >= 0, 0 <= top_k < 2**31, 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}"
     return None
 
 
