@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import shutil
 import sys
@@ -56,7 +58,8 @@ class RunCheckpointer:
         as `step`; returns once the arrays are copied off device (the write continues behind)."""
         items = {name: ocp.args.StandardSave(tree) for name, tree in arrays.items()}
         items |= {name: ocp.args.JsonSave(value) for name, value in (meta or {}).items()}
-        self._manager.save(step, args=ocp.args.Composite(**items))
+        with _disk_errors():
+            self._manager.save(step, args=ocp.args.Composite(**items))
 
     def restore(
         self, step: int | None, arrays: dict[str, Any], meta: Sequence[str] = ()
@@ -115,10 +118,11 @@ class RunCheckpointer:
 
     def wait(self) -> None:
         """Blocks until the last save is on disk."""
-        self._manager.wait_until_finished()
+        with _disk_errors():
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
+        self.wait()
         self._manager.close()
 
     def __enter__(self) -> "RunCheckpointer":
@@ -146,6 +150,21 @@ def _drop_abandoned_reads(step_dir: Path) -> None:
             previous(unraisable)
 
     sys.unraisablehook = hook
+
+
+@contextlib.contextmanager
+def _disk_errors():
+    """A full disk as OSError: Orbax's background write reports it as TensorStore's ValueError
+    ('RESOURCE_EXHAUSTED ... No space left on device') at the next save or wait."""
+    try:
+        yield
+    except OSError:
+        raise
+    except Exception as e:  # noqa: BLE001 - matched on the storage error's text, re-raised otherwise
+        for text, code in (("No space left on device", errno.ENOSPC), ("Disk quota exceeded", errno.EDQUOT)):
+            if text in str(e):
+                raise OSError(code, f"{text}: {_first_line(e)}") from e
+        raise
 
 
 def _first_line(e: BaseException) -> str:

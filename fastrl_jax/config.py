@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import re
 import types
 import typing
@@ -82,6 +83,13 @@ def check_trainable(cfg: Config, command: str) -> None:
             f"{command} trains weights in model.dtype, which must be float32 (got {cfg.model.dtype}): bfloat16 master "
             "weights round away most AdamW updates; for bfloat16 rollouts set model.dtype=float32 and "
             "model.rollout_dtype=bfloat16 (float32 master weights and optimizer state, bfloat16 engines)")
+    # A prompt + completion can fill the largest length bucket; a sample buffer smaller than that would fail
+    # on the first such rollout, after hours of training (GRPO: after the policy update, before its checkpoint).
+    key, section = ("drafter_online", cfg.drafter_online) if command == "train" else ("drafter_train", cfg.drafter_train)
+    longest = cfg.rollout.length_buckets[-1]
+    if (command != "train" or cfg.drafter_online.enabled) and section.buffer_max_tokens < longest:
+        raise ConfigError(f"{key}.buffer_max_tokens ({section.buffer_max_tokens}) must hold the longest rollout, "
+                          f"rollout.length_buckets max ({longest}): raise it or lower the length buckets")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -599,12 +607,17 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
     # bool is a subclass of int: `true` must not pass as 1.
     if isinstance(value, bool) and hint is not bool:
         raise wrong
-    if hint is float and isinstance(value, (int, str)):
+    if hint is float and isinstance(value, (int, float, str)):
         # Strings too: PyYAML follows YAML 1.1, which reads `1e-4` (no dot) as a string.
         try:
-            return float(value)
+            value = float(value)
         except ValueError:
             raise wrong from None
+        # No setting means NaN or infinity, and a NaN passes every `x <= 0` check below it (a NaN learning
+        # rate trained to a checkpoint of NaN weights).
+        if not math.isfinite(value):
+            raise ConfigError(f"{key} must be a finite number, got {value!r}")
+        return value
     if not isinstance(value, hint):
         raise wrong
     return value

@@ -1,5 +1,7 @@
 """RunCheckpointer: keeps the last k steps, restores the latest complete one, ignores a crashed save."""
 
+import errno
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -29,6 +31,21 @@ def test_an_unfinished_save_is_not_a_checkpoint(tmp_path):
         step, arrays, _ = ckpt.restore(None, {"policy": {"w": jnp.zeros(2)}})
     assert step == 1
     np.testing.assert_array_equal(arrays["policy"]["w"], np.ones(2))
+
+
+def test_a_full_disk_in_the_background_write_is_an_os_error(tmp_path, monkeypatch):
+    """Orbax reports a background write that ran out of space as TensorStore's ValueError at the next save
+    or wait; the trainer keeps training on OSError (disk full), so the checkpointer raises that."""
+    ckpt = RunCheckpointer(tmp_path, keep=2)
+    full = ValueError("RESOURCE_EXHAUSTED: Error writing local file \"/run/ckpt/2/policy/d/0\": [OS error 28] "
+                      "No space left on device")
+    monkeypatch.setattr(ckpt._manager, "wait_until_finished", lambda: (_ for _ in ()).throw(full))
+    with pytest.raises(OSError) as raised:
+        ckpt.wait()
+    assert raised.value.errno == errno.ENOSPC and raised.value.__cause__ is full
+    monkeypatch.setattr(ckpt._manager, "wait_until_finished", lambda: (_ for _ in ()).throw(ValueError("a bug")))
+    with pytest.raises(ValueError, match="a bug"):
+        ckpt.wait()
 
 
 def test_restore_from_an_empty_directory_says_so(tmp_path):

@@ -150,6 +150,8 @@ def test_unknown_key_suggests_the_right_one(tmp_path):
         ("mesh.data=true", "mesh.data must be an int, got True"),
         ("mesh.data=0", "mesh.data must be >= 1, or -1 for all remaining devices; got 0"),
         ("model.dtype=float16", "model.dtype must be one of float32, bfloat16; got 'float16'"),
+        ("optim.learning_rate=.nan", "optim.learning_rate must be a finite number, got nan"),
+        ("rl.temperature=.inf", "rl.temperature must be a finite number, got inf"),
         ("model.attention=flash", "model.attention must be one of auto, reference, pallas, pallas_interpret, triton; got 'flash'"),
         ("rollout.batch_buckets=[4, 1]", "rollout.batch_buckets must be a non-empty increasing list"),
         ("rollout.prompt_buckets=[2048]", "must be below rollout.length_buckets max"),
@@ -162,6 +164,19 @@ def test_unknown_key_suggests_the_right_one(tmp_path):
 def test_bad_values_are_named(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, [override])
+
+
+def test_a_sample_buffer_must_hold_the_longest_rollout():
+    from fastrl_jax.config import check_trainable
+
+    small = load_config(None, ["rollout.length_buckets=[256, 512]", "drafter_online.buffer_max_tokens=300",
+                               "drafter_train.buffer_max_tokens=300", "drafter_train.seq_len_tokens=256"])
+    for command, key in (("train", "drafter_online"), ("train-drafter", "drafter_train")):
+        with pytest.raises(ConfigError, match=re.escape(f"{key}.buffer_max_tokens (300) must hold the longest rollout, "
+                                                        "rollout.length_buckets max (512)")):
+            check_trainable(small, command)
+    check_trainable(load_config(None, ["rollout.length_buckets=[256, 512]", "drafter_online.buffer_max_tokens=300",
+                                       "drafter_online.enabled=false"]), "train")
 
 
 def test_attention_choices_are_the_kernel_backends():

@@ -48,8 +48,9 @@ def prepare_run_dir(cfg: Config, *, resume: bool, overwrite: bool = False) -> No
         raise ConfigError(f"rl.out_dir {out} is not writable (by this user, in {_existing_ancestor(out)})")
     found = run_contents(out)
     if resume and not checkpoint_steps(out):
-        raise FileNotFoundError(f"--resume: no checkpoint in {out / 'checkpoints'} (rl.out_dir={cfg.rl.out_dir}); "
-                                "drop --resume to start a new run there")
+        fresh = ("add --overwrite instead of --resume to move what it holds aside and start again" if found
+                 else "drop --resume to start a new run there")
+        raise FileNotFoundError(f"--resume: no checkpoint in {out / 'checkpoints'} (rl.out_dir={cfg.rl.out_dir}); {fresh}")
     if not resume and found and not overwrite:
         steps = checkpoint_steps(out)
         held = ", ".join(found) + (f"; checkpoints up to step {steps[-1]}" if steps else "")

@@ -116,13 +116,13 @@ class Trainer:
         self.eval_records = held_out_records(cfg, rl.eval_prompts) if rl.eval_every_steps else []
 
         self.out_dir = Path(rl.out_dir).expanduser()
-        if jax.process_index() == 0:  # what this start ran with: the file plus its overrides
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, self.out_dir / "config.yaml")
         self.checkpointer = RunCheckpointer(self.out_dir / "checkpoints", rl.keep_checkpoints) if rl.checkpoint_every_steps else None
         self.step = 0
         if resume:
             self._restore()
+        if jax.process_index() == 0:  # what this start runs with (a refused resume leaves the run's file alone)
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.out_dir / "config.yaml")
         self.metrics = MetricsLog(self.out_dir, rl.tensorboard, self.step if resume else None,
                                   enabled=jax.process_index() == 0, stream=stream)
 
@@ -300,9 +300,9 @@ class Trainer:
             metrics |= self.track_drafter(requests, completions, step)
         if rl.eval_every_steps and (step % rl.eval_every_steps == 0 or step == rl.steps):
             metrics |= self._evaluation()
+        self.metrics.log(metrics)  # before the checkpoint: a resume from it never runs this step again
         if self.checkpointer is not None and (step % rl.checkpoint_every_steps == 0 or step == rl.steps):
             self.save()
-        self.metrics.log(metrics)
         return metrics
 
     def run(self) -> list[dict[str, Any]]:
@@ -351,8 +351,9 @@ class Trainer:
 
     def _checkpoint_failed(self, e: OSError) -> None:
         why = "the disk is full" if e.errno == errno.ENOSPC else str(e)
-        print(f"[fastrl-jax] checkpoint at step {self.step} failed ({why}); the previous checkpoint "
-              f"(step {self.checkpointer.latest_step()}) stays valid; training continues", file=sys.stderr)
+        latest = self.checkpointer.latest_step()
+        kept = f"the previous checkpoint (step {latest}) stays valid" if latest is not None else "no earlier checkpoint exists"
+        print(f"[fastrl-jax] checkpoint at step {self.step} failed ({why}); {kept}; training continues", file=sys.stderr)
 
     def _restore(self) -> None:
         """Continues from the latest readable checkpoint; newer unreadable steps are set aside (their step
