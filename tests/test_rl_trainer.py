@@ -4,6 +4,7 @@ checkpoint failure, start-up errors, and the dry-run memory plan against a hand 
 import errno
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -137,6 +138,12 @@ def test_failed_checkpoint_write_keeps_previous(tmp_path, capsys):
     assert "checkpoint at step 2 failed (the disk is full); the previous checkpoint (step 1) stays valid" in err
     steps = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
     assert steps[-1] == 3 and 2 not in steps
+    assert [m["step"] for m in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
+    # A resume that would read the prompt stream at a different batch size is refused, and leaves the run's config.
+    saved = (tmp_path / "run" / "config.yaml").read_text()
+    with pytest.raises(ConfigError, match=re.escape("--resume: rl.prompts_per_step (was 4, now 2) changed")):
+        make_trainer(tmp_path, "rl.prompts_per_step=2", steps=4, resume=True)
+    assert (tmp_path / "run" / "config.yaml").read_text() == saved
 
 
 def test_startup_errors_are_clear(tmp_path):

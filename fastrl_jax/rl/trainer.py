@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import logging
 import math
 import sys
@@ -367,6 +368,11 @@ class Trainer:
         except UnreadableCheckpoint as e:
             raise UnreadableCheckpoint(f"--resume: {e}. Restore {ckpt.directory} from a backup, or start the run "
                                        "again with --overwrite (the old run is moved aside)") from None
+        changed = _stream_changes(meta["run"].get("config", {}), to_dict(self.cfg))
+        if changed:
+            raise ConfigError(f"--resume: {', '.join(changed)} changed since the run started; its saved data position "
+                              "counts batches of that prompt stream, so prompts would be skipped or repeated. Set them "
+                              f"back (the run's {self.out_dir / 'config.yaml'} has them), or start a new run")
         unreadable = [s for s in ckpt.all_steps() if s > step]
         if unreadable:
             where = ckpt.set_aside(unreadable)
@@ -416,3 +422,21 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, stream=
     policy = load_policy(cfg.model, make_mesh(cfg.mesh))
     trainer = Trainer(cfg, policy.model, policy.tokenizer, resume=resume, stream=stream)
     return trainer.run()
+
+
+# What orders the prompt stream: a resume's saved position (a batch index) means the same prompts only under these.
+STREAM_KEYS = ("seed", "rl.prompts_per_step", "data.source", "data.shuffle", "data.math_levels", "data.prompt_field",
+               "data.messages_field", "data.answer_field")
+
+
+def _stream_changes(saved: dict, now: dict) -> list[str]:
+    """'key (was X, now Y)' for each STREAM_KEYS setting that differs between a checkpoint's config and this
+    run's (to_dict form); a checkpoint without a saved config compares nothing."""
+    def get(d: dict, key: str):
+        for part in key.split("."):
+            d = d.get(part) if isinstance(d, dict) else None
+        return d
+
+    now = json.loads(json.dumps(now))  # tuples as the checkpoint's JSON holds them: lists
+    return [f"{key} (was {get(saved, key)!r}, now {get(now, key)!r})" for key in STREAM_KEYS
+            if saved and get(saved, key) != get(now, key)]
