@@ -19,16 +19,19 @@ class MetricsSink:
         out_dir = Path(out_dir)
         self.path = out_dir / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        keep = []
-        if resume_after is not None and self.path.exists():
-            keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and _step(ln) <= resume_after]
-        self.path.write_text("".join(ln + "\n" for ln in keep))
+        self.drop_after(-1 if resume_after is None else resume_after)
         self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
 
             purge = None if resume_after is None else resume_after + 1
             self._tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=purge)
+
+    def drop_after(self, step: int) -> None:
+        """Keeps the file's lines up to `step`: a resume that fell back past a damaged checkpoint runs the later
+        steps again (TensorBoard purges only where the sink opened, resume_after)."""
+        lines = self.path.read_text().splitlines() if self.path.exists() else []
+        self.path.write_text("".join(ln + "\n" for ln in lines if ln.strip() and _step(ln) <= step))
 
     def write(self, metrics: dict[str, Any]) -> None:
         """metrics: JSON-able, with an int "step"; finite numbers also go to TensorBoard."""

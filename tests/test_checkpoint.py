@@ -5,6 +5,7 @@ import errno
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.checkpoints import damage
 
 from fastrl_jax.checkpoint import RunCheckpointer, UnreadableCheckpoint
 
@@ -53,14 +54,6 @@ def test_restore_from_an_empty_directory_says_so(tmp_path):
         ckpt.restore(None, {"policy": {"w": jnp.zeros(2)}})
 
 
-def _damage(step_dir):
-    """Cuts the largest file of a checkpoint step in half, as a full disk or an interrupted copy leaves it."""
-    files = [p for p in step_dir.rglob("*") if p.is_file()]
-    biggest = max(files, key=lambda p: p.stat().st_size)
-    with open(biggest, "r+b") as f:
-        f.truncate(biggest.stat().st_size // 2)
-
-
 def _save_steps(directory, steps, keep=3):
     rng = np.random.default_rng(0)
     with RunCheckpointer(directory, keep=keep) as ckpt:
@@ -70,7 +63,7 @@ def _save_steps(directory, steps, keep=3):
 
 def test_a_damaged_latest_step_falls_back_to_the_previous_one_and_says_so(tmp_path, caplog):
     _save_steps(tmp_path, [1, 2])
-    _damage(tmp_path / "2")
+    damage(tmp_path / "2")
     with RunCheckpointer(tmp_path) as ckpt:
         step, arrays, _ = ckpt.restore(None, {"policy": {"w": jnp.zeros((256, 256))}})
         assert step == 1 and float(arrays["policy"]["w"].min()) >= 1
@@ -90,7 +83,7 @@ def test_a_damaged_latest_step_falls_back_to_the_previous_one_and_says_so(tmp_pa
 
 def test_no_readable_step_is_one_clear_error(tmp_path):
     _save_steps(tmp_path, [3], keep=1)
-    _damage(tmp_path / "3")
+    damage(tmp_path / "3")
     with RunCheckpointer(tmp_path, keep=1) as ckpt, pytest.raises(UnreadableCheckpoint) as e:
         ckpt.restore(None, {"policy": {"w": jnp.zeros((256, 256))}})
     message = str(e.value)

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers.checkpoints import damage
 from helpers.tiny import TINY, tiny_model
 
 from fastrl_jax.config import Config, DrafterTrainConfig, RolloutConfig
@@ -233,6 +234,23 @@ def test_resume_continues_the_same_run(policy, tmp_path, monkeypatch):
     assert a.draft_vocab[...].shape == (32,)
     steps = [json.loads(ln)["step"] for ln in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]  # the killed run's lines were kept up to its checkpoint, then continued
+
+    # Killed the same way with checkpoints at steps 1 and 2, the latest damaged: the rerun falls back to step 1,
+    # sets step 2 aside and runs it again (its line too), and keep-k does not prune the good step.
+    cfg = run_config(tmp_path, "damaged")
+    cfg = dataclasses.replace(cfg, drafter_train=dataclasses.replace(cfg.drafter_train, checkpoint_every_steps=1))
+    monkeypatch.setattr(warmup, "make_train_step", crashing)
+    with pytest.raises(KeyboardInterrupt):
+        warmup.train_drafter(cfg, policy, FakeTokenizer(), progress=False)
+    monkeypatch.setattr(warmup, "make_train_step", real)
+    damage(tmp_path / "damaged" / "checkpoints" / "2")
+    warmup.train_drafter(cfg, policy, FakeTokenizer(), progress=False)
+    c = load_drafter(tmp_path / "damaged" / "drafter", TINY)
+    for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(c))):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+    steps = [json.loads(ln)["step"] for ln in (tmp_path / "damaged" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+    assert sorted(int(p.name) for p in (tmp_path / "damaged" / "checkpoints").iterdir() if p.name.isdigit()) == [3, 4]
 
 
 def test_eagle3_warm_up_stores_layer_features_and_saves_its_kind(policy, tmp_path):

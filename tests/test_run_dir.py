@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.checkpoints import damage
 from helpers.cli import cpu_env
 from helpers.tiny_run import tiny_overrides
 from safetensors.numpy import load_file
@@ -45,12 +46,6 @@ def run(tmp_path_factory):
 def copy_of(run_dir: Path, where: Path) -> Path:
     shutil.copytree(run_dir, where)
     return where
-
-
-def damage(step_dir: Path) -> None:
-    biggest = max((p for p in step_dir.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
-    with open(biggest, "r+b") as f:
-        f.truncate(biggest.stat().st_size // 2)
 
 
 def test_train_refuses_a_run_directory_without_resume_before_loading_anything(run, tmp_path):

@@ -103,7 +103,10 @@ def train_drafter(cfg: Config, policy: Decoder, tokenizer, *, resume: bool = Tru
     evaluate = HeldOutEvaluator(cfg, policy, tokenizer, stop, sink)
     drafter = Drafter(policy.cfg, nnx.Rngs(cfg.seed), DTYPES[cfg.model.dtype], draft_vocab=vocab, kind=dt.kind)
     t_train = time.perf_counter()
-    drafter = train(cfg, policy, drafter, buffer, ckpt, sink, evaluate, progress)
+    try:
+        drafter = train(cfg, policy, drafter, buffer, ckpt, sink, evaluate, progress)
+    finally:  # on Ctrl-C too: the checkpoint being written completes, and a rerun resumes from it
+        ckpt.close()
     summary["train_seconds"] = time.perf_counter() - t_train
     summary["steps"] = dt.steps
     final_dir = out_dir / "drafter"
@@ -155,6 +158,11 @@ def train(cfg: Config, policy: Decoder, drafter: Drafter, buffer: SampleBuffer, 
         start, arrays, _ = ckpt.restore(None, {"params": nnx.to_pure_dict(params), "opt_state": opt_state})
         nnx.replace_by_pure_dict(params, arrays["params"])
         opt_state = arrays["opt_state"]
+        unreadable = [s for s in ckpt.all_steps() if s > start]
+        if unreadable:  # saved afresh when training gets there again; keep-k would otherwise prune the good step
+            where = ckpt.set_aside(unreadable)
+            sink.drop_after(start)
+            print(f"[train-drafter] moved unreadable checkpoint steps {unreadable} to {where}", file=sys.stderr)
         print(f"[train-drafter] resuming at step {start} from {ckpt.directory}", file=sys.stderr)
     log = _StepLog(sink)
     base_key = jax.random.key(cfg.seed)
@@ -174,7 +182,6 @@ def train(cfg: Config, policy: Decoder, drafter: Drafter, buffer: SampleBuffer, 
         if dt.eval_every_steps and done % dt.eval_every_steps == 0 and done != dt.steps:
             log.last_eval = evaluate(nnx.merge(dgraphdef, params, rest), done)
     bar.close()
-    ckpt.close()
     return nnx.merge(dgraphdef, params, rest)
 
 
