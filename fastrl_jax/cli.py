@@ -554,14 +554,16 @@ def build_parser() -> argparse.ArgumentParser:
     td.set_defaults(func=cmd_train_drafter)
     ex = sub.add_parser("export-drafter", help="write a trained drafter as Orbax and as an SGLang EAGLE safetensors dir")
     _common(ex)
-    ex.add_argument("--drafter", required=True, help="train-drafter out_dir, or a drafter checkpoint directory")
+    ex.add_argument("--drafter", required=True, help="train-drafter out_dir, a train run's rl.out_dir (its online drafter), "
+                    "or a drafter checkpoint directory")
     ex.add_argument("--out", required=True, help="new directory: OUT/orbax and OUT/eagle are written")
     ex.set_defaults(func=cmd_export_drafter)
     _add_export_policy(sub)
     _add_eval(sub)
     bs = sub.add_parser("bench-sd", help="plain vs speculative decoding tokens/s per batch size, strategy, temperature")
     _common(bs)
-    bs.add_argument("--drafter", help="train-drafter out_dir, or a drafter checkpoint directory (EAGLE strategies)")
+    bs.add_argument("--drafter", help="train-drafter out_dir, a train run's rl.out_dir, or a drafter checkpoint directory "
+                    "(EAGLE strategies)")
     bs.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     bs.add_argument("--strategies", nargs="+", default=["6/4/16", "5/4/8", "4/2/6"],
                     help="steps/topk/verify_tokens (EAGLE tree), hD (history chain) or S/K/V+hD (both)")

@@ -44,10 +44,13 @@ def test_missing_unfinished_or_foreign_drafters_are_one_clear_line(tmp_path):
     unfinished = tmp_path / "warmup"
     (unfinished / "checkpoints" / "500").mkdir(parents=True)  # what a train-drafter run leaves before its end
     (unfinished / "config.yaml").write_text("seed: 0\n")
+    (unfinished / "data.npz").write_bytes(b"")
+    plain_run = tmp_path / "grpo"  # a train run with sd.mode off: no drafter in its checkpoints
+    (plain_run / "checkpoints" / "3" / "policy").mkdir(parents=True)
     foreign = tmp_path / "notes"
     foreign.mkdir()
     cases = {tmp_path / "none": "not found", unfinished: "a train-drafter run that has not finished (it has no drafter/ yet)",
-             foreign: "is not a drafter checkpoint (no Orbax metadata)"}
+             plain_run: "is a train run whose checkpoints hold no drafter", foreign: "is not a drafter checkpoint (no Orbax metadata)"}
     for drafter, message in cases.items():
         res = fastrl_jax("export-drafter", "--model", policy, "--drafter", str(drafter), "--out", str(tmp_path / "o"))
         assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr

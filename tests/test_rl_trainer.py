@@ -20,7 +20,8 @@ from helpers.tiny_run import tiny_overrides
 
 from fastrl_jax.config import ConfigError, load_config
 from fastrl_jax.metric_sink import read_metrics
-from fastrl_jax.models.loading import load_model
+from fastrl_jax.models.drafter_io import load_drafter
+from fastrl_jax.models.loading import load_model, read_model_config
 from fastrl_jax.models.tokenizer import load_tokenizer
 from fastrl_jax.rl import dry_run, update
 from fastrl_jax.rl.trainer import NonFiniteLoss, Trainer
@@ -78,6 +79,10 @@ def test_lossless_sd_adaptive_matches_plain_decoding(tmp_path):
     assert {r.engine.chooser.drafter_accept for r in trainer.workers.replicas} == {last}
     resumed = make_trainer(tmp_path / "sd", *sd, resume=True)
     assert resumed.spot.steps_done == trainer.spot.steps_done and resumed.spot.bank_s == trainer.spot.bank_s != 0
+    # export-drafter / eval --drafter take the run directory: its latest checkpoint's online-trained drafter.
+    exported = load_drafter(tmp_path / "sd" / "run", read_model_config(trainer.cfg.model.path))
+    jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(exported)),
+                 nnx.to_pure_dict(nnx.state(trainer.drafter)))
     jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(resumed.spot.params),
                  nnx.to_pure_dict(trainer.spot.params))
     for a, b in zip(off[1], adaptive[1]):

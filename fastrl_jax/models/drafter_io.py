@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from pathlib import Path
 
 import jax
@@ -37,17 +38,25 @@ def abstract_drafter(cfg: ModelConfig, dtype="float32", draft_vocab_size: int = 
 
 def drafter_dir(path: str | Path) -> Path:
     """The drafter checkpoint directory `path` names: itself (written by save_drafter, e.g. export-drafter's
-    orbax/), or a finished train-drafter out_dir's drafter/. Raises FileNotFoundError / ValueError with
-    the fix for anything else (a missing path, an unfinished train-drafter run, another directory)."""
+    orbax/), a finished train-drafter out_dir's drafter/, or a `train` run's (rl.out_dir) latest checkpoint
+    of its online-trained drafter. Raises FileNotFoundError / ValueError with the fix for anything else (a
+    missing path, an unfinished train-drafter run, a train run without a drafter, another directory)."""
     path = Path(path).expanduser().resolve()
     if (path / "drafter").is_dir():
         path = path / "drafter"
     elif not path.exists():
-        raise FileNotFoundError(f"drafter checkpoint {path} not found (expected a train-drafter out_dir, or a "
-                                "directory written by save_drafter such as export-drafter's OUT/orbax)")
-    elif any((path / name).exists() for name in ("checkpoints", "data.npz", "summary.json")):
+        raise FileNotFoundError(f"drafter checkpoint {path} not found (expected a train-drafter out_dir, a train run's "
+                                "rl.out_dir, or a directory written by save_drafter such as export-drafter's OUT/orbax)")
+    elif any((path / name).exists() for name in ("data.npz", "summary.json")):
         raise ValueError(f"{path} is a train-drafter run that has not finished (it has no drafter/ yet): let "
                          f"`fastrl-jax train-drafter --set drafter_train.out_dir={path}` run to the end (it resumes)")
+    elif (path / "checkpoints").is_dir():  # a GRPO run: its checkpoints hold the drafter trained online
+        steps = sorted(int(p.name) for p in (path / "checkpoints").iterdir() if p.name.isdigit() and (p / "drafter").is_dir())
+        if not steps:
+            raise ValueError(f"{path} is a train run whose checkpoints hold no drafter (it ran with sd.mode off, or "
+                             "has no checkpoint yet)")
+        path = path / "checkpoints" / str(steps[-1]) / "drafter"
+        print(f"[fastrl-jax] the drafter of {path.parents[2]}: its checkpoint at step {steps[-1]}", file=sys.stderr)
     if not (path / "_CHECKPOINT_METADATA").is_file() and not (path / "_METADATA").is_file():
         raise ValueError(f"{path} is not a drafter checkpoint (no Orbax metadata): give a train-drafter out_dir, or "
                          "a directory written by save_drafter such as export-drafter's OUT/orbax")

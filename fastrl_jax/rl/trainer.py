@@ -386,6 +386,10 @@ class Trainer:
             self.spot.restore(self.drafter, arrays["drafter_optimizer"])
             self.spot.bank_s = float(meta["run"].get("drafter_bank_s", 0.0))  # checkpoints before 2026-11-26 have none
             self._estimated_at = None if self.spot.steps_done else self._estimated_at  # a trained drafter: estimate it
+            # Its samples are not checkpointed (GBs at scale: tokens x features in float16): rollouts are lossless
+            # whatever the drafter, so only the drafter's next steps differ from an uninterrupted run.
+            print("[fastrl-jax] the online drafter's sample buffer starts empty; it refills from this step's rollouts",
+                  file=sys.stderr)
         self.workers.update_weights(self.params)
         self.data.restore(meta["data"])
         if self.history is not None:
