@@ -50,7 +50,8 @@ def test_missing_unfinished_or_foreign_drafters_are_one_clear_line(tmp_path):
     foreign = tmp_path / "notes"
     foreign.mkdir()
     cases = {tmp_path / "none": "not found", unfinished: "a train-drafter run that has not finished (it has no drafter/ yet)",
-             plain_run: "is a train run whose checkpoints hold no drafter", foreign: "is not a drafter checkpoint (no Orbax metadata)"}
+             plain_run: "is a train run whose checkpoints hold no drafter",
+             foreign: "is not a drafter checkpoint (no Orbax metadata)"}
     for drafter, message in cases.items():
         res = fastrl_jax("export-drafter", "--model", policy, "--drafter", str(drafter), "--out", str(tmp_path / "o"))
         assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr
