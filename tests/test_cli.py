@@ -48,7 +48,7 @@ def tiny_dir(tmp_path_factory):
     (["--temperature", "-1"], "need temperature >= 0"),
     (["--top-p", "0"], "0 < top_p <= 1; got 0.0, 0, 0.0"),
     (["--top-p", "1.5"], "0 < top_p <= 1; got 0.0, 0, 1.5"),
-    (["--top-k", "-1"], "top_k >= 0"),
+    (["--top-k", "-1"], "0 <= top_k < 2**31"),
     (["--sd", "on", "--max-new-tokens", "60"], "max_new_tokens (60) + 7 draft-tree slots leaves no room"),
     (["--drafter", "{tmp}"], "--drafter applies only to speculative decoding: add --sd on or --sd adaptive"),
     (["--spec-steps", "2", "--spec-topk", "2"], "--spec-steps, --spec-topk apply only to speculative decoding"),
