@@ -359,8 +359,9 @@ def plain_decode(ctx: Ctx) -> dict:
         gc.collect()
         _free_torch()
     one = [r for r in rows if r.get("batch") == 1]
-    return {"summary": "; ".join(f"{r['model']} bs1 {r['layer_loop']} {r['attention']} {r['tok_s']:.0f} tok/s = {r['floor_fraction']:.0%} "
-                                 "of floor" for r in one), "copy_bandwidth_gbs": bandwidth, "rows": rows}
+    return {"summary": "; ".join(f"{r['model']} bs1 {r['layer_loop']} {r['attention']} {r['tok_s']:.0f} tok/s = "
+                                 f"{r['floor_fraction']:.0%} of floor" for r in one),
+            "copy_bandwidth_gbs": bandwidth, "rows": rows}
 
 
 def _free_torch() -> None:
