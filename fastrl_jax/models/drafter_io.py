@@ -12,6 +12,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from fastrl_jax.checkpoint import checkpoint_steps
 from fastrl_jax.config import Config
 from fastrl_jax.models.config import ModelConfig
 from fastrl_jax.models.decoder import DTYPES
@@ -51,7 +52,7 @@ def drafter_dir(path: str | Path) -> Path:
         raise ValueError(f"{path} is a train-drafter run that has not finished (it has no drafter/ yet): let "
                          f"`fastrl-jax train-drafter --set drafter_train.out_dir={path}` run to the end (it resumes)")
     elif (path / "checkpoints").is_dir():  # a GRPO run: its checkpoints hold the drafter trained online
-        steps = sorted(int(p.name) for p in (path / "checkpoints").iterdir() if p.name.isdigit() and (p / "drafter").is_dir())
+        steps = [s for s in checkpoint_steps(path) if (path / "checkpoints" / str(s) / "drafter").is_dir()]
         if not steps:
             raise ValueError(f"{path} is a train run whose checkpoints hold no drafter (it ran with sd.mode off, or "
                              "has no checkpoint yet)")
