@@ -447,7 +447,7 @@ def cmd_bench_sd(args: argparse.Namespace) -> None:
         if drafter is None:
             raise ConfigError("bench-sd --profile times an EAGLE step's phases: give --drafter DIR")
         prof = bench.profile_step(policy.model, drafter, strategies[0], temperature=args.temperatures[-1],
-                                  unrolled=cfg.rollout.layer_loop == "unrolled")
+                                  unrolled=cfg.rollout.unrolled_layers(jax.default_backend()))
         result["profile_ms"] = prof
         print("[bench-sd] one speculative step at batch 1, strategy " + args.strategies[0] + " (ms): "
               + ", ".join(f"{k} {v:.1f}" for k, v in prof.items()))

@@ -136,10 +136,12 @@ class RolloutConfig:
     prefill_with_decode: bool = False
     compile_cache_dir: str = "~/.cache/fastrl_jax/xla"  # JAX persistent compilation cache; "" disables
     warm_up: bool = True  # compile every program at engine start
-    # How the engines' programs run the policy's layers: 'scan' (lax.scan over the stacked weights) or 'unrolled'
-    # (each layer's weights their own buffers). On an H100 the scan copied every layer's MLP weights at every
-    # decode step (docs/gpu.md); unrolled is not yet measured there, and on CPU it decodes slower.
-    layer_loop: str = "scan"
+    # How the engines' programs run the policy's layers: 'scan' (lax.scan over the stacked weights), 'unrolled'
+    # (each layer's weights their own buffers: one more copy of them per engine) or 'auto': unrolled on a GPU,
+    # where the scan copies each layer's MLP weights at every step (H100, 2026-11-26: unrolled decodes 1.6-1.8x
+    # the scan's tokens/s for a Qwen2.5-1.5B shape, 1.9-2.6x for 7B; docs/gpu.md), the scan elsewhere (CPU:
+    # as fast from batch 4 and compiles ~3x faster, docs/measurements.md; TPU: not measured).
+    layer_loop: str = "auto"
 
     def __post_init__(self):
         for name in ("batch_buckets", "length_buckets", "prompt_buckets"):
@@ -157,7 +159,11 @@ class RolloutConfig:
             raise ConfigError(f"rollout.window_rows must be an increasing list of positive ints, got {list(self.window_rows)}")
         _check_at_least("rollout", self, ("steps_per_call", "max_stop_ids", "refill_rows"), 1)
         _check_at_least("rollout", self, ("shared_prefix_min", "refill_lookahead"), 0)
-        _check_choice("rollout.layer_loop", self.layer_loop, ("scan", "unrolled"))
+        _check_choice("rollout.layer_loop", self.layer_loop, ("auto", "scan", "unrolled"))
+
+    def unrolled_layers(self, platform: str) -> bool:
+        """Whether engines on `platform` (jax.default_backend(): 'cpu', 'gpu', 'tpu') unroll the layer loop."""
+        return self.layer_loop == "unrolled" or (self.layer_loop == "auto" and platform == "gpu")
 
 
 class StrategySpec(str):

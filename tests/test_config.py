@@ -154,6 +154,7 @@ def test_unknown_key_suggests_the_right_one(tmp_path):
         ("rl.temperature=.inf", "rl.temperature must be a finite number, got inf"),
         ("model.attention=flash",
          "model.attention must be one of auto, reference, pallas, pallas_interpret, triton; got 'flash'"),
+        ("rollout.layer_loop=fori", "rollout.layer_loop must be one of auto, scan, unrolled; got 'fori'"),
         ("rollout.batch_buckets=[4, 1]", "rollout.batch_buckets must be a non-empty increasing list"),
         ("rollout.prompt_buckets=[2048]", "must be below rollout.length_buckets max"),
         ("seed.x=1", "seed must be an int, got {'x': 1}"),
@@ -187,6 +188,12 @@ def test_attention_choices_are_the_kernel_backends():
     from fastrl_jax.config import ATTENTION_BACKENDS
 
     assert ATTENTION_BACKENDS == ("auto", *BACKENDS)
+
+
+@pytest.mark.parametrize("loop, unrolled_on", [("auto", {"gpu"}), ("scan", set()), ("unrolled", {"cpu", "gpu", "tpu"})])
+def test_layer_loop_auto_unrolls_on_gpus_only(loop, unrolled_on):
+    rollout = load_config(None, [f"rollout.layer_loop={loop}"]).rollout
+    assert {p for p in ("cpu", "gpu", "tpu") if rollout.unrolled_layers(p)} == unrolled_on
 
 
 def test_at_most_one_minus_one_axis():

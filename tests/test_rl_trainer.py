@@ -224,12 +224,13 @@ def test_dry_run_matches_hand_calculation():
     # KV cache of one replica (kept whole on each of its devices): 2 x layers x rows x kv heads x slots x head dim x 2 B
     assert plan["kv_cache"] == 2 * 28 * 64 * 4 * 4096 * 128 * 2
     assert plan["hidden_states"] == 64 * 4096 * 3584 * 2  # in the engines' bfloat16, sd on
-    # layer_loop unrolled: the engines' per-layer copy of everything but embed, head and final norm
+    # layer_loop auto (unrolled on GPUs, as planned): the engines' per-layer copy of everything but embed, head and
+    # final norm; the scan has none
     embed_head_norm = 2 * (152064 * 3584 * 2 // 4 + 3584)
-    unrolled = dry_run.memory_plan(load_config(ROOT / "configs" / "qwen2.5_7b_1node.yaml", ["rollout.layer_loop=unrolled"]))
-    assert plan["unrolled_layers"] == 0
-    assert unrolled["unrolled_layers"] == _qwen7b_hand_calculation(tensor=4, fsdp=1, itemsize=2) - embed_head_norm
-    assert unrolled["total"] == plan["total"] + unrolled["unrolled_layers"]
+    scan = dry_run.memory_plan(load_config(ROOT / "configs" / "qwen2.5_7b_1node.yaml", ["rollout.layer_loop=scan"]))
+    assert scan["unrolled_layers"] == 0
+    assert plan["unrolled_layers"] == _qwen7b_hand_calculation(tensor=4, fsdp=1, itemsize=2) - embed_head_norm
+    assert plan["total"] == scan["total"] + plan["unrolled_layers"]
     other = load_config(ROOT / "configs" / "qwen2.5_7b_1node.yaml", ["mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1",
                                                                       "sd.mode='off'", "rl.kl_coef=0.01"])
     p = dry_run.memory_plan(other)

@@ -137,7 +137,7 @@ def test_unrolled_layer_loop_decodes_what_the_scan_decodes(model, eagle):
     tokens, log-probs and hidden states for sampled requests, also after update_weights."""
     reqs = [Request(p, max_new_tokens=12, temperature=0.8, seed=i, stop_ids=(7,)) for i, p in enumerate(prompts(5, seed=3))]
     sd = SpecConfig(mode="on", steps=3, topk=2, verify_tokens=6)
-    unrolled_cfg = dataclasses.replace(SD_CFG, layer_loop="unrolled")
+    scan_cfg, unrolled_cfg = (dataclasses.replace(SD_CFG, layer_loop=loop) for loop in ("scan", "unrolled"))
 
     def run(cfg, weights, **kw):
         engine = RolloutEngine(model, cfg, keep_hidden=True, progress=False, **kw)
@@ -147,7 +147,7 @@ def test_unrolled_layer_loop_decodes_what_the_scan_decodes(model, eagle):
 
     other = tiny_model(seed=1)  # update_weights hands the engine these
     for kw in ({}, {"sd": sd, "drafter": eagle}):
-        for a, b in zip(run(SD_CFG, other, **kw), run(unrolled_cfg, other, **kw)):
+        for a, b in zip(run(scan_cfg, other, **kw), run(unrolled_cfg, other, **kw)):
             assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
             np.testing.assert_array_equal(a.logprobs, b.logprobs)
             np.testing.assert_array_equal(a.hidden_states, b.hidden_states)

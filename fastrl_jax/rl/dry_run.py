@@ -74,9 +74,9 @@ def memory_plan(cfg: Config, devices: int | None = None) -> dict[str, float]:
     engine_state = nnx.state(abstract_decoder(mcfg, DTYPES[cfg.model.engine_dtype]))
     rollout_params = _per_device_bytes(shardings_for(engine_state, mesh), engine_state) if mixed else 0
     # Unrolled engines (rollout.layer_loop) copy the layer weights into per-layer buffers beside the
-    # stacked ones the drafter trainer reads.
+    # stacked ones the drafter trainer reads; planned as on GPUs, where 'auto' unrolls.
     layers = engine_state["layers"]
-    unrolled = _per_device_bytes(shardings_for(layers, mesh), layers) if cfg.rollout.layer_loop == "unrolled" else 0
+    unrolled = _per_device_bytes(shardings_for(layers, mesh), layers) if cfg.rollout.unrolled_layers("gpu") else 0
     itemsize = np.dtype(DTYPES[cfg.model.engine_dtype]).itemsize
     B, S = cfg.rollout.batch_buckets[-1], cfg.rollout.length_buckets[-1]
     # The engine keeps its row table (KV cache included) replicated on the replica's devices.
@@ -137,7 +137,7 @@ def plan(cfg: Config, devices: int | None = None) -> str:
         "optimizer": "AdamW first and second moments",
         "reference": "frozen reference policy (rl.kl_coef > 0)",
         "rollout_params": f"the engines' {cfg.model.engine_dtype} copy (model.rollout_dtype)",
-        "unrolled_layers": "the engines' per-layer copy of the layer weights (rollout.layer_loop: unrolled)",
+        "unrolled_layers": "the engines' per-layer copy of the layer weights (rollout.layer_loop unrolled, or auto on GPUs)",
         "kv_cache": f"rollout KV cache, {cfg.rollout.batch_buckets[-1]} rows x {cfg.rollout.length_buckets[-1]} slots",
         "hidden_states": "last-layer hidden states kept for the drafter (sd on)",
         "drafter_kv_cache": "drafter's one-layer KV cache (sd on)",

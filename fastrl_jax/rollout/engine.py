@@ -159,7 +159,7 @@ class RolloutEngine:
         self.cfg = cfg
         self.model_cfg = model.cfg
         self.graphdef, self.state = nnx.split(model)
-        self.unrolled = cfg.layer_loop == "unrolled"
+        self.unrolled = cfg.unrolled_layers(jax.default_backend())
         if self.unrolled:
             self.state = unstack_layers(self.state)
         self.dtype = model.embed.get_value().dtype
