@@ -330,38 +330,43 @@ def plain_decode(ctx: Ctx) -> dict:
 
     br, sizes, dtype = _bench_rollout(), ctx.sizes, ctx.dtype
     bandwidth = device_copy_gbs(sizes.copy_bytes)
-    rows = []
-    for shape in sizes.shapes:
-        if ctx.left() < 30:
-            rows.append({"model": shape, "skipped": "budget"})
-            continue
-        model, hf_factory = _model(ctx, shape, dtype)
-        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
-        prompts = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (64, 32)).tolist()
-        # Both layer loops (rollout.layer_loop): on an H100 the scan copied MLP weights at every step (docs/gpu.md);
-        # and each --attention backend (the kernels hand attention a copy of each layer's window, XLA need not).
-        ours = {}
-        for attention in ctx.args.attention or [ctx.config().model.attention]:
-            model.cfg = dataclasses.replace(model.cfg, attention_backend=attention)
-            for loop in ("scan", "unrolled"):
-                ours[loop, attention] = br.bench_engine(model, prompts, list(sizes.decode_batches), sizes.new_tokens, 1,
-                                                        loop)[:2]
-        hf = {}
-        if not ctx.args.skip_hf and ctx.left() > 60:
-            hf = br.bench_hf(hf_factory(), prompts, list(sizes.decode_batches), sizes.new_tokens, 1, 0)
-        for (loop, attention), (tok_s, start_s) in ours.items():
-            for b in sizes.decode_batches:
-                floor = b * bandwidth * 1e9 / weight_bytes
-                rows.append({"model": ctx.label(shape), "dtype": dtype, "layer_loop": loop, "attention": attention, "batch": b,
-                             "tok_s": tok_s[b][0], "hf_tok_s": hf.get(b, (None,))[0], "floor_tok_s": floor,
-                             "floor_fraction": tok_s[b][0] / floor, "weight_bytes": weight_bytes, "engine_start_s": start_s})
-        del model, hf_factory, ours
-        gc.collect()
-        _free_torch()
+    rows, cut = [], None
+    try:  # rows are kept as each engine finishes: a section cut by the budget still reports them
+        for shape in sizes.shapes:
+            if ctx.left() < 30:
+                rows.append({"model": shape, "skipped": "budget"})
+                continue
+            model, hf_factory = _model(ctx, shape, dtype)
+            weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+            prompts = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (64, 32)).tolist()
+            # Each --layer-loops loop (rollout.layer_loop: the scan copied MLP weights at every step on an H100, docs/gpu.md)
+            # and each --attention backend (the kernels hand attention a copy of each layer's window, XLA need not).
+            ours = []
+            for attention in ctx.args.attention or [ctx.config().model.attention]:
+                model.cfg = dataclasses.replace(model.cfg, attention_backend=attention)
+                for loop in ctx.args.layer_loops:
+                    tok_s, start_s = br.bench_engine(model, prompts, list(sizes.decode_batches), sizes.new_tokens, 1, loop)[:2]
+                    for b in sizes.decode_batches:
+                        floor = b * bandwidth * 1e9 / weight_bytes
+                        ours.append({"model": ctx.label(shape), "dtype": dtype, "layer_loop": loop, "attention": attention,
+                                     "batch": b, "tok_s": tok_s[b][0], "hf_tok_s": None, "floor_tok_s": floor,
+                                     "floor_fraction": tok_s[b][0] / floor, "weight_bytes": weight_bytes,
+                                     "engine_start_s": start_s})
+                        rows.append(ours[-1])
+            if not ctx.args.skip_hf and ctx.left() > 60:
+                hf = br.bench_hf(hf_factory(), prompts, list(sizes.decode_batches), sizes.new_tokens, 1, 0)
+                for r in ours:
+                    r["hf_tok_s"] = hf.get(r["batch"], (None,))[0]
+            del model, hf_factory
+            gc.collect()
+            _free_torch()
+    except TimeoutError as e:  # the budget's alarm
+        cut = str(e)
     one = [r for r in rows if r.get("batch") == 1]
-    return {"summary": "; ".join(f"{r['model']} bs1 {r['layer_loop']} {r['attention']} {r['tok_s']:.0f} tok/s = "
-                                 f"{r['floor_fraction']:.0%} of floor" for r in one),
-            "copy_bandwidth_gbs": bandwidth, "rows": rows}
+    summary = "; ".join(f"{r['model']} bs1 {r['layer_loop']} {r['attention']} {r['tok_s']:.0f} tok/s = "
+                        f"{r['floor_fraction']:.0%} of floor" for r in one)
+    return {"summary": summary + (f" (cut: {cut})" if cut else ""), "copy_bandwidth_gbs": bandwidth, "rows": rows,
+            **({"status": "cut"} if cut else {})}
 
 
 def _free_torch() -> None:
@@ -387,11 +392,13 @@ def _random_drafter(ctx: Ctx, model):
 
 def sd_step_profile(ctx: Ctx) -> dict:
     """bench.profile_step per model, batch and strategy, with a random drafter over a reduced draft vocabulary."""
+    import jax
+
     from fastrl_jax.config import StrategySpec
     from fastrl_jax.drafter import bench
 
     sizes, rows = ctx.sizes, []
-    unrolled = ctx.config().rollout.layer_loop == "unrolled"  # as the engines run the layers
+    unrolled = ctx.config().rollout.unrolled_layers(jax.default_backend())  # as the engines run the layers
     for shape in sizes.profile_shapes:
         model, _ = _model(ctx, shape, ctx.dtype)
         drafter = _random_drafter(ctx, model)
@@ -457,8 +464,9 @@ def trace(ctx: Ctx) -> dict:
 
 def device_summary(trace: Path, steps: int, top: int = 20) -> dict:
     """A perfetto trace's device side per step: busy microseconds (the union of its events), the span from the
-    first event to the last, launches, device time per XLA program (hlo_module) and the costliest kernels.
-    Without device events (XLA CPU traces host threads only) it says so."""
+    first event to the last, launches, device time per XLA program (hlo_module), the costliest kernels, the ops
+    the idle time follows (idle_after) and the device-to-host copies (host_reads). Without device events (XLA CPU
+    traces host threads only) it says so."""
     import gzip
     from collections import Counter
 
@@ -471,10 +479,15 @@ def device_summary(trace: Path, steps: int, top: int = 20) -> dict:
     threads = Counter(meta.get((e["pid"], e.get("tid")), str(e.get("tid"))) for e in device)
     # Kernels and copies run on streams; other device lines (if any) summarise them and would count twice.
     streams = [e for e in device if meta.get((e["pid"], e.get("tid")), "").startswith("Stream")] or device
-    busy, start, end = 0.0, min(e["ts"] for e in streams), float("-inf")
-    for s, t in sorted((e["ts"], e["ts"] + e["dur"]) for e in streams):
+    # Idle device time is charged to the op whose end it follows: a host sync (a while loop's or a cond's
+    # predicate read back), a launch-bound stretch, or the end of a call before the host's next one.
+    busy, start, end, last, idle_after = 0.0, min(e["ts"] for e in streams), float("-inf"), None, Counter()
+    for s, t, op in sorted((e["ts"], e["ts"] + e["dur"], _op(e)) for e in streams):
+        if last is not None and s > end:
+            idle_after[last] += s - end
         busy += max(0.0, t - max(s, end))
-        end = max(end, t)
+        if t > end:
+            end, last = t, op
     by_kernel, launches, by_program, first_args = Counter(), Counter(), Counter(), {}
     for e in streams:
         by_kernel[e["name"]] += e["dur"]
@@ -487,7 +500,15 @@ def device_summary(trace: Path, steps: int, top: int = 20) -> dict:
             "kernels_per_step": len(streams) / steps, "program_us": dict(by_program.most_common()),
             "top_kernels": [{"name": k, "us_per_step": d / steps, "launches_per_step": launches[k] / steps,
                              "args": first_args[k]}
-                            for k, d in by_kernel.most_common(top)]}
+                            for k, d in by_kernel.most_common(top)],
+            "idle_after": [{"op": k, "us_per_step": d / steps} for k, d in idle_after.most_common(top)],
+            "host_reads_per_step": launches["MemcpyD2H"] / steps}
+
+
+def _op(event: dict) -> str:
+    """A device event's XLA program and op ('jit_decode:command_buffer_109'), or its name."""
+    args = event.get("args", {})
+    return f"{args['hlo_module']}:{args.get('hlo_op', event['name'])}" if "hlo_module" in args else event["name"]
 
 
 def trained_drafter(ctx: Ctx) -> dict:
@@ -598,7 +619,8 @@ def run_section(ctx: Ctx, name: str) -> None:
         return
     t0 = time.monotonic()
     try:
-        result, status = globals()[name](ctx), "ok"
+        result = globals()[name](ctx)
+        status = result.pop("status", "ok")  # a section cut by the budget says "cut" and keeps what it measured
     except Exception as e:  # recorded; the next section still runs
         result = {"summary": f"{type(e).__name__}: {str(e)[:300]}", "traceback": traceback.format_exc()[-4000:]}
         status = "error"
@@ -685,6 +707,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-hf", action="store_true", help="plain_decode without the transformers comparison")
     p.add_argument("--attention", nargs="+", choices=ATTENTION_BACKENDS, help="plain_decode times each of these "
                    "attention backends (model.attention; default: the config's)")
+    p.add_argument("--layer-loops", nargs="+", choices=("scan", "unrolled"), default=["scan", "unrolled"],
+                   help="plain_decode times each of these layer loops (rollout.layer_loop)")
     p.add_argument("--compile-cache", default="", help="JAX persistent compilation cache directory ('' = off)")
     return p.parse_args(argv)
 

@@ -1,6 +1,8 @@
 """scripts/gpu_check.py in its reduced form on CPU, on the tiny checkpoint: every section runs and records
 figures, so the GPU check cannot rot between GPU sessions."""
 
+import gzip
+import importlib.util
 import json
 import os
 import subprocess
@@ -58,3 +60,55 @@ def test_reduced_gpu_check_runs_every_section(tmp_path):
     assert results["grpo"]["same_token_counts"] and results["grpo"]["runs"]["adaptive"]["sd_share"][0] > 0
     md = (out / "gpu_check.md").read_text()
     assert "| section | status | seconds | result |" in md and "## Plain decode" in md and "## SD step by phase" in md and "## Traced at batch 1" in md
+
+
+def _gpu_check(monkeypatch):
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_check", module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_device_summary_charges_idle_time_to_the_op_before_it(tmp_path, monkeypatch):
+    """A GPU trace's idle stretches (host syncs, launch gaps) are attributed to the op that ended last."""
+    gpu_check = _gpu_check(monkeypatch)
+    op = lambda name, ts, dur, hlo_op: {"ph": "X", "pid": 1, "tid": 2, "name": name, "ts": ts, "dur": dur,  # noqa: E731
+                                        "args": {"hlo_module": "jit_decode", "hlo_op": hlo_op}}
+    events = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+              {"ph": "M", "pid": 1, "tid": 2, "name": "thread_name", "args": {"name": "Stream #14(Compute)"}},
+              op("gemm", 0, 10, "fusion.1"), op("reduce", 5, 10, "fusion.2"),  # overlapping: busy 0-15
+              op("MemcpyD2H", 20, 2, "cond.1"), op("gemm", 40, 5, "fusion.3"), op("gemm", 45, 5, "fusion.3")]
+    path = tmp_path / "trace.json.gz"
+    path.write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
+    got = gpu_check.device_summary(path, steps=2)
+    assert got["busy_us_per_step"] == (15 + 2 + 10) / 2 and got["span_us_per_step"] == 50 / 2
+    assert got["idle_after"] == [{"op": "jit_decode:cond.1", "us_per_step": 9.0},
+                                 {"op": "jit_decode:fusion.2", "us_per_step": 2.5}]
+    assert got["host_reads_per_step"] == 0.5 and got["kernels_per_step"] == 2.5
+
+
+def test_plain_decode_cut_by_the_budget_keeps_its_rows(monkeypatch):
+    """The budget's alarm in the middle of plain_decode: the engines measured so far stay in the results."""
+    import time
+    import types
+
+    from helpers.tiny import tiny_model
+
+    gpu_check = _gpu_check(monkeypatch)
+    calls = []
+
+    def bench_engine(model, prompts, batches, new_tokens, repeats, loop):
+        calls.append(loop)
+        if len(calls) > 1:
+            raise TimeoutError("gpu_check budget of 1s (+15s grace) spent")
+        return {b: (100.0 * b,) for b in batches}, 2.0
+
+    monkeypatch.setattr(gpu_check, "_bench_rollout", lambda: types.SimpleNamespace(bench_engine=bench_engine))
+    monkeypatch.setattr(gpu_check, "_model", lambda ctx, shape, dtype: (tiny_model(), None))
+    args = types.SimpleNamespace(attention=["reference"], layer_loops=["scan", "unrolled"], skip_hf=True, dtype=None,
+                                 config=None, set=[])
+    ctx = gpu_check.Ctx(args, gpu_check.REDUCED, Path("."), time.monotonic() + 100, {})
+    got = gpu_check.plain_decode(ctx)
+    assert got["status"] == "cut" and calls == ["scan", "unrolled"] and "(cut: gpu_check budget" in got["summary"]
+    assert [(r["layer_loop"], r["batch"], r["tok_s"]) for r in got["rows"]] == [("scan", 1, 100.0), ("scan", 4, 400.0)]
