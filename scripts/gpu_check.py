@@ -667,10 +667,13 @@ def markdown(results: dict) -> str:
         for r in prof])
     traced = results.get("trace", {}).get("runs", {})
     lines += _table(f"Traced at batch 1 ({results.get('trace', {}).get('model', '')}, per step)", [
-        "run", "steps", "device busy us", "span us", "step / plain", "busy share", "kernels", "costliest kernels (us)"], [
+        "run", "steps", "device busy us", "span us", "step / plain", "busy share", "kernels", "host reads",
+        "costliest kernels (us)", "idle after (us)"], [
         [k, r["steps"], _fmt(r.get("busy_us_per_step"), ".0f"), _fmt(r.get("span_us_per_step"), ".0f"),
          _fmt(r.get("step_over_plain"), ".2f"), _fmt(r.get("busy_share"), ".0%"), _fmt(r.get("kernels_per_step"), ".0f"),
-         ", ".join(f"{t['name'][:40]} {t['us_per_step']:.0f}" for t in r.get("top_kernels", [])[:3])]
+         _fmt(r.get("host_reads_per_step"), ".1f"),
+         ", ".join(f"{t['name'][:40]} {t['us_per_step']:.0f}" for t in r.get("top_kernels", [])[:3]),
+         ", ".join(f"{t['op'][:50]} {t['us_per_step']:.0f}" for t in r.get("idle_after", [])[:3])]
         for k, r in traced.items()])
     bench_rows = [*results.get("sd_lossless", {}).get("rows", []), *results.get("trained_drafter", {}).get("rows", [])]
     lines += _table("Plain vs speculative (bench-sd rows)", ["dtype", "prompts", "T", "batch", "strategy", "vocab",
