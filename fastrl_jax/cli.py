@@ -231,7 +231,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> None:
 def cmd_export_drafter(args: argparse.Namespace) -> None:
     from fastrl_jax.drafter.export import export_eagle, export_eagle3
     from fastrl_jax.models.drafter_io import drafter_dir, load_drafter, save_drafter
-    from fastrl_jax.models.export import check_export_dir
+    from fastrl_jax.models.export import check_export_dir, export_into
     from fastrl_jax.models.hub import resolve_model_path
     from fastrl_jax.models.loading import read_model_config
 
@@ -240,12 +240,14 @@ def cmd_export_drafter(args: argparse.Namespace) -> None:
     cfg = _config(args)
     model_cfg = read_model_config(resolve_model_path(cfg.model.path))
     drafter = load_drafter(source, model_cfg, cfg.model.dtype)
-    orbax_dir = save_drafter(out / "orbax", drafter)
-    if drafter.kind == "eagle3":  # its lm_head.weight is the policy's head rows: the one export that reads the weights
-        eagle_dir, arch = export_eagle3(drafter, _policy(cfg).model, out / "eagle3"), "LlamaForCausalLMEagle3"
-    else:
-        eagle_dir, arch = export_eagle(drafter, model_cfg, out / "eagle"), "LlamaForCausalLMEagle"
-    print(f"[fastrl-jax] wrote {orbax_dir} (Orbax, fastrl-jax generate --drafter) and {eagle_dir} "
+    eagle, arch = ("eagle3", "LlamaForCausalLMEagle3") if drafter.kind == "eagle3" else ("eagle", "LlamaForCausalLMEagle")
+    with export_into(out) as partial:  # a failed export (e.g. a policy with q/k/v bias) leaves nothing behind
+        save_drafter(partial / "orbax", drafter)
+        if drafter.kind == "eagle3":  # its lm_head.weight is the policy's head rows: the one export that reads the weights
+            export_eagle3(drafter, _policy(cfg).model, partial / eagle)
+        else:
+            export_eagle(drafter, model_cfg, partial / eagle)
+    print(f"[fastrl-jax] wrote {out / 'orbax'} (Orbax, fastrl-jax generate --drafter) and {out / eagle} "
           f"(safetensors, SGLang {arch})", file=sys.stderr)
 
 
@@ -506,6 +508,17 @@ def _add_eval(sub) -> None:
     ev.set_defaults(func=cmd_eval)
 
 
+def _count(text: str) -> int:
+    """argparse type: an int >= 1 (refused before any model loads)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastrl-jax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -564,21 +577,21 @@ def build_parser() -> argparse.ArgumentParser:
     _common(bs)
     bs.add_argument("--drafter", help="train-drafter out_dir, a train run's rl.out_dir, or a drafter checkpoint directory "
                     "(EAGLE strategies)")
-    bs.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    bs.add_argument("--batch-sizes", type=_count, nargs="+", default=[1, 2, 4, 8, 16, 32])
     bs.add_argument("--strategies", nargs="+", default=["6/4/16", "5/4/8", "4/2/6"],
                     help="steps/topk/verify_tokens (EAGLE tree), hD (history chain) or S/K/V+hD (both)")
-    bs.add_argument("--samples-per-prompt", type=int, default=1,
+    bs.add_argument("--samples-per-prompt", type=_count, default=1,
                     help="ask each prompt this many times in a row (other seeds), as an RL group: hD drafts from the earlier ones")
     bs.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     bs.add_argument("--vocab", nargs="+", choices=["reduced", "full"], default=["reduced", "full"],
                     help="the drafter's reduced draft vocabulary and/or the same weights over the full vocabulary")
-    bs.add_argument("--new-tokens", type=int, default=128, help="max new tokens per request (stop tokens end earlier)")
+    bs.add_argument("--new-tokens", type=_count, default=128, help="max new tokens per request (stop tokens end earlier)")
     bs.add_argument("--prompt-sets", nargs="*", choices=["math", "chat"], default=["math", "chat"],
                     help="held-out prompt sets, each timed apart: the built-in math task, general chat")
     bs.add_argument("--prompt-file", nargs="*", default=[], metavar="JSONL",
                     help='more prompt sets, named by file stem: {"prompt": text} or {"prompt_ids": [...]} per line')
-    bs.add_argument("--prompts", type=int, default=16, help="prompts per set; each batch size generates all of them, batch size at a time")
-    bs.add_argument("--repeats", type=int, default=1, help="timed runs per cell after the compiling one (best is kept)")
+    bs.add_argument("--prompts", type=_count, default=16, help="prompts per set; each batch size generates all of them, batch size at a time")
+    bs.add_argument("--repeats", type=_count, default=1, help="timed runs per cell after the compiling one (best is kept)")
     bs.add_argument("--profile", action="store_true", help="also time each phase of one speculative step at batch 1")
     bs.add_argument("--out", default="bench_sd.json")
     bs.add_argument("--plot", default="bench_sd.png", help="PNG of speedup vs batch size ('' to skip)")

@@ -73,6 +73,24 @@ def test_bench_sd_without_prompts_or_with_clashing_sets_is_one_clear_line(tmp_pa
     clash = fastrl_jax("bench-sd", "--model", str(tmp_path / "policy"), "--drafter", str(tmp_path),
                        "--prompt-file", str(tmp_path / "a" / "math.jsonl"))
     assert clash.returncode == 2 and "distinct names" in clash.stderr and "Traceback" not in clash.stderr
+    for flag, value in (("--prompts", "0"), ("--repeats", "0"), ("--batch-sizes", "-1"), ("--new-tokens", "x")):
+        res = fastrl_jax("bench-sd", "--model", str(tmp_path / "policy"), flag, value)
+        assert res.returncode == 2 and f"argument {flag}: must be an int >= 1, got '{value}'" in res.stderr, res.stderr
+
+
+def test_export_drafter_for_a_policy_it_cannot_export_leaves_nothing(tmp_path):
+    """EAGLE export needs Llama-style layers: a Qwen2 policy (q/k/v bias) is refused, and the refusal leaves no
+    half-written export behind that would make a rerun (e.g. with the right --model) refuse its --out."""
+    from fastrl_jax.models.loading import read_model_config
+
+    policy = tiny_model_dir(tmp_path)
+    config = json.loads((policy / "config.json").read_text())
+    (policy / "config.json").write_text(json.dumps({**config, "model_type": "qwen2"}))
+    save_drafter(tmp_path / "run" / "drafter", Drafter(read_model_config(policy), nnx.Rngs(0)))
+    out = tmp_path / "export"
+    res = fastrl_jax("export-drafter", "--model", str(policy), "--drafter", str(tmp_path / "run"), "--out", str(out))
+    assert res.returncode == 2 and "EAGLE export supports Llama-style layers only" in res.stderr, res.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["policy", "run"]  # no export, no .export.partial
 
 
 def test_train_drafter_restart_over_checkpoints_is_refused_before_loading(tmp_path):

@@ -12,12 +12,13 @@ killed export never leaves a directory that looks like a model.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import jax
@@ -189,6 +190,28 @@ def check_export_dir(out: str | Path, flag: str = "--out") -> Path:
     return out
 
 
+@contextlib.contextmanager
+def export_into(out: str | Path, writer: bool = True) -> Iterator[Path]:
+    """A hidden sibling directory of the export directory `out` (check_export_dir's rules) to write into: it
+    becomes `out` when the block completes and is removed when the block fails, so a failed or interrupted
+    export leaves nothing that looks like one, nor anything a rerun would refuse. writer: whether this
+    process creates and renames it (process 0 of a multi-process export)."""
+    out = check_export_dir(out)
+    partial = out.parent / f".{out.name}.partial"
+    if writer:
+        shutil.rmtree(partial, ignore_errors=True)  # a killed export's leftovers
+        partial.mkdir()
+    try:
+        yield partial
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    if writer:
+        if out.is_dir():
+            out.rmdir()  # empty (checked above): the complete export takes its place
+        partial.rename(out)
+
+
 def export_hf(model: Decoder, tokenizer, out: str | Path, *, dtype: str, stop_ids: Sequence[int],
               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, base_config: dict | None = None,
               base_generation_config: dict | None = None, on_file: Callable[[str], None] = lambda name: None) -> Path:
@@ -197,25 +220,14 @@ def export_hf(model: Decoder, tokenizer, out: str | Path, *, dtype: str, stop_id
     base_config / base_generation_config: the source checkpoint's files, whose other keys are kept."""
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"export dtype {dtype!r} is not supported; use one of {', '.join(EXPORT_DTYPES)}")
-    out = check_export_dir(out)
-    partial = out.parent / f".{out.name}.partial"
     writer = jax.process_index() == 0
-    if writer:
-        shutil.rmtree(partial, ignore_errors=True)  # a killed export's leftovers
-        partial.mkdir()
     np_dtype = EXPORT_DTYPES[dtype]
-    try:
+    with export_into(out, writer) as partial:
         write_weights(tensor_plan(model, np_dtype), partial, np_dtype, max_shard_bytes, on_file)
-    except OSError:
-        shutil.rmtree(partial, ignore_errors=True)  # a full disk: leave nothing that looks like a model
-        raise
-    if writer:
-        config = hf_config(model.cfg, dtype, base_config)
-        (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        generation = generation_config(model.cfg, stop_ids, base_generation_config)
-        (partial / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-        save_tokenizer(tokenizer, partial)
-        if out.is_dir():
-            out.rmdir()  # empty (checked above): the complete export takes its place
-        partial.rename(out)
-    return out
+        if writer:
+            config = hf_config(model.cfg, dtype, base_config)
+            (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            generation = generation_config(model.cfg, stop_ids, base_generation_config)
+            (partial / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+            save_tokenizer(tokenizer, partial)
+    return Path(out).expanduser().absolute()
