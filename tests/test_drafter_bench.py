@@ -3,6 +3,7 @@ of the set, batch size at a time, and speculative decoding reproduces plain deco
 every cell."""
 
 import numpy as np
+import pytest
 from flax import nnx
 from helpers.tiny import CFG, TINY, prompts, tiny_model
 
@@ -37,6 +38,12 @@ def test_history_strategies_draft_from_earlier_samples_of_a_prompt():
     )
     assert [(r["strategy"], r["vocab"], r["requests"]) for r in rows] == [("h4", "-", 6)]
     assert rows[0]["same_tokens"] == 6 and rows[0]["drafts_per_step"]["history"] > 1.0
+
+
+def test_an_empty_prompt_set_is_named_before_anything_runs():
+    with pytest.raises(ValueError, match=r"no prompts to time in \['b'\]"):
+        run_bench(None, None, {"a": [[1, 2]], "b": []}, stop_ids=[], base_cfg=CFG, batch_sizes=[1],
+                  strategies=[StrategySpec("h4")], temperatures=[0.0], vocabs=["full"], new_tokens=4, repeats=1)
 
 
 def test_machine_facts_are_measured():

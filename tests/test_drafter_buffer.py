@@ -78,6 +78,14 @@ def test_save_load_round_trip(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_file_of_other_features_is_refused(tmp_path):
+    buf = SampleBuffer(max_tokens=100, hidden_size=H)
+    buf.add(*seq(6, 0))
+    buf.save(tmp_path / "b.npz")
+    with pytest.raises(ValueError, match=f"holds features {H} wide; this buffer takes {3 * H}"):
+        SampleBuffer(max_tokens=100, hidden_size=3 * H).load(tmp_path / "b.npz")
+
+
 def test_bad_input_is_rejected():
     buf = SampleBuffer(max_tokens=100, hidden_size=H)
     tokens, hidden, mask = seq(6, 0)

@@ -215,3 +215,19 @@ def test_one_replica_spends_on_drafter_steps_only_what_speculation_saved(tmp_pat
     assert phase()["drafter_steps"] == 0
     spot.cfg = dataclasses.replace(spot.cfg, tail_budget="share")
     assert phase()["drafter_steps"] == 1
+
+
+def test_a_failed_step_compile_with_one_replica_is_raised(tmp_path: Path, monkeypatch):
+    """One replica compiles the drafter step on the calling thread: its failure (or Ctrl-C) is the constructor's,
+    not a later KeyError."""
+    cfg = load_config(None, [*tiny_overrides(tmp_path), "mesh.fsdp=-1"])
+    mesh = make_mesh(cfg.mesh)
+    model, _ = load_model(cfg.model.path, mesh, cfg.model.dtype)
+    graphdef, state = nnx.split(model)
+
+    def fail(self, block):
+        raise RuntimeError("compile failed")
+
+    monkeypatch.setattr(SpotTrainer, "_compile", fail)
+    with pytest.raises(RuntimeError, match="compile failed"):
+        SpotTrainer(cfg, Drafter(model.cfg, nnx.Rngs(0)), graphdef, nnx.to_pure_dict(state), mesh, seed=0)

@@ -262,6 +262,19 @@ def test_eagle3_warm_up_stores_layer_features_and_saves_its_kind(policy, tmp_pat
         assert data["hidden"].shape[-1] == 3 * TINY.hidden_size
     back = load_drafter(tmp_path / "e3" / "drafter", TINY)
     assert back.kind == "eagle3" and back.draft_vocab[...].shape == (32,)
+    # The same out_dir with another kind: its data.npz holds EAGLE-3's features, named before any training
+    other = dataclasses.replace(cfg, drafter_train=dataclasses.replace(cfg.drafter_train, kind="eagle"))
+    with pytest.raises(ValueError, match=r"wide; this buffer takes 64 .*drafter_train.kind eagle .*delete .*data.npz"):
+        warmup.train_drafter(other, policy, FakeTokenizer(), progress=False)
+
+
+def test_a_draft_vocabulary_as_large_as_the_policys_is_the_full_one(policy, tmp_path):
+    """drafter_train.draft_vocab_size >= the vocabulary (the default 8192 on a small one) drafts over all of it, as
+    an untrained drafter of that size does (fresh_draft_vocab), instead of failing after the data is collected."""
+    cfg = run_config(tmp_path, "full", steps=1)
+    cfg = dataclasses.replace(cfg, drafter_train=dataclasses.replace(cfg.drafter_train, draft_vocab_size=8192))
+    warmup.train_drafter(cfg, policy, FakeTokenizer(), progress=False)
+    assert load_drafter(tmp_path / "full" / "drafter", TINY).draft_vocab is None
 
 
 def test_config_errors_name_the_key():

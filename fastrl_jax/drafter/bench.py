@@ -90,6 +90,9 @@ def run_bench(policy: Decoder, drafter: Drafter | None, prompt_sets: dict[str, S
     because the drafter's acceptance, and so the speedup, depends on the kind of text (math answers vs
     chat). samples_per_prompt > 1 asks each prompt that many times (other seeds) one after another, as
     an RL group: history strategies ('hD') draft from the earlier samples."""
+    empty = [name for name, prompts in prompt_sets.items() if not prompts]
+    if empty or not prompt_sets:
+        raise ValueError(f"bench-sd: no prompts to time in {empty or 'any set'}")
     margin = max(s.nodes() for s in strategies)
     longest = max(len(p) for prompts in prompt_sets.values() for p in prompts)
     cfg = bench_cfg(base_cfg, batch_sizes, longest, new_tokens, margin)

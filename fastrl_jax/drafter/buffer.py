@@ -177,6 +177,9 @@ class SampleBuffer:
         with np.load(path) as f:
             lengths, steps = f["lengths"], f["steps"]
             tokens, loss_mask, hidden = f["tokens"], f["loss_mask"], f["hidden"]
+        if hidden.shape[1] != self.hidden_size:
+            raise ValueError(f"{path} holds features {hidden.shape[1]} wide; this buffer takes {self.hidden_size} "
+                             "(they were collected for another drafter kind or policy)")
         t = h = 0
         for n, step in zip(lengths, steps):
             self.add(tokens[t : t + n], hidden[h : h + n - 1], loss_mask[t : t + n], int(step))

@@ -112,6 +112,9 @@ class SpotTrainer:
         self.compile_seconds = 0.0
         if self.num_replicas == 1:
             self._compile_into((0,))
+            if self._error is not None:  # compiled on this thread: its failure (or Ctrl-C) is this call's
+                error, self._error = self._error, None
+                raise error
 
     # ---- placement -----------------------------------------------------------------------------
     def _placement(self, block: tuple[int, ...]) -> _Placement:

@@ -93,7 +93,11 @@ def train_drafter(cfg: Config, policy: Decoder, tokenizer, *, resume: bool = Tru
     summary: dict = {"config": dataclasses.asdict(dt), "seed": cfg.seed}
     buffer = collect_data(cfg, policy, tokenizer, out_dir / "data.npz", stop, summary, progress)
     counts = buffer.token_counts(policy.cfg.vocab_size)
-    vocab = select_draft_vocab(counts, dt.draft_vocab_size, stop) if dt.draft_vocab_size else None
+    # A size covering the policy's whole vocabulary drafts over all of it, as an untrained drafter does (fresh_draft_vocab)
+    vocab = select_draft_vocab(counts, dt.draft_vocab_size, stop) if 0 < dt.draft_vocab_size < policy.cfg.vocab_size else None
+    if dt.draft_vocab_size >= policy.cfg.vocab_size:
+        print(f"[train-drafter] drafter_train.draft_vocab_size {dt.draft_vocab_size} covers the policy's vocabulary of "
+              f"{policy.cfg.vocab_size}: the drafter drafts over all of it", file=sys.stderr)
     if vocab is not None:
         summary["data"]["draft_vocab_coverage"] = coverage(counts, vocab)
         print(f"[train-drafter] draft vocabulary: {len(vocab)} tokens cover "
@@ -128,7 +132,11 @@ def collect_data(cfg: Config, policy: Decoder, tokenizer, data_file: Path, stop,
     layers = feature_layers(dt.kind, policy.cfg.num_layers)
     buffer = SampleBuffer(dt.buffer_max_tokens, policy.cfg.hidden_size * max(len(layers), 1))
     if data_file.is_file():
-        buffer.load(data_file)
+        try:
+            buffer.load(data_file)
+        except ValueError as e:
+            raise ValueError(f"{e}: drafter_train.kind {dt.kind} reads layers {list(layers)} of this policy; delete "
+                             f"{data_file} to collect again, or give a new drafter_train.out_dir") from None
         print(f"[train-drafter] reusing {len(buffer)} sequences ({buffer.num_tokens} tokens) from {data_file}", file=sys.stderr)
     else:
         requests = [Request(p, dt.max_new_tokens, dt.temperature, seed=cfg.seed * 1_000_003 + i * dt.samples_per_prompt + k,
