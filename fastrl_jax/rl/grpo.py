@@ -26,7 +26,10 @@ def group_advantages(rewards: jax.Array, group_size: int, std_normalize: bool = 
     centred = r - r.mean(axis=1, keepdims=True)
     if std_normalize:
         centred = centred / (r.std(axis=1, keepdims=True) + eps)
-    return centred.reshape(-1)
+    # Exactly 0 for equal rewards: float32's mean of e.g. eight 0.1s is not 0.1, and / (std + eps) would blow
+    # the rounding up to a real advantage.
+    same = r.max(axis=1, keepdims=True) == r.min(axis=1, keepdims=True)
+    return jnp.where(same, 0.0, centred).reshape(-1)
 
 
 def token_logprobs(logits: jax.Array, targets: jax.Array, temperature: float = 1.0) -> jax.Array:
