@@ -18,6 +18,9 @@ from fastrl_jax.rl import rewards
         ("It is -2.5", "-2.5"),
         ("no number here", None),
         ("The answer is 7 and the answer is 9", "9"),
+        ("The answer is **12**. (I checked it 3 times.)", "12"),  # markdown bold
+        ("The answer is: $\\(-4\\)$.", "-4"),
+        ("5 apples left after 2-3 days", "3"),  # a range's dash is no minus sign
     ],
 )
 def test_extract_answer(text, expected):
@@ -27,7 +30,9 @@ def test_extract_answer(text, expected):
 @pytest.mark.parametrize(
     "text, value",
     [("1,234", 1234), ("$12.50", Fraction(25, 2)), ("3/4", Fraction(3, 4)), ("\\frac{3}{4}", Fraction(3, 4)),
-     ("-0.5", Fraction(-1, 2)), ("7.", 7), ("50%", 50), ("\\dfrac{1}{2}", Fraction(1, 2)), ("abc", None), (None, None)],
+     ("-0.5", Fraction(-1, 2)), ("7.", 7), ("50%", 50), ("\\dfrac{1}{2}", Fraction(1, 2)), ("abc", None), (None, None),
+     ("\\$12.50", Fraction(25, 2)), ("50\\%", 50), ("\\text{7}", 7), ("12\\text{ cm}", 12), ("1\\,000", 1000),
+     ("\\tfrac{1}{3}", Fraction(1, 3)), ("\\frac34", Fraction(3, 4)), ("-\\frac{1}{2}", Fraction(-1, 2))],
 )
 def test_normalize_number(text, value):
     assert rewards.normalize_number(text) == value

@@ -16,8 +16,10 @@ RewardFn = Callable[[str, str], float]
 
 _REGISTRY: dict[str, RewardFn] = {}
 
-_NUMBER = r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+"
-_ANSWER_IS = re.compile(r"answer is\s*:?\s*\$?\s*(" + _NUMBER + ")", re.IGNORECASE)
+# A minus sign right after a digit is a range or a difference ("2-3 days"), not a negative number.
+_NUMBER = r"(?<!\d)-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|(?<!\d)-?\.\d+"
+# "The answer is: **12**", "answer is $\\(12\\)$": markdown emphasis and math delimiters may come before the number.
+_ANSWER_IS = re.compile(r"answer is\s*:?(?:[\s*_$]|\\[(\[])*(" + _NUMBER + ")", re.IGNORECASE)
 _LAST_NUMBER = re.compile(_NUMBER)
 
 
@@ -81,14 +83,18 @@ def extract_answer(text: str) -> str | None:
 
 
 def normalize_number(text: str | None) -> Fraction | None:
-    """'1,234', '$12.50', '3/4', '\\frac{3}{4}', '-0.5', '7.' -> an exact Fraction; None if not a number."""
+    """'1,234', '$12.50', '\\$12.50', '3/4', '\\frac{3}{4}', '\\tfrac34', '50\\%', '\\text{7}', '-0.5', '7.' -> an exact
+    Fraction; None if not a number."""
     if text is None:
         return None
-    s = text.strip().rstrip(".").replace(",", "").replace("$", "").replace(" ", "")
-    s = re.sub(r"\\(?:text|mathrm)\{[^}]*\}", "", s)
-    frac = re.fullmatch(r"(-?)\\d?frac\{(-?\d+)\}\{(\d+)\}", s)
+    s = re.sub(r"\\[!,;: ]", "", text.strip().rstrip("."))  # LaTeX spacing: 1\,000
+    s = re.sub(r"\\([$%])", r"\1", s).replace(",", "").replace("$", "").replace(" ", "")  # \$12.50, 50\%
+    whole = re.fullmatch(r"\\(?:text|mathrm)\{([^}]*)\}", s)  # \text{7} is 7; 12\text{ cm} is 12
+    s = whole.group(1) if whole else re.sub(r"\\(?:text|mathrm)\{[^}]*\}", "", s)
+    frac = re.fullmatch(r"(-?)\\[dt]?frac(?:\{(-?\d+)\}\{(\d+)\}|(\d)(\d))", s)  # \frac{3}{4}, \tfrac34
     if frac:
-        s = f"{frac.group(1)}{frac.group(2)}/{frac.group(3)}"
+        sign, num, den = frac.group(1), frac.group(2) or frac.group(4), frac.group(3) or frac.group(5)
+        s = f"{sign}{num}/{den}"
     s = s.rstrip("%")
     try:
         value = Fraction(s)
