@@ -90,6 +90,14 @@ def test_tiny_gguf_round_trips_to_hf_tensors_and_config(tmp_path, arch, tied):
     }
 
 
+def test_end_of_turn_tokens_stop_completions(tmp_path):
+    """llama.cpp stops at the end-of-turn and end-of-message tokens too (Llama-3's <|eot_id|>, <|eom_id|>)."""
+    path = tmp_path / "eot.gguf"
+    write_tiny_gguf(path, "llama", tiny_hf_tensors("llama", True, np.random.default_rng(0)),
+                    lambda writer: (writer.add_eot_token_id(5), writer.add_eom_token_id(6)))
+    assert gguf_loader.read_gguf_config(path)["eos_token_id"] == [2, 5, 6]
+
+
 def test_rope_scaling_metadata_becomes_hf_rope_scaling(tmp_path):
     def yarn(writer):
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)

@@ -237,6 +237,25 @@ def test_unknown_architecture_is_a_clear_error():
         ModelConfig.from_hf_dict({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
 
 
+def test_biases_the_layers_lack_are_refused():
+    """Llama's attention_bias adds an o_proj bias and mlp_bias MLP biases: loading without them would be silently wrong."""
+    base = transformers.LlamaConfig(**TINY).to_dict()
+    for extra, message in (({"mlp_bias": True}, "MLP biases"), ({"attention_bias": True}, "attention biases on llama")):
+        with pytest.raises(ValueError, match=message):
+            ModelConfig.from_hf_dict({**base, **extra})
+    assert ModelConfig.from_hf_dict({**base, "model_type": "qwen2"}).qkv_bias
+
+
+def test_generation_config_stop_ids_count(tmp_path):
+    """transformers' generate stops at generation_config.json's EOS ids too (Llama-3-Instruct's <|eot_id|>)."""
+    from fastrl_jax.models.loading import read_model_config
+
+    transformers.LlamaConfig(**TINY, eos_token_id=1).save_pretrained(tmp_path)
+    assert read_model_config(tmp_path).eos_token_ids == (1,)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [1, 5]}')
+    assert read_model_config(tmp_path).eos_token_ids == (1, 5)
+
+
 def test_missing_and_corrupt_checkpoints(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_model(tmp_path, single_device_mesh())

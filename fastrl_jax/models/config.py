@@ -69,6 +69,11 @@ class ModelConfig:
             )
         if d.get("use_sliding_window"):
             raise ValueError("sliding-window attention (use_sliding_window: true) is not supported")
+        if d.get("mlp_bias"):
+            raise ValueError("MLP biases (mlp_bias: true) are not supported")
+        if family != "qwen2" and d.get("attention_bias"):
+            raise ValueError(f"attention biases on {family} (attention_bias: true, q/k/v and o_proj biases) are not supported; "
+                             "the layers have Qwen2's q/k/v biases only")
         num_heads = d["num_attention_heads"]
         head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
         # transformers >= 5 nests RoPE settings in rope_parameters; older config.json files use
@@ -92,7 +97,7 @@ class ModelConfig:
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qkv_bias=family == "qwen2" or bool(d.get("attention_bias", False)),
+            qkv_bias=family == "qwen2",
             qk_norm=family == "qwen3",
             rope=tuple(sorted((k, _hashable(v)) for k, v in rope.items())),
             bos_token_id=d.get("bos_token_id"),

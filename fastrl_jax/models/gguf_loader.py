@@ -260,6 +260,13 @@ def _reader(path: Path, size: int, mtime_ns: int) -> gguf.GGUFReader:
 _REQUIRED = object()
 
 
+def _eos_ids(meta) -> int | list[int] | None:
+    """The ids that end a completion, as config.json writes them (one int, or a list): the EOS token, and
+    llama.cpp's end-of-turn and end-of-message tokens, at which its generation stops too."""
+    ids = list(dict.fromkeys(t for t in (meta(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")) if t is not None))
+    return ids[0] if len(ids) == 1 else ids or None
+
+
 def _config(reader: gguf.GGUFReader, path: Path) -> dict[str, Any]:
     fields = reader.fields
 
@@ -301,7 +308,7 @@ def _config(reader: gguf.GGUFReader, path: Path) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in shapes,
         "attention_bias": "blk.0.attn_q.bias" in shapes,
         "bos_token_id": meta("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": meta("tokenizer.ggml.eos_token_id"),
+        "eos_token_id": _eos_ids(meta),
     }
     rope_scaling = _rope_scaling(meta, arch)
     if rope_scaling:

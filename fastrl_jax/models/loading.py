@@ -84,7 +84,24 @@ def read_model_config(path: str | Path) -> ModelConfig:
         from fastrl_jax.models import gguf_loader
 
         return ModelConfig.from_hf_dict(gguf_loader.read_gguf_config(path))
-    return ModelConfig.from_hf_dict(read_hf_config(path))
+    config = read_hf_config(path)
+    # transformers' generate also stops at generation_config.json's EOS ids (Llama-3-Instruct lists <|eot_id|> there)
+    eos = [*_ids(config.get("eos_token_id")), *_ids(_generation_config(path).get("eos_token_id"))]
+    return ModelConfig.from_hf_dict({**config, "eos_token_id": list(dict.fromkeys(eos))} if eos else config)
+
+
+def _ids(value) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else ([] if value is None else [value])
+
+
+def _generation_config(path: Path) -> dict:
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON ({e})") from e
 
 
 def read_hf_config(path: Path) -> dict:
