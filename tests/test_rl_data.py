@@ -103,10 +103,32 @@ def test_bad_files_fail_clearly(tmp_path):
     bad.write_text("{not json\n")
     with pytest.raises(ValueError, match="bad.jsonl:1 is not valid JSON"):
         read_records(bad)
+    bad.write_text(json.dumps({"messages": [{"content": "What is 2+2?"}], "answer": "4"}) + "\n")
+    with pytest.raises(ValueError, match=r"record 1: each of 'messages' must be \{\"role\": str, \"content\": str\}"):
+        read_records(bad)
     csv = tmp_path / "p.csv"
     csv.write_text("a,b\n")
-    with pytest.raises(ValueError, match="must be .jsonl or .parquet"):
+    with pytest.raises(ValueError, match="must be .jsonl, .json \\(an array\\) or .parquet"):
         read_records(csv)
+    array = tmp_path / "p.json"  # a .json file is one array of records
+    array.write_text(json.dumps([{"prompt": "1+1?", "answer": 2}]))
+    assert read_records(array) == [{"answer": "2", "prompt": "1+1?"}]
+    array.write_text(json.dumps({"prompt": "1+1?", "answer": 2}) + "\n")
+    with pytest.raises(ValueError, match="must hold a JSON array of records, got dict"):
+        read_records(array)
+
+
+def test_prompt_files_keep_unicode_line_separators_and_check_ids(tmp_path):
+    """JSON lines split at newlines only (U+2028 may sit inside a string), and prompt_ids must be token ids."""
+    from fastrl_jax.data.prompt_files import read_prompt_file
+
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "Line one\u2028still line one\x85"}, ensure_ascii=False) + "\n", encoding="utf-8")
+    assert read_prompt_file(path, lambda text: [len(text)]) == [[len("Line one\u2028still line one\x85")]]
+    for ids in ([1, [2, 3]], None, [1.9, True, "7"], [], [-1]):
+        path.write_text(json.dumps({"prompt_ids": ids}) + "\n")
+        with pytest.raises(ValueError, match="p.jsonl:1: prompt_ids must be a non-empty list of token ids|p.jsonl:1 needs"):
+            read_prompt_file(path, lambda text: [])
 
 
 def test_prompt_ids_instruction(tmp_path):

@@ -12,7 +12,7 @@ from typing import Any
 
 def jsonl_rows(path: Path) -> Iterator[tuple[int, str, Any]]:
     """(line number, line, parsed value) of each non-blank line; invalid JSON names the line."""
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(path.read_text().split("\n"), 1):  # not splitlines: U+2028 etc. may sit inside strings
         if not line.strip():
             continue
         try:
@@ -32,7 +32,10 @@ def read_prompt_file(path: str | Path, encode: Callable[[str], list[int]]) -> li
         if isinstance(row, dict) and isinstance(row.get("prompt"), str):
             prompts.append(encode(row["prompt"]))
         elif isinstance(row, dict) and isinstance(row.get("prompt_ids"), list):
-            prompts.append([int(t) for t in row["prompt_ids"]])
+            if not row["prompt_ids"] or any(type(t) is not int or t < 0 for t in row["prompt_ids"]):
+                raise ValueError(f"{path}:{n}: prompt_ids must be a non-empty list of token ids (ints >= 0), "
+                                 f"got {str(row['prompt_ids'])[:80]}")
+            prompts.append(row["prompt_ids"])
         else:
             raise ValueError(f'{path}:{n} needs {{"prompt": text}} or {{"prompt_ids": [ints]}}, got {line[:80]!r}')
     if not prompts:
@@ -50,10 +53,17 @@ def read_records(path: str | Path, prompt_field: str = "prompt", messages_field:
         import pyarrow.parquet as pq
 
         rows = pq.read_table(path).to_pylist()
-    elif path.suffix in (".jsonl", ".json"):
+    elif path.suffix == ".jsonl":
         rows = [row for _, _, row in jsonl_rows(path)]
+    elif path.suffix == ".json":  # one array of records
+        try:
+            rows = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"dataset file {path} is not valid JSON ({e}); JSON lines go in a .jsonl file") from e
+        if not isinstance(rows, list):
+            raise ValueError(f"dataset file {path} must hold a JSON array of records, got {type(rows).__name__}")
     else:
-        raise ValueError(f"dataset file {path} must be .jsonl or .parquet, got {path.suffix!r}")
+        raise ValueError(f"dataset file {path} must be .jsonl, .json (an array) or .parquet, got {path.suffix!r}")
     if not rows:
         raise ValueError(f"dataset file {path} has no records")
     records = []
@@ -67,6 +77,10 @@ def read_records(path: str | Path, prompt_field: str = "prompt", messages_field:
         if isinstance(row.get(prompt_field), str):
             record["prompt"] = row[prompt_field]
         elif isinstance(row.get(messages_field), list) and row[messages_field]:
+            if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                       for m in row[messages_field]):
+                raise ValueError(f"{where}: each of '{messages_field}' must be {{\"role\": str, \"content\": str}}, "
+                                 f"got {str(row[messages_field])[:80]}")
             record["messages"] = [{"role": m["role"], "content": m["content"]} for m in row[messages_field]]
         else:
             raise ValueError(

@@ -18,8 +18,8 @@ def messages_prompt_ids(tokenizer, messages: Sequence[dict[str, str]], chat_temp
     """Token ids of chat messages followed by the assistant header the model continues from; without a
     chat template (or chat_template False) the messages' contents encoded as plain text."""
     if chat_template and tokenizer.chat_template:
-        # Tokenizing inside apply_chat_template (rather than rendering, then encoding) keeps control
-        # tokens typed in the text as plain text, as transformers does for chat input.
+        # Tokenized as transformers' apply_chat_template does: control tokens typed in the text (e.g.
+        # "<|im_end|>") become those tokens, as in transformers.
         return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=False)
     return tokenizer.encode("\n".join(m["content"] for m in messages))
 
