@@ -78,6 +78,18 @@ def test_save_load_round_trip(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_rollout_outside_float16_is_left_out_not_fatal():
+    """Online training adds every RL step's rollouts: one with activations beyond float16 must not end the run."""
+    from fastrl_jax.rollout.engine import Completion, Request
+
+    buf = SampleBuffer(max_tokens=100, hidden_size=H)
+    requests = [Request([1, 2], 3), Request([3, 4], 3)]
+    done = [Completion([5, 6, 7], [0.0] * 3, "length", hidden_states=np.full((4, H), 7e4, np.float32)),
+            Completion([5, 6, 7], [0.0] * 3, "length", hidden_states=np.ones((4, H), np.float32))]
+    assert buf.add_rollouts(requests, done) == (1, 3)
+    assert len(buf) == 1 and buf.skipped == 1
+
+
 def test_a_file_of_other_features_is_refused(tmp_path):
     buf = SampleBuffer(max_tokens=100, hidden_size=H)
     buf.add(*seq(6, 0))

@@ -14,11 +14,14 @@ tokens a drafter should learn to predict (the completion).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from fastrl_jax.rollout.engine import Completion, Request
@@ -57,6 +60,7 @@ class SampleBuffer:
         self.hidden_dtype = np.dtype(hidden_dtype)
         self._seqs: deque[_Sequence] = deque()
         self._tokens = 0
+        self.skipped = 0  # rollouts add_rollouts left out: hidden states outside hidden_dtype's range
 
     def __len__(self) -> int:
         return len(self._seqs)
@@ -83,7 +87,7 @@ class SampleBuffer:
             raise ValueError(f"loss_mask must be [{n}], got {loss_mask.shape}")
         if n > self.max_tokens:
             raise ValueError(f"a {n}-token sequence does not fit a buffer of {self.max_tokens} tokens")
-        if not np.isfinite(hidden).all() or np.abs(hidden).max(initial=0) > np.finfo(self.hidden_dtype).max:
+        if not self._fits(hidden):
             raise ValueError(f"hidden states are not finite or exceed the range of {self.hidden_dtype}")
         self._seqs.append(_Sequence(tokens, hidden[: n - 1].astype(self.hidden_dtype), loss_mask, int(step)))
         self._tokens += n
@@ -98,10 +102,20 @@ class SampleBuffer:
         for req, out in zip(requests, completions):
             if out.finish_reason == "error" or out.hidden_states is None:
                 continue
+            if not self._fits(out.hidden_states):  # one outlier must not end a training run
+                self.skipped += 1
+                if self.skipped == 1:
+                    log.warning("drafter sample buffer: a rollout's hidden states are not finite or exceed %s's range; "
+                                "such rollouts are left out (counted in SampleBuffer.skipped)", self.hidden_dtype)
+                continue
             seq = list(req.prompt_ids) + list(out.tokens)
             self.add(seq, out.hidden_states, np.arange(len(seq)) >= len(req.prompt_ids), step)
             sequences, tokens = sequences + 1, tokens + len(out.tokens)
         return sequences, tokens
+
+    def _fits(self, hidden) -> bool:
+        hidden = np.asarray(hidden)
+        return bool(np.isfinite(hidden).all()) and np.abs(hidden).max(initial=0) <= np.finfo(self.hidden_dtype).max
 
     def _eligible(self) -> list[_Sequence]:
         if not self.keep_steps:
