@@ -48,6 +48,8 @@ DEFAULT_RULES: Rules = (
 def mesh_sizes(cfg: MeshConfig, devices: int, where: str = "visible (jax.devices())") -> dict[str, int]:
     """The mesh axis sizes {data, fsdp, tensor} for `devices` devices; the -1 axis takes the rest.
     `where` says in errors where the device count came from."""
+    if devices < 1:
+        raise ConfigError(f"a mesh needs at least 1 device; {devices} are {where}")
     shape = [cfg.data, cfg.fsdp, cfg.tensor]
     if -1 in shape:
         known = math.prod(s for s in shape if s != -1)

@@ -114,17 +114,24 @@ def _compile_failure(fn: Callable, key: tuple) -> str | None:
     return None
 
 
+def selected(op: str, impls: dict[str, Callable], requested: str) -> Selection:
+    """select_backend for op `op` in this process: an unknown name is refused, and each requested backend
+    that is unavailable here is logged once."""
+    if requested != "auto" and requested not in impls:
+        raise ValueError(f"unknown {op} backend {requested!r}; expected 'auto' or one of {', '.join(impls)}")
+    selection = select_backend(jax.default_backend(), requested, available_backends(), tuple(impls))
+    for name, why in selection.unavailable:
+        log_fallback_once(op, name, why)
+    return selection
+
+
 def dispatch(op: str, impls: dict[str, Callable], requested: str, args: Sequence, compiled: Iterable[str] = ()):
     """Runs op `op` on the first backend of select_backend that works: returns (output, backend).
 
     impls: backend name -> implementation(*args). Backends in `compiled` are compile-checked for the
     argument shapes first; NotImplementedError / ImportError from an implementation also moves on.
     """
-    if requested != "auto" and requested not in impls:
-        raise ValueError(f"unknown {op} backend {requested!r}; expected 'auto' or one of {', '.join(impls)}")
-    selection = select_backend(jax.default_backend(), requested, available_backends(), tuple(impls))
-    for name, why in selection.unavailable:
-        log_fallback_once(op, name, why)
+    selection = selected(op, impls, requested)
     compiled = set(compiled)
     for name in selection.order:
         if name in compiled:

@@ -284,6 +284,18 @@ def test_triton_on_cpu_falls_back_with_one_warning(fresh_log):
 
 
 @cpu_only
+@pytest.mark.parametrize("backend", ["pallas", "triton"])
+def test_the_models_cached_attention_logs_its_fallback(fresh_log, backend):
+    """cached_attention (what the decoder calls) falls back like masked_attention, and says so once."""
+    q, k, v, mask = make_case(1, 2, 8, 2, 3, 16, 40, "tree")
+    start = jnp.zeros(2, jnp.int32)
+    _, used = attention.cached_attention(q, k, v, k[:, :, :8], v[:, :, :8], start, mask, backend=backend,
+                                         with_backend=True)
+    assert used == "reference"
+    assert any(f"{backend!r}" in r.getMessage() and "falling back" in r.getMessage() for r in fresh_log.records)
+
+
+@cpu_only
 def test_kernel_that_fails_to_compile_falls_back(fresh_log, monkeypatch):
     # With a "cpu" table entry, and "pallas" claimed available, the non-interpreted Pallas kernel
     # traces on CPU but cannot lower: the stand-in for a Triton / Mosaic lowering failure on a real

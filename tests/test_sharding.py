@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 from fastrl_jax.config import ConfigError, MeshConfig
 from fastrl_jax.models.config import ModelConfig
 from fastrl_jax.models.decoder import Decoder, KVCache
-from fastrl_jax.sharding import logical_to_spec, make_mesh, named_sharding, replica_meshes, shardings_for
+from fastrl_jax.sharding import logical_to_spec, make_mesh, mesh_sizes, named_sharding, replica_meshes, shardings_for
 
 
 def test_eight_fake_devices():
@@ -46,6 +46,9 @@ def test_mesh_product_mismatch_explains_the_fix():
         make_mesh(MeshConfig(data=3, tensor=-1))
     with pytest.raises(ConfigError, match="2 devices are given"):
         make_mesh(MeshConfig(tensor=4), jax.devices()[:2])
+    for devices in (0, -8):  # e.g. train --dry-run --devices 0
+        with pytest.raises(ConfigError, match=f"a mesh needs at least 1 device; {devices} are planned"):
+            mesh_sizes(MeshConfig(fsdp=-1), devices, where="planned")
 
 
 def test_make_mesh_on_given_devices():

@@ -40,8 +40,7 @@ def cached_attention(q, k_cached, v_cached, k_new, v_new, start, mask, *, cached
     """Attention of T new tokens over a cache window in which slots [start, start + T) are theirs
     (reference.cached_attention's contract, cached_slots included). The reference scores cached slots
     and new tokens apart; the kernels get the window with the new keys placed in it (and read all of it)."""
-    selection = backends.select_backend(jax.default_backend(), backend, backends.available_backends(), tuple(IMPLS))
-    if selection.order[0] == "reference":
+    if backends.selected("attention", IMPLS, backend).order[0] == "reference":
         out = reference.cached_attention(q, k_cached, v_cached, k_new, v_new, start, mask, cached_slots)
         return (out, "reference") if with_backend else out
     k_win, v_win = (place_new_tokens(c, n, start) for c, n in ((k_cached, k_new), (v_cached, v_new)))
