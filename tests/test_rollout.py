@@ -331,6 +331,31 @@ def test_position_noise_samples_the_softmax_independently_across_positions_and_s
         assert chisquare(pairs, pair_probs * a.size).pvalue > 1e-3
 
 
+def test_position_noise_is_finite_and_keeps_the_filters():
+    """The noise's top draw used to round to u = 1.0, noise +inf: seed 0 at position 156 of a 32000-token vocabulary
+    drew it, and that token won the argmax even under top_k=1, where it is filtered out (-inf + inf = NaN)."""
+    noise = position_gumbel(jnp.uint32(0), jnp.int32(156), 32000)
+    assert bool(jnp.isfinite(noise).all())
+    logits = jnp.full((1, 32000), -100.0).at[0, 7].set(20.0)
+    for top_k, top_p in ((0, 1.0), (1, 1.0), (0, 0.5)):
+        tokens, _ = sample(logits, _params(1, seed=0, top_k=top_k, top_p=top_p), jnp.array([156]))
+        assert tokens.tolist() == [7], (top_k, top_p)
+
+
+def test_top_p_one_filters_nothing_whatever_the_batch():
+    """top_p 1.0 is off, also in a batch where another row filters: float32's running mass reaches 1.0 before a
+    tail of ~1e-8 does, which would drop that tail for this row only when a batch-mate turned filtering on."""
+    logits = jnp.array([[0.0, -17.45, -20.0], [0.0, -17.45, -20.0]])
+    params = SamplingParams(jnp.ones(2), jnp.array([0, 1], jnp.int32), jnp.ones(2), jnp.zeros(2, jnp.uint32))
+    assert np.isfinite(np.asarray(filtered_logits(logits, params)))[0].all()
+
+
+def test_signed_zeros_tie_in_top_k():
+    params = SamplingParams(jnp.ones(1), jnp.array([1], jnp.int32), jnp.ones(1), jnp.zeros(1, jnp.uint32))
+    kept = np.isfinite(np.asarray(filtered_logits(jnp.array([[-0.0, 0.0, -1.0, -2.0]]), params)))[0]
+    assert kept.tolist() == [True, True, False, False]  # as HF's TopKLogitsWarper keeps both
+
+
 @pytest.mark.parametrize("shape", [(256, 40), (8, 3, 1000), (64, 512)])
 def test_first_argmax_is_argmax(shape):
     x = jax.random.randint(jax.random.key(0), shape, 0, 4).astype(jnp.float32)  # many tied maxima

@@ -50,7 +50,9 @@ def gumbel_at(seed: jax.Array, position: jax.Array, token_ids: jax.Array) -> jax
     a = _mix32(seed.astype(jnp.uint32) ^ jnp.uint32(0x3C6EF372))[..., None]
     b = _mix32(position.astype(jnp.uint32) ^ jnp.uint32(0xA54FF53A))[..., None]
     bits = _mix32(_mix32(token_ids.astype(jnp.uint32) * jnp.uint32(0x9E3779B9) ^ a) ^ b)
-    u = ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / 2**24)  # 24 random bits, in (0, 1)
+    # 23 random bits: (k + 0.5) / 2**23 is exact in float32 and at most 1 - 2**-24. With 24 bits the top draw
+    # rounded to 1.0, whose noise is +inf: a random token, outside top-k / top-p too, once in ~2**24 / vocab draws.
+    u = ((bits >> 9).astype(jnp.float32) + 0.5) * (1.0 / 2**23)
     return -jnp.log(-jnp.log(u))
 
 
@@ -91,12 +93,14 @@ def _top_k_top_p(scaled: jax.Array, params: SamplingParams) -> jax.Array:
     probs = jax.nn.softmax(jnp.where(keys >= k_key, scaled, -jnp.inf), axis=-1)
     top_p = params.top_p[:, None]
     p_key = _largest_key_where(keys, lambda key: jnp.sum(jnp.where(keys >= key, probs, 0.0), -1, keepdims=True) >= top_p)
+    p_key = jnp.where(top_p < 1.0, p_key, 0)  # off: float32's running mass reaches 1.0 before the tail does
     return jnp.where(keys >= jnp.maximum(k_key, p_key), scaled, -jnp.inf)
 
 
 def _order_keys(x: jax.Array) -> jax.Array:
-    """float32 -> uint32 keys in the same order (negative floats flip every bit, others the sign bit)."""
-    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    """float32 -> uint32 keys in the same order (negative floats flip every bit, others the sign bit); -0.0 and
+    0.0 get one key, as they are one value."""
+    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.uint32)
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
 
 
