@@ -260,11 +260,11 @@ def _export_mesh():
 
 
 def _source_files(path: Path) -> tuple[dict | None, dict | None]:
-    """An HF source checkpoint's config.json and generation_config.json (None for a GGUF file or when absent)."""
-    if not path.is_dir():
-        return None, None
-    read = lambda name: json.loads((path / name).read_text()) if (path / name).is_file() else None  # noqa: E731
-    return read("config.json"), read("generation_config.json")
+    """An HF source checkpoint's config.json and generation_config.json (None for a GGUF file; the second None
+    without one)."""
+    from fastrl_jax.models.loading import read_generation_config, read_hf_config
+
+    return (read_hf_config(path), read_generation_config(path)) if path.is_dir() else (None, None)
 
 
 def cmd_export_policy(args: argparse.Namespace) -> None:

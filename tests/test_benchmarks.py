@@ -2,19 +2,10 @@
 
 import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from helpers.scripts import load_script
 from helpers.tiny_run import tiny_overrides
-
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.slow  # four short GRPO runs: about a minute on a quiet 2-core machine

@@ -2,7 +2,6 @@
 figures, so the GPU check cannot rot between GPU sessions."""
 
 import gzip
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,6 +9,7 @@ import sys
 from pathlib import Path
 
 from helpers.cli import COMPILE_FLAGS
+from helpers.scripts import load_script
 from helpers.tiny_run import tiny_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,17 +62,9 @@ def test_reduced_gpu_check_runs_every_section(tmp_path):
     assert "| section | status | seconds | result |" in md and "## Plain decode" in md and "## SD step by phase" in md and "## Traced at batch 1" in md
 
 
-def _gpu_check(monkeypatch):
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "gpu_check", module)  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_device_summary_charges_idle_time_to_the_op_before_it(tmp_path, monkeypatch):
+def test_device_summary_charges_idle_time_to_the_op_before_it(tmp_path):
     """A GPU trace's idle stretches (host syncs, launch gaps) are attributed to the op that ended last."""
-    gpu_check = _gpu_check(monkeypatch)
+    gpu_check = load_script("gpu_check")
     op = lambda name, ts, dur, hlo_op: {"ph": "X", "pid": 1, "tid": 2, "name": name, "ts": ts, "dur": dur,  # noqa: E731
                                         "args": {"hlo_module": "jit_decode", "hlo_op": hlo_op}}
     events = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
@@ -95,7 +87,7 @@ def test_plain_decode_cut_by_the_budget_keeps_its_rows(monkeypatch):
 
     from helpers.tiny import tiny_model
 
-    gpu_check = _gpu_check(monkeypatch)
+    gpu_check = load_script("gpu_check")
     calls = []
 
     def bench_engine(model, prompts, batches, new_tokens, repeats, loop):

@@ -83,8 +83,6 @@ class ModelConfig:
             rope = dict(d.get("rope_scaling") or {})
             rope["rope_theta"] = d.get("rope_theta", 10000.0)
         rope.setdefault("rope_type", rope.pop("type", "default"))
-        eos = d.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         return cls(
             family=family,
             vocab_size=d["vocab_size"],
@@ -101,8 +99,18 @@ class ModelConfig:
             qk_norm=family == "qwen3",
             rope=tuple(sorted((k, _hashable(v)) for k, v in rope.items())),
             bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            eos_token_ids=token_ids(d.get("eos_token_id")),
         )
+
+
+def token_ids(value) -> tuple[int, ...]:
+    """An HF config's token id field (eos_token_id: one int, a list, or absent) as a tuple."""
+    return tuple(value) if isinstance(value, (list, tuple)) else (() if value is None else (value,))
+
+
+def one_or_list(ids: tuple[int, ...]):
+    """token_ids' inverse, as config.json writes the field: None, one int, or a list."""
+    return None if not ids else ids[0] if len(ids) == 1 else list(ids)
 
 
 def _hashable(v):

@@ -26,7 +26,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from fastrl_jax.models.config import ModelConfig
+from fastrl_jax.models.config import ModelConfig, one_or_list
 from fastrl_jax.models.decoder import Decoder
 from fastrl_jax.models.loading import hf_layer_tensors
 
@@ -61,7 +61,7 @@ def hf_config(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict:
         "rms_norm_eps": float(str(np.float32(cfg.rms_norm_eps))), "max_position_embeddings": cfg.max_position_embeddings,
         # transformers' Llama / Qwen configs default to untied; a tied model must say so or load a random head.
         "tie_word_embeddings": cfg.tie_word_embeddings, "rope_theta": rope.get("rope_theta", 10000.0),
-        "bos_token_id": cfg.bos_token_id, "eos_token_id": _one_or_list(cfg.eos_token_ids), "torch_dtype": dtype,
+        "bos_token_id": cfg.bos_token_id, "eos_token_id": one_or_list(cfg.eos_token_ids), "torch_dtype": dtype,
     }
     if cfg.family != "qwen2":  # Qwen2 always has q/k/v biases; the others say so with attention_bias
         out["attention_bias"] = cfg.qkv_bias
@@ -75,11 +75,7 @@ def generation_config(cfg: ModelConfig, stop_ids: Sequence[int], base: dict | No
     """generation_config.json: the source's, or one that stops where fastrl-jax stops (`stop_ids`)."""
     if base:
         return dict(base)
-    return {"bos_token_id": cfg.bos_token_id, "eos_token_id": _one_or_list(tuple(stop_ids))}
-
-
-def _one_or_list(ids: tuple[int, ...]):
-    return None if not ids else ids[0] if len(ids) == 1 else list(ids)
+    return {"bos_token_id": cfg.bos_token_id, "eos_token_id": one_or_list(tuple(stop_ids))}
 
 
 def _host(x: jax.Array) -> np.ndarray:

@@ -17,6 +17,7 @@ import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from fastrl_jax.models import hub
+from fastrl_jax.models.config import one_or_list
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -263,8 +264,8 @@ _REQUIRED = object()
 def _eos_ids(meta) -> int | list[int] | None:
     """The ids that end a completion, as config.json writes them (one int, or a list): the EOS token, and
     llama.cpp's end-of-turn and end-of-message tokens, at which its generation stops too."""
-    ids = list(dict.fromkeys(t for t in (meta(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")) if t is not None))
-    return ids[0] if len(ids) == 1 else ids or None
+    ids = (meta(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom"))
+    return one_or_list(tuple(dict.fromkeys(t for t in ids if t is not None)))
 
 
 def _config(reader: gguf.GGUFReader, path: Path) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 
 from fastrl_jax import sharding
 from fastrl_jax.config import ModelSpec
-from fastrl_jax.models.config import ModelConfig
+from fastrl_jax.models.config import ModelConfig, one_or_list, token_ids
 from fastrl_jax.models.decoder import DTYPES, Decoder, abstract_decoder
 from fastrl_jax.models.hub import resolve_model_path
 from fastrl_jax.models.tokenizer import load_tokenizer, stop_ids
@@ -86,18 +86,16 @@ def read_model_config(path: str | Path) -> ModelConfig:
         return ModelConfig.from_hf_dict(gguf_loader.read_gguf_config(path))
     config = read_hf_config(path)
     # transformers' generate also stops at generation_config.json's EOS ids (Llama-3-Instruct lists <|eot_id|> there)
-    eos = [*_ids(config.get("eos_token_id")), *_ids(_generation_config(path).get("eos_token_id"))]
-    return ModelConfig.from_hf_dict({**config, "eos_token_id": list(dict.fromkeys(eos))} if eos else config)
+    generation = read_generation_config(path) or {}
+    eos = token_ids(config.get("eos_token_id")) + token_ids(generation.get("eos_token_id"))
+    return ModelConfig.from_hf_dict({**config, "eos_token_id": one_or_list(tuple(dict.fromkeys(eos)))})
 
 
-def _ids(value) -> list:
-    return list(value) if isinstance(value, (list, tuple)) else ([] if value is None else [value])
-
-
-def _generation_config(path: Path) -> dict:
+def read_generation_config(path: Path) -> dict | None:
+    """An HF checkpoint directory's generation_config.json, or None without one."""
     file = path / "generation_config.json"
     if not file.is_file():
-        return {}
+        return None
     try:
         return json.loads(file.read_text())
     except json.JSONDecodeError as e:
