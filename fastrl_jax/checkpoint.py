@@ -53,6 +53,18 @@ class RunCheckpointer:
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
+    def items(self, step: int) -> set[str]:
+        """The names of the items saved at `step` (Orbax writes each item of a step into its own directory)."""
+        return {p.name for p in (self.directory / str(step)).iterdir() if p.is_dir()}
+
+    def read_meta(self, step: int, name: str) -> dict[str, Any] | None:
+        """One JSON item of `step`, or None when it does not read back."""
+        try:
+            return self._manager.restore(step, args=ocp.args.Composite(**{name: ocp.args.JsonRestore()}))[name]
+        except Exception:  # noqa: BLE001 - a damaged step: restore() reports it
+            _drop_abandoned_reads(self.directory / str(step))
+            return None
+
     def save(self, step: int, arrays: dict[str, Any], meta: dict[str, Any] | None = None) -> None:
         """Starts saving `arrays` (name -> pytree of arrays) and `meta` (name -> JSON-able dict)
         as `step`; returns once the arrays are copied off device (the write continues behind)."""

@@ -1,6 +1,7 @@
 """Adaptive speculative decoding: the controller on synthetic inputs, and the engine switching SD on mid-run."""
 
 import dataclasses
+import json
 import time
 
 import numpy as np
@@ -82,6 +83,19 @@ def test_a_forgetting_bandit_chooses_as_a_fresh_one():
     used.forget(3)
     assert used.drafter_accept == 2.5 and not used.pulls
     assert _play("beg", means, chooser=used, seed=3).pulls == fresh.pulls
+
+
+def test_a_restored_bandit_chooses_as_the_one_it_was_saved_from():
+    """A resumed run's controller: state() through JSON and restore() give the saved chooser's later choices."""
+    means = {A: 100.0, B: 160.0, PLAIN: 120.0}
+    saved = _play("beg", means, seed=3, chooser=StrategyChooser([A, B, C], RANGES, window=9, seed=3, plain_arm=True))
+    restored = StrategyChooser([A, B, C], RANGES, window=9, seed=7, plain_arm=True)
+    restored.restore(json.loads(json.dumps(saved.state())))
+    assert restored.pulls == saved.pulls and restored.rewards == saved.rewards
+    assert _play("beg", means, seed=3, chooser=restored).pulls == _play("beg", means, seed=3, chooser=saved).pulls
+    fewer = StrategyChooser([A], {16: (1, 4)}, seed=0)  # arms the run no longer has are dropped
+    fewer.restore(saved.state())
+    assert set(fewer.pulls) == {((16,), A)}
 
 
 @pytest.mark.parametrize("kind", ["beg", "ucb1"])

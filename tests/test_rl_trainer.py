@@ -18,6 +18,7 @@ from flax import nnx
 from helpers.cli import cpu_env
 from helpers.tiny_run import tiny_overrides
 
+from fastrl_jax.checkpoint import checkpoint_steps
 from fastrl_jax.config import ConfigError, load_config
 from fastrl_jax.metric_sink import read_metrics
 from fastrl_jax.models.drafter_io import load_drafter
@@ -79,6 +80,10 @@ def test_lossless_sd_adaptive_matches_plain_decoding(tmp_path):
     assert {r.engine.chooser.drafter_accept for r in trainer.workers.replicas} == {last}
     resumed = make_trainer(tmp_path / "sd", *sd, resume=True)
     assert resumed.spot.steps_done == trainer.spot.steps_done and resumed.spot.bank_s == trainer.spot.bank_s != 0
+    assert adaptive[1][-1]["drafter_bank_s"] == trainer.spot.bank_s  # the step's figure is the bank it saved
+    # The bandit goes on where it was (rewards, pulls, exploration RNG), not from a cold start.
+    bandits = [[r.engine.chooser.state() for r in t.workers.replicas] for t in (trainer, resumed)]
+    assert bandits[0] == bandits[1] and bandits[0][0]["pulls"]
     # export-drafter / eval --drafter take the run directory: its latest checkpoint's online-trained drafter.
     exported = load_drafter(tmp_path / "sd" / "run", read_model_config(trainer.cfg.model.path))
     jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(exported)),
@@ -128,15 +133,24 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
 
 
 def test_failed_checkpoint_write_keeps_previous(tmp_path, capsys):
+    """Step 2's write fails behind the training (Orbax reports it at the next wait): the message names
+    step 2, and step 3 is still saved."""
     trainer = make_trainer(tmp_path, steps=3)
-    original = trainer.checkpointer.save
+    save, wait, failed = trainer.checkpointer.save, trainer.checkpointer.wait, []
 
     def disk_full(step, *args, **kwargs):
         if step == 2:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return original(step, *args, **kwargs)
+            failed.append(step)
+            return None
+        return save(step, *args, **kwargs)
 
-    trainer.checkpointer.save = disk_full
+    def report():
+        if failed:
+            failed.pop()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        wait()
+
+    trainer.checkpointer.save, trainer.checkpointer.wait = disk_full, report
     directory = trainer.checkpointer.directory
     trainer.run()
     err = capsys.readouterr().err
@@ -149,6 +163,23 @@ def test_failed_checkpoint_write_keeps_previous(tmp_path, capsys):
     with pytest.raises(ConfigError, match=re.escape("--resume: rl.prompts_per_step (was 4, now 2) changed")):
         make_trainer(tmp_path, "rl.prompts_per_step=2", steps=4, resume=True)
     assert (tmp_path / "run" / "config.yaml").read_text() == saved
+
+
+def test_a_resume_takes_what_the_checkpoint_has_and_names_a_setting_it_does_not_fit(tmp_path, capsys):
+    """History drafting off for a step and back on: the resume starts its store fresh from the newest
+    step instead of falling back past it (and dropping its metrics); a changed optimizer is named."""
+    common = ["rl.keep_checkpoints=4", "rollout.steps_per_call=2"]
+    history = ["sd.mode=on", "sd.strategies=['h4']"]
+    make_trainer(tmp_path, *common, *history, steps=1).run()
+    make_trainer(tmp_path, *common, steps=2, resume=True).run()  # its step 2 holds no history
+    again = make_trainer(tmp_path, *common, *history, steps=3, resume=True)
+    assert again.step == 2 and len(again.history) == 0
+    assert "checkpoint step 2 has no history (off when it was saved): starting fresh" in capsys.readouterr().err
+    again.close()
+    with pytest.raises(ConfigError, match=re.escape("optim.max_grad_norm (was 1.0, now 0.0) changed since it was saved")):
+        make_trainer(tmp_path, *common, "optim.max_grad_norm=0", steps=3, resume=True)
+    assert checkpoint_steps(tmp_path / "run") == [1, 2] and not (tmp_path / "run" / "checkpoints.unreadable").exists()
+    assert [m["step"] for m in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
 
 
 def test_startup_errors_are_clear(tmp_path):

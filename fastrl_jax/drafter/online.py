@@ -323,8 +323,10 @@ class SpotTrainer:
         return {"optimizer": jax.device_put(self.opt_state, NamedSharding(self.mesh, P())),
                 "steps": jnp.asarray(self.steps_done, jnp.int32)}
 
-    def restore(self, drafter: Drafter, state: dict) -> None:
-        """Continues from a checkpoint: its drafter and optimizer_state()."""
+    def restore(self, drafter: Drafter, state: dict | None) -> None:
+        """Continues from a checkpoint: its drafter and optimizer_state(), or with None (a checkpoint from
+        before online training was on) a fresh optimizer on that drafter."""
         _, self.params, self.rest = nnx.split(drafter, nnx.Param, ...)
-        self.opt_state = state["optimizer"]
-        self.steps_done = int(state["steps"])
+        if state is not None:
+            self.opt_state = state["optimizer"]
+            self.steps_done = int(state["steps"])

@@ -119,6 +119,8 @@ class Trainer:
         self.out_dir = Path(rl.out_dir).expanduser()
         self.checkpointer = RunCheckpointer(self.out_dir / "checkpoints", rl.keep_checkpoints) if rl.checkpoint_every_steps else None
         self.step = 0
+        self.updates = 0  # optimizer updates applied (rl.minibatches_per_step a step; the schedule's position)
+        self._saving: int | None = None  # the step whose checkpoint write may still be running
         if resume:
             self._restore()
         if jax.process_index() == 0:  # what this start runs with (a refused resume leaves the run's file alone)
@@ -236,20 +238,24 @@ class Trainer:
             params, opt_state, metrics = self._step_fn(self.params, self.opt_state, self.ref_params, batch)
             metrics = {key: float(v) for key, v in jax.device_get(metrics).items()}
             if not math.isfinite(metrics["loss"]) or not math.isfinite(metrics["grad_norm"]):
-                raise NonFiniteLoss(self._nan_message(metrics))
+                raise NonFiniteLoss(self._nan_message(metrics, j))
             self.params, self.opt_state = params, opt_state
+            self.updates += 1
             for key, v in metrics.items():
                 totals[key] = totals.get(key, 0.0) + v / m
         return totals
 
-    def _nan_message(self, metrics: dict) -> str:
+    def _nan_message(self, metrics: dict, minibatch: int) -> str:
         last = None
         if self.checkpointer is not None:
             self._wait_checkpoint()
             last = self.checkpointer.latest_step()
         kept = f"the last good checkpoint is step {last} in {self.checkpointer.directory}" if last else "no checkpoint was written yet"
-        return (f"loss {metrics['loss']} / grad norm {metrics['grad_norm']} at step {self.step + 1}: stopped without "
-                f"applying the update; {kept} (lower optim.learning_rate or set optim.max_grad_norm)")
+        # The failed update's optimizer state was donated to it: this trainer cannot go on, a resume can.
+        applied = (f"mini-batch {minibatch + 1} of {self.cfg.rl.minibatches_per_step}: the earlier ones changed this "
+                   "process's weights, no checkpoint" if minibatch else "stopped without applying the update")
+        return (f"loss {metrics['loss']} / grad norm {metrics['grad_norm']} at step {self.step + 1}, {applied}; "
+                f"{kept} (lower optim.learning_rate or set optim.max_grad_norm)")
 
     def evaluate(self) -> float:
         """Accuracy on the held-out prompts: greedy, or the mean over rl.eval_samples samples of each at
@@ -281,6 +287,7 @@ class Trainer:
         tokens, pad, mask, adv, _ = self.build_batch(requests, completions, adv)
 
         t1 = time.perf_counter()
+        lr = update.learning_rate(self.cfg.optim, self.total_updates, self.updates)
         train = self.train(tokens, pad, mask, adv)
         self.workers.update_weights(self.params)
         jax.block_until_ready(self.params)
@@ -294,11 +301,11 @@ class Trainer:
         metrics |= spot_report  # the online drafter trainer's steps during the rollout
         metrics |= {"rollout_s": rollout_s, "train_s": train_s,
                     "tokens_per_s": metrics["tokens"] / (rollout_s + train_s),
-                    "rollout_tokens_per_s": metrics["tokens"] / rollout_s,
-                    "lr": update.learning_rate(self.cfg.optim, self.total_updates, (step - 1) * rl.minibatches_per_step)}
+                    "rollout_tokens_per_s": metrics["tokens"] / rollout_s, "lr": lr}
         metrics |= train
         if self.spot is not None:
             metrics |= self.track_drafter(requests, completions, step)
+            metrics["drafter_bank_s"] = self.spot.bank_s  # after this step's deposit and estimate
         if rl.eval_every_steps and (step % rl.eval_every_steps == 0 or step == rl.steps):
             metrics |= self._evaluation()
         self.metrics.log(metrics)  # before the checkpoint: a resume from it never runs this step again
@@ -332,13 +339,17 @@ class Trainer:
 
     def save(self) -> None:
         """Starts an async checkpoint of step self.step; a failed write (disk full) keeps the previous one."""
+        self._wait_checkpoint()  # the previous write's failure is its own step's, and this one still starts
         meta = {"data": self.data.state(),
-                "run": {"step": self.step, "seed": self.cfg.seed, "config": to_dict(self.cfg),
+                "run": {"step": self.step, "updates": self.updates, "seed": self.cfg.seed, "config": to_dict(self.cfg),
                         "rng": "request seeds derive from (seed, step, request index)"}}
         if self.history is not None:
             meta["history"] = self.history.state()
         if self.spot is not None:
             meta["run"]["drafter_bank_s"] = self.spot.bank_s  # tail_budget 'saved': what speculation saved, not yet spent
+        if controller := self.workers.controller_state():
+            meta["controller"] = controller
+        self._saving = self.step
         try:
             self.checkpointer.save(self.step, self._arrays(), meta)
         except OSError as e:
@@ -351,39 +362,59 @@ class Trainer:
             self._checkpoint_failed(e)
 
     def _checkpoint_failed(self, e: OSError) -> None:
+        step, self._saving = self._saving, None
         why = "the disk is full" if e.errno == errno.ENOSPC else str(e)
-        latest = self.checkpointer.latest_step()
+        latest = max((s for s in self.checkpointer.all_steps() if s != step), default=None)
         kept = f"the previous checkpoint (step {latest}) stays valid" if latest is not None else "no earlier checkpoint exists"
-        print(f"[fastrl-jax] checkpoint at step {self.step} failed ({why}); {kept}; training continues", file=sys.stderr)
+        print(f"[fastrl-jax] checkpoint at step {step} failed ({why}); {kept}; training continues", file=sys.stderr)
 
     def _restore(self) -> None:
         """Continues from the latest readable checkpoint; newer unreadable steps are set aside (their step
-        numbers are saved afresh when the run gets there again)."""
+        numbers are saved afresh when the run gets there again). A checkpoint that does not fit a changed
+        config is a ConfigError, never a reason to fall back to an older step."""
         ckpt = self.checkpointer
         if ckpt is None:
             raise ConfigError("--resume needs checkpoints: rl.checkpoint_every_steps is 0")
+        arrays = self._arrays()
+        names = ["data", "run"] + ["history"] * (self.history is not None) + ["controller"] * bool(
+            self.workers.controller_state())
+        latest = ckpt.latest_step()
+        saved = (ckpt.read_meta(latest, "run") or {}) if latest is not None else {}
+        now = to_dict(self.cfg)
+        changed = _config_changes(saved.get("config", {}), now, STATE_KEYS)
+        # What a run may turn on between resumes starts fresh where the checkpoint has none of it.
+        absent = [n for n in OPTIONAL_ITEMS if (n in arrays or n in names) and latest is not None
+                  and n not in ckpt.items(latest)]
+        arrays = {n: a for n, a in arrays.items() if n not in absent}
+        names = [n for n in names if n not in absent]
         try:
-            names = ("data", "run", "history") if self.history is not None else ("data", "run")
-            step, arrays, meta = ckpt.restore(None, self._arrays(), meta=names)
+            step, arrays, meta = ckpt.restore(latest if changed else None, arrays, meta=names)
         except UnreadableCheckpoint as e:
+            if changed:
+                raise ConfigError(f"--resume: checkpoint step {latest} does not fit this config: {', '.join(changed)} "
+                                  f"changed since it was saved ({e}). Set them back (the run's "
+                                  f"{self.out_dir / 'config.yaml'} has them), or start a new run") from None
             raise UnreadableCheckpoint(f"--resume: {e}. Restore {ckpt.directory} from a backup, or start the run "
                                        "again with --overwrite (the old run is moved aside)") from None
-        changed = _stream_changes(meta["run"].get("config", {}), to_dict(self.cfg))
-        if changed:
-            raise ConfigError(f"--resume: {', '.join(changed)} changed since the run started; its saved data position "
+        stream = _config_changes(meta["run"].get("config", {}), now, STREAM_KEYS)
+        if stream:
+            raise ConfigError(f"--resume: {', '.join(stream)} changed since the run started; its saved data position "
                               "counts batches of that prompt stream, so prompts would be skipped or repeated. Set them "
                               f"back (the run's {self.out_dir / 'config.yaml'} has them), or start a new run")
         unreadable = [s for s in ckpt.all_steps() if s > step]
         if unreadable:
             where = ckpt.set_aside(unreadable)
             print(f"[fastrl-jax] moved unreadable checkpoint steps {unreadable} to {where}", file=sys.stderr)
+        if absent:
+            print(f"[fastrl-jax] checkpoint step {step} has no {', '.join(absent)} (off when it was saved): "
+                  "starting fresh", file=sys.stderr)
         self.params, self.opt_state = arrays["policy"], arrays["optimizer"]
         self.ref_params = arrays.get("reference", self.ref_params)
-        if self.drafter is not None:
+        if "drafter" in arrays:
             nnx.update(self.drafter, _state_from(self.drafter, arrays["drafter"]))
             self.workers.update_drafter(self.drafter)  # its acceptance: the prior until this run estimates it
         if self.spot is not None:
-            self.spot.restore(self.drafter, arrays["drafter_optimizer"])
+            self.spot.restore(self.drafter, arrays.get("drafter_optimizer"))
             self.spot.bank_s = float(meta["run"].get("drafter_bank_s", 0.0))  # checkpoints before 2026-11-26 have none
             self._estimated_at = None if self.spot.steps_done else self._estimated_at  # a trained drafter: estimate it
             # Its samples are not checkpointed (GBs at scale: tokens x features in float16): rollouts are lossless
@@ -392,9 +423,17 @@ class Trainer:
                   file=sys.stderr)
         self.workers.update_weights(self.params)
         self.data.restore(meta["data"])
-        if self.history is not None:
+        if "history" in meta:
             self.history.restore(meta["history"])
+        if "controller" in meta:
+            self.workers.restore_controller(meta["controller"])
         self.step = int(meta["run"]["step"])
+        # Checkpoints before 2026-11-27 have no update count: every step applied rl.minibatches_per_step then.
+        self.updates = int(meta["run"].get("updates", self.step * self.cfg.rl.minibatches_per_step))
+        was = _config_changes(meta["run"].get("config", {}), now, ("rl.steps", "rl.minibatches_per_step"))
+        if was:
+            print(f"[fastrl-jax] {', '.join(was)}: the learning-rate schedule now spans {self.total_updates} updates; "
+                  f"it goes on from update {self.updates}", file=sys.stderr)
         print(f"[fastrl-jax] resumed from step {step} in {ckpt.directory}", file=sys.stderr)
 
     def close(self) -> None:
@@ -431,16 +470,25 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, stream=
 # What orders the prompt stream: a resume's saved position (a batch index) means the same prompts only under these.
 STREAM_KEYS = ("seed", "rl.prompts_per_step", "data.source", "data.shuffle", "data.math_levels", "data.prompt_field",
                "data.messages_field", "data.answer_field")
+# Settings (sections, or single keys) that shape what a checkpoint holds: the policy, its optimizer state, the
+# reference policy, the drafter and its optimizer, the history store.
+STATE_KEYS = ("model", "optim", "rl.kl_coef", "rl.drafter_path", "sd.mode", "sd.strategies", "sd.history",
+              "drafter_train", "drafter_online")
+# Checkpoint items a resume may find missing (their setting was off when the step was saved): they start fresh.
+OPTIONAL_ITEMS = ("drafter", "drafter_optimizer", "history", "controller")
 
 
-def _stream_changes(saved: dict, now: dict) -> list[str]:
-    """'key (was X, now Y)' for each STREAM_KEYS setting that differs between a checkpoint's config and this
-    run's (to_dict form); a checkpoint without a saved config compares nothing."""
-    def get(d: dict, key: str):
-        for part in key.split("."):
-            d = d.get(part) if isinstance(d, dict) else None
-        return d
+def _config_changes(saved: dict, now: dict, keys: tuple[str, ...]) -> list[str]:
+    """'key (was X, now Y)' for each setting under `keys` (a section or a dotted key) that differs between a
+    checkpoint's config and this run's (to_dict form); a checkpoint without a saved config compares nothing."""
+    def flat(d, prefix=""):
+        if not isinstance(d, dict):
+            return {prefix: d}
+        return {k: v for key, value in d.items() for k, v in flat(value, f"{prefix}{key}.").items()} or {prefix: d}
 
-    now = json.loads(json.dumps(now))  # tuples as the checkpoint's JSON holds them: lists
-    return [f"{key} (was {get(saved, key)!r}, now {get(now, key)!r})" for key in STREAM_KEYS
-            if saved and get(saved, key) != get(now, key)]
+    if not saved:
+        return []
+    was, is_ = flat(saved), flat(json.loads(json.dumps(now)))  # tuples as the checkpoint's JSON holds them: lists
+    ours = lambda key: any(f"{key}.".startswith(f"{k}.") for k in keys)  # noqa: E731
+    return [f"{key.rstrip('.')} (was {was.get(key)!r}, now {is_.get(key)!r})"
+            for key in sorted(set(was) | set(is_)) if ours(key.rstrip(".")) and was.get(key) != is_.get(key)]

@@ -106,6 +106,16 @@ class RolloutWorkers:
         for r in self.replicas:
             r.engine.update_drafter(nnx.merge(d_graph, jax.device_put(d_state, shardings_for(d_state, r.mesh))), accept)
 
+    def controller_state(self) -> dict[str, dict]:
+        """The local engines' adaptive-SD bandits (StrategyChooser.state), by replica index."""
+        return {str(r.index): r.engine.chooser.state() for r in self.replicas if r.engine.chooser is not None}
+
+    def restore_controller(self, states: dict[str, dict]) -> None:
+        """Continues the local engines' bandits from controller_state() (replicas it lacks start cold)."""
+        for r in self.replicas:
+            if r.engine.chooser is not None and str(r.index) in states:
+                r.engine.chooser.restore(states[str(r.index)])
+
     def generate(self, requests: Sequence[Request], group_size: int, *,
                  replica_done: Callable[[int], None] | None = None,
                  between_steps: Callable[[int], None] | None = None) -> tuple[list[Completion], RolloutStats]:

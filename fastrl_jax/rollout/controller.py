@@ -97,6 +97,24 @@ class StrategyChooser:
         self.rng = np.random.default_rng(seed)
         self.exploring = False  # whether the last choice was exploration (untried or random), not the best arm
 
+    def state(self) -> dict:
+        """What the bandit has learned (rewards, pulls, the exploration RNG), JSON-able, for checkpoints."""
+        return {"rewards": [[list(b), s.label, list(r)] for (b, s), r in self.rewards.items() if r],
+                "pulls": [[list(b), s.label, n] for (b, s), n in self.pulls.items()],
+                "rng": self.rng.bit_generator.state}
+
+    def restore(self, state: dict) -> None:
+        """Continues from state(); rewards of arms this chooser does not have are dropped."""
+        self.forget()
+        arms = {s.label: s for s in [*self.strategies, *[PLAIN] * self.plain_arm]}
+        for b, label, rewards in state["rewards"]:
+            if label in arms:
+                self.rewards[tuple(b), arms[label]].extend(rewards)
+        for b, label, n in state["pulls"]:
+            if label in arms:
+                self.pulls[tuple(b), arms[label]] = n
+        self.rng.bit_generator.state = state["rng"]
+
     def bucket(self, live_batch: int) -> tuple[int, ...]:
         """The groups (by verified tokens) whose range holds live_batch; () when none does."""
         return tuple(sorted(n for n, (lo, hi) in self.ranges.items() if lo <= live_batch <= hi))
