@@ -49,10 +49,10 @@ def summary(off: dict, adaptive: dict, all_off: list[dict], all_on: list[dict]) 
     def total(run, key, first=0):
         return sum(s[key] for s in run["steps"][first:])
 
-    identical = all(a["digest"] == b["digest"] and a["reward_mean"] == b["reward_mean"]
-                    for r in all_on for a, b in zip(all_off[0]["steps"], r["steps"]))
+    reference = [(s["digest"], s["reward_mean"]) for s in all_off[0]["steps"]]
+    identical = all([(s["digest"], s["reward_mean"]) for s in r["steps"]] == reference for r in all_off + all_on)
     out = {"identical_rollouts_and_rewards": identical, "steps": len(off["steps"])}
-    for label, first in (("all_steps", 0), ("steps_2_on", 1)):
+    for label, first in (("all_steps", 0), ("steps_2_on", 1))[: 1 + (len(off["steps"]) > 1)]:
         out[label] = {
             "step_time_ratio": total(off, "step_s", first) / total(adaptive, "step_s", first),
             "rollout_ratio": total(off, "rollout_s", first) / total(adaptive, "rollout_s", first),
@@ -95,12 +95,12 @@ def main(argv=None) -> int:
     parser.add_argument("--config", default="configs/smollm2_cpu.yaml")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides")
     parser.add_argument("--steps", type=int, default=5, help="GRPO steps per run")
-    parser.add_argument("--repeats", type=int, default=1, help="runs per mode; the median is reported")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per mode (odd); the median run is reported")
     parser.add_argument("--out", default="bench_rl.json")
     parser.add_argument("--plot", help="PNG (default: --out with .png)")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.repeats < 1:
-        parser.error("--steps and --repeats must be >= 1")
+    if args.steps < 1 or args.repeats < 1 or args.repeats % 2 == 0:
+        parser.error("--steps must be >= 1 and --repeats odd: the figures come from the median run, one of the runs")
 
     import jax
 
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     for a, b in zip(off["steps"], adaptive["steps"]):
         print(f"{a['step']:>4} {a['step_s']:>7.1f} {b['step_s']:>7.1f} {b['rollout_s']:>8.1f} {b['update_s']:>7.1f} "
               f"{b['drafter_s']:>7.1f} {b['sd_share']:>5.2f} {b['acceptance_length']:>6.2f} {str(a['digest'] == b['digest']):>5}")
-    for label in ("all_steps", "steps_2_on"):
+    for label in ("all_steps", "steps_2_on")[: 1 + (args.steps > 1)]:
         print(f"{label}: step time {s[label]['step_time_ratio']:.2f}x SD off, rollout {s[label]['rollout_ratio']:.2f}x")
     print(f"identical rollouts and rewards: {s['identical_rollouts_and_rewards']}; median of {args.repeats} "
           f"(step seconds off {[round(x, 1) for x in s['runs_step_s']['off']]}, adaptive {[round(x, 1) for x in s['runs_step_s']['adaptive']]})")

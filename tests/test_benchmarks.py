@@ -27,6 +27,31 @@ def test_bench_rl_compares_sd_off_and_adaptive_from_the_same_seeds(tmp_path):
     assert out.with_suffix(".png").is_file() == has_matplotlib
 
 
+def _rl_run(digests, rewards, seconds=30.0):
+    per = seconds / len(digests)
+    return {"steps": [{"step": i + 1, "rollout_s": per, "update_s": 0.0, "drafter_s": 0.0, "drafter_spot_s": 0.0,
+                       "step_s": per, "digest": d, "reward_mean": r, "sd_share": 0.0, "acceptance_length": 1.0}
+                      for i, (d, r) in enumerate(zip(digests, rewards))]}
+
+
+def test_bench_rl_compares_every_run_of_both_modes(capsys):
+    """Identical means every run of either mode, step by step (a median run of SD off that differs, or a
+    run with a step missing, is not identical); one step has no 'steps 2 on'; an even count of repeats
+    has no median run and is refused, as in bench_rollout's median workloads."""
+    summary = load_script("bench_rl").summary
+    same = _rl_run(["a", "b"], [0.5, 0.6])
+    odd_one = _rl_run(["X", "b"], [0.5, 0.6], seconds=31.0)
+    assert summary(same, same, [same, same], [same])["identical_rollouts_and_rewards"]
+    assert not summary(odd_one, same, [same, odd_one, same], [same])["identical_rollouts_and_rewards"]
+    assert not summary(same, same, [same], [_rl_run(["a"], [0.5])])["identical_rollouts_and_rewards"]
+    one = _rl_run(["a"], [0.5])
+    assert "steps_2_on" not in summary(one, one, [one], [one])
+    for script, argv in (("bench_rl", ["--repeats", "2"]), ("bench_rollout", ["--workload", "stream", "--repeats", "2"])):
+        with pytest.raises(SystemExit):
+            load_script(script).main(argv)
+        assert "odd" in capsys.readouterr().err
+
+
 def test_stream_bucket_grids():
     """bench_rollout --workload stream's grid options: prompt buckets every --prompt-step tokens up to 384,
     the table sizes given (the table's own always among them), length buckets by 128 past the longest row."""

@@ -1,6 +1,8 @@
 """Rollout engine: exactness against a plain decode, batch independence, stops, weights, errors."""
 
 import dataclasses
+import os
+import threading
 import time
 
 import jax
@@ -187,15 +189,19 @@ def test_persistent_cache_serves_a_fresh_process(tmp_path):
     import subprocess
     import sys
 
-    def run():
+    def run(env=None):
         out = subprocess.run(
-            [sys.executable, "-c", _CACHE_PROBE, str(tmp_path)], capture_output=True, text=True, check=True
+            [sys.executable, "-c", _CACHE_PROBE, str(tmp_path / "asked")], capture_output=True, text=True, check=True,
+            env=env,
         )
         return [int(x) for x in out.stdout.split()]
 
     programs, first_hits = run()
     assert programs == 2 and first_hits == 0
     assert run() == [2, 2]
+    # A directory set before (JAX_COMPILATION_CACHE_DIR) is kept, and small programs are still written to it.
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "env"))
+    assert run(env) == [2, 0] and run(env) == [2, 2]
 
 
 def test_pool_drops_its_least_recently_used_programs_near_the_memory_map_limit():
@@ -219,6 +225,7 @@ def test_pool_drops_its_least_recently_used_programs_near_the_memory_map_limit()
     assert pool.dropped == 2 and "2 dropped near the memory-map limit" in pool.report()
     held[0] = 79
     assert float(pool.get(2)(x)[0]) == 2 and len(pool) == 4 and pool.dropped == 2
+    assert pool.report().startswith("4 programs")  # the ones held; 2's two compiles both count in its seconds
     # Maps a drop does not free (another pool's): no drop at every compile, only once they grow again.
     pool = ProgramPool(build, memory_maps=lambda: (held[0], 100))
     held[0] = 0
@@ -258,6 +265,36 @@ def test_pool_compiles_in_the_background_when_asked_if_a_program_is_ready():
     assert pool.compile_seconds() == waited  # nobody waited for 3
     assert pool.background_seconds == pytest.approx(pool.stats[2].compile_seconds + pool.stats[3].compile_seconds)
     assert "2 compiled in the background" in pool.report()
+
+
+def test_a_failed_background_compile_is_raised_for_its_own_program_and_ready_never_waits():
+    """A drop near the memory-map limit collects the pending compiles first: one that failed is raised
+    to the caller that asks for its program, not to the one whose compile set the drop off; ready()
+    puts a drop off rather than wait for a compile under way."""
+    from fastrl_jax.rollout.pool import ProgramPool
+
+    held, release = [0], threading.Event()
+
+    def build(key):
+        if key == "bad":
+            raise ValueError("cannot build bad")
+        if key == "slow":
+            release.wait(30)
+        return jax.jit(lambda x: x * 2), (jax.ShapeDtypeStruct((4,), jnp.float32),)
+
+    pool = ProgramPool(build, memory_maps=lambda: (held[0], 100))
+    pool.get(1), pool.get(2)
+    assert not pool.ready("bad")
+    held[0] = 80
+    assert float(pool.get(3)(jnp.ones(4))[0]) == 2 and pool.dropped == 1  # waited for "bad", dropped 1
+    with pytest.raises(ValueError, match="cannot build bad"):
+        pool.get("bad")
+    held[0] = 95
+    assert not pool.ready("slow") and pool.dropped == 2
+    held[0] = 100
+    assert not pool.ready(4) and not release.is_set() and pool.dropped == 2  # a drop is due, but "slow" is compiling
+    release.set()
+    assert float(pool.get(4)(jnp.ones(4))[0]) == 2 and float(pool.get(5)(jnp.ones(4))[0]) == 2 and pool.dropped > 2
 
 
 # ---- sampling (pure functions) ----------------------------------------------------------------

@@ -32,11 +32,11 @@ def enable_persistent_cache(directory: str | os.PathLike) -> Path:
     ProgramPool reports per program.
     """
     path = Path(directory).expanduser()
-    path.mkdir(parents=True, exist_ok=True)
     current = jax.config.jax_compilation_cache_dir
-    if current and Path(current) != path:
+    if current and Path(current) != path:  # e.g. JAX_COMPILATION_CACHE_DIR
         log.warning("compilation cache already at %s; keeping it (asked for %s)", current, path)
-        return Path(current)
+        path = Path(current)
+    path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
@@ -105,7 +105,8 @@ class ProgramPool:
 
     `ready(key)` never blocks: a program not compiled yet starts compiling on the pool's one compile
     thread, and the caller does something else (the engine decodes plainly) until it is. Its seconds
-    count apart from compile_seconds(), which are the seconds callers waited.
+    count apart from compile_seconds(), which are the seconds callers waited. A background compile's
+    error is raised to the caller that next asks for that program, never to another.
     """
 
     def __init__(self, build: Callable[[Hashable], tuple[Callable, tuple]],
@@ -116,9 +117,11 @@ class ProgramPool:
         self._memory_maps, self._map_share = memory_maps, map_share
         self._programs: dict[Hashable, Callable] = {}  # least recently used first
         self.stats: dict[Hashable, ProgramStats] = {}  # of each key's latest compile
+        self._compiles: dict[Hashable, float] = {}  # seconds over each key's compiles, recompiles included
         self._compile_seconds = 0.0
         self.background_seconds = 0.0  # compiling on the compile thread
         self._pending: dict[Hashable, Future] = {}  # compiling on the compile thread
+        self._failed: dict[Hashable, BaseException] = {}  # background compiles that failed, not asked for since
         self._thread: ThreadPoolExecutor | None = None
         self.dropped = 0  # programs dropped to stay under the memory-map limit
         self._maps_after_drop = 0  # maps held right after the last drop: what dropping could not free
@@ -131,12 +134,13 @@ class ProgramPool:
 
     def get(self, key: Hashable) -> Callable:
         """The program of `key`, compiled first (or its background compile waited for) if need be."""
+        self._raise_failed(key)
         if key in self._pending:
             t0 = time.perf_counter()
             self._collect(key)
             self._compile_seconds += time.perf_counter() - t0  # the caller waited that long
         elif key not in self._programs:
-            self._make_room()
+            self._make_room(wait=True)
             self._store(key, *self._compiled(key))
             self._compile_seconds += self.stats[key].compile_seconds
         self._programs[key] = self._programs.pop(key)  # now the most recently used
@@ -146,9 +150,10 @@ class ProgramPool:
         """Whether `key`'s program can run without compiling; if not, it starts compiling in the background."""
         if key in self._programs:
             return True
+        self._raise_failed(key)
         future = self._pending.get(key)
         if future is None:
-            self._make_room()
+            self._make_room(wait=False)
             if self._thread is None:
                 self._thread = ThreadPoolExecutor(1, thread_name_prefix="compile")
             self._pending[key] = self._thread.submit(self._compiled, key)
@@ -159,8 +164,15 @@ class ProgramPool:
         return True
 
     def _collect(self, key: Hashable) -> None:
-        """Stores the program of a background compile, once it is done (a compile error surfaces here)."""
-        self._store(key, *self._pending.pop(key).result(), background=True)
+        """Stores the program of a background compile, once it is done (a compile error surfaces here;
+        an interrupted wait leaves the compile pending)."""
+        result = self._pending[key].result()
+        del self._pending[key]
+        self._store(key, *result, background=True)
+
+    def _raise_failed(self, key: Hashable) -> None:
+        if key in self._failed:
+            raise self._failed.pop(key)
 
     def warm_up(self, keys: Iterable[Hashable], progress: bool = True) -> None:
         keys = [k for k in keys if k not in self._programs]
@@ -178,6 +190,7 @@ class ProgramPool:
     def _store(self, key: Hashable, compiled, seconds: float, from_cache: bool, background: bool = False) -> None:
         memory = compiled.memory_analysis()
         self._programs[key] = compiled
+        self._compiles[key] = self._compiles.get(key, 0.0) + seconds
         self.background_seconds += seconds if background else 0.0
         self.stats[key] = ProgramStats(
             key=key,
@@ -188,18 +201,26 @@ class ProgramPool:
             background=background,
         )
 
-    def _make_room(self) -> None:
+    def _make_room(self, wait: bool) -> None:
         """Drops the least recently used half of the programs when the process is near its memory-map limit
-        (after any background compile: JAX's caches are cleared with no compile under way). Maps a drop did
-        not free belong to something else (another engine's pool in this process): the next drop waits until
-        the process holds MAP_GROWTH of the limit more than just after this one, instead of emptying the pool
-        at every compile."""
+        (after any background compile: JAX's caches are cleared with no compile under way; without `wait`,
+        a pending compile puts the drop off). Maps a drop did not free belong to something else (another
+        engine's pool in this process): the next drop waits until the process holds MAP_GROWTH of the limit
+        more than just after this one, instead of emptying the pool at every compile."""
         maps = self._memory_maps()
         if (maps is None or maps[0] < max(self._map_share * maps[1], self._maps_after_drop + MAP_GROWTH * maps[1])
-                or len(self._programs) + len(self._pending) < 2):
+                or len(self._programs) + len(self._pending) < 2 or self._pending and not wait):
             return
-        for key in list(self._pending):
-            self._collect(key)
+        t0 = time.perf_counter()
+        for key, future in list(self._pending.items()):
+            try:
+                future.result()
+            except Exception as e:  # noqa: BLE001 - kept for the caller that asks for this program
+                self._failed[key] = e
+                del self._pending[key]
+            else:
+                self._collect(key)
+        self._compile_seconds += time.perf_counter() - t0  # the caller waited for them
         drop = list(self._programs)[: len(self._programs) // 2]
         for key in drop:
             del self._programs[key]
@@ -219,9 +240,10 @@ class ProgramPool:
         return self._compile_seconds
 
     def report(self, where: Callable[[Hashable], bool] = lambda key: True) -> str:
-        """Count, compile seconds and memory of the programs whose key satisfies `where`."""
-        stats = [s for s in self.stats.values() if where(s.key)]
-        total = sum(s.compile_seconds for s in stats)
+        """Programs held, seconds over their keys' compiles (recompiles included) and memory, of the keys
+        that satisfy `where`."""
+        stats = [s for s in self.stats.values() if where(s.key) and s.key in self._programs]
+        total = sum(t for key, t in self._compiles.items() if where(key))
         cached = sum(s.from_cache for s in stats)
         peak_temp = max((s.temp_bytes for s in stats), default=0)
         peak_args = max((s.argument_bytes for s in stats), default=0)
