@@ -583,8 +583,9 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--samples-per-prompt", type=_count, default=1,
                     help="ask each prompt this many times in a row (other seeds), as an RL group: hD drafts from the earlier ones")
     bs.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
-    bs.add_argument("--vocab", nargs="+", choices=["reduced", "full"], default=["reduced", "full"],
-                    help="the drafter's reduced draft vocabulary and/or the same weights over the full vocabulary")
+    bs.add_argument("--vocab", nargs="+", choices=["reduced", "full"],
+                    help="the drafter's reduced draft vocabulary and/or the same weights over the full vocabulary "
+                         "(default: both, or full for a drafter without a reduced one)")
     bs.add_argument("--new-tokens", type=_count, default=128, help="max new tokens per request (stop tokens end earlier)")
     bs.add_argument("--prompt-sets", nargs="*", choices=["math", "chat"], default=["math", "chat"],
                     help="held-out prompt sets, each timed apart: the built-in math task, general chat")

@@ -40,6 +40,15 @@ def test_history_strategies_draft_from_earlier_samples_of_a_prompt():
     assert rows[0]["same_tokens"] == 6 and rows[0]["drafts_per_step"]["history"] > 1.0
 
 
+def test_by_default_a_drafter_without_a_reduced_vocabulary_is_timed_over_the_full_one():
+    rows = run_bench(
+        tiny_model(), Drafter(TINY, nnx.Rngs(1)), {"a": prompts(1, seed=2, hi=8)}, stop_ids=[], base_cfg=CFG,
+        batch_sizes=[1], strategies=[StrategySpec("3/1/4")], temperatures=[0.0], vocabs=None, new_tokens=4, repeats=1,
+        log=lambda line: None,
+    )
+    assert [(r["vocab"], r["same_tokens"]) for r in rows] == [("full", 1)]
+
+
 def test_an_empty_prompt_set_is_named_before_anything_runs():
     with pytest.raises(ValueError, match=r"no prompts to time in \['b'\]"):
         run_bench(None, None, {"a": [[1, 2]], "b": []}, stop_ids=[], base_cfg=CFG, batch_sizes=[1],

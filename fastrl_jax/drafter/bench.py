@@ -83,13 +83,14 @@ def _timed(engine: RolloutEngine, rounds: list[list[Request]], repeats: int) -> 
 
 def run_bench(policy: Decoder, drafter: Drafter | None, prompt_sets: dict[str, Sequence[Sequence[int]]], stop_ids: Sequence[int], *,
               base_cfg: RolloutConfig, batch_sizes: Sequence[int], strategies: Sequence[StrategySpec],
-              temperatures: Sequence[float], vocabs: Sequence[str], new_tokens: int, repeats: int,
+              temperatures: Sequence[float], vocabs: Sequence[str] | None, new_tokens: int, repeats: int,
               samples_per_prompt: int = 1, log=print) -> list[dict]:
     """Rows {prompts, temperature, batch, strategy, vocab, plain_tok_s, sd_tok_s, acceptance_length,
     drafts_per_step, speedup, same_tokens, requests}: one per prompt set and cell. Sets are timed apart
     because the drafter's acceptance, and so the speedup, depends on the kind of text (math answers vs
     chat). samples_per_prompt > 1 asks each prompt that many times (other seeds) one after another, as
-    an RL group: history strategies ('hD') draft from the earlier samples."""
+    an RL group: history strategies ('hD') draft from the earlier samples. vocabs None: the drafter's
+    reduced draft vocabulary (when it has one) and the full one."""
     empty = [name for name, prompts in prompt_sets.items() if not prompts]
     if empty or not prompt_sets:
         raise ValueError(f"bench-sd: no prompts to time in {empty or 'any set'}")
@@ -99,6 +100,8 @@ def run_bench(policy: Decoder, drafter: Drafter | None, prompt_sets: dict[str, S
     if any(s.parts()[0] for s in strategies) and drafter is None:
         raise ValueError("EAGLE strategies (S/K/V) need a drafter: --drafter DIR")
     drafters = {"reduced": drafter, "full": with_full_vocab(drafter) if drafter is not None else None}
+    if vocabs is None:
+        vocabs = ["full"] if drafter is not None and drafter.draft_vocab is None else ["reduced", "full"]
     if "reduced" in vocabs and drafter is not None and drafter.draft_vocab is None:
         raise ValueError("--vocab reduced needs a drafter trained with a draft vocabulary (drafter_train.draft_vocab_size > 0)")
 
