@@ -396,7 +396,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         policy, step, _ = load_run_policy(args.run, make_mesh(cfg.mesh), args.step, [*defaults, *args.set], tokenizer)
     else:
         policy, step = _policy(cfg, tokenizer), None
-    drafter = make_drafter(cfg, policy.cfg, args.drafter) if cfg.sd.mode != "off" else None
+    drafter = make_drafter(cfg, policy.cfg, args.drafter) if cfg.sd.uses_drafter() else None
     workers = model_workers(cfg, policy.model, drafter, drafter_accept=drafter_accept_prior(args.drafter))
     result = evaluate(workers, tokenizer, records, requests, samples)
     print(format_table(result["results"]))
