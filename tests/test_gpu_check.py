@@ -28,7 +28,8 @@ def test_reduced_gpu_check_runs_every_section(tmp_path):
     env = dict(os.environ, XLA_FLAGS=COMPILE_FLAGS)  # one CPU device, as on a lent GPU
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), env.get("PYTHONPATH", "")])  # the tiny run's reward
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--out", str(out), "--reduced",
-                           "--budget-s", "1200", "--config", str(ROOT / "configs" / "smollm2_cpu.yaml"),
+                           "--budget-s", "1200", "--compile-cache", str(tmp_path / "xla"),  # sections share programs
+                           "--config", str(ROOT / "configs" / "smollm2_cpu.yaml"),
                            "--set", *overrides], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
     results = json.loads((out / "gpu_check.json").read_text())
     errors = {k: r.get("traceback", r["summary"]) for k, r in results.items() if r["status"] != "ok"}
