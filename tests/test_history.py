@@ -64,6 +64,8 @@ def test_the_corpus_holds_earlier_completions_behind_the_prompt_tail():
     corpus = build_corpus(prompt, [[50, 51, 52, 53], [60, 61, 62, 63]], size=16, prompt_tail=2)
     assert corpus.tolist() == [41, 42, 50, 51, 52, 53, -1, 41, 42, 60, 61, 62, 63, -1, -1, -1]
     assert build_corpus(prompt, [[50] * 5, [60] * 6], size=10, prompt_tail=2).tolist()[:8] == [41, 42] + [60] * 6
+    # A newest completion too long for the row does not hide the older ones that fit.
+    assert build_corpus(prompt, [[50] * 3, [60] * 20], size=10, prompt_tail=2).tolist() == [41, 42, 50, 50, 50] + [-1] * 5
     # A row that has just read its prompt and sampled 60 drafts the newest earlier completion's next tokens.
     drafts, _ = table([[40, 41, 42, 60]], groups=[0], corpora=[corpus])
     assert drafts[0] == [61, 62, 63]  # "41 42 60" matched: up to 6 drafts, the entry ends after 3
@@ -82,6 +84,13 @@ def test_store_bounds_tokens_per_prompt_and_prompts_and_round_trips():
     back = HistoryStore(10, 2)
     back.restore(store.state())
     assert back.state() == store.state() and back.completions([3]) == [[8]]
+    # Into a smaller store (a resume with smaller sd.history bounds): what adding the completions would keep.
+    small, added = HistoryStore(3, 2), HistoryStore(3, 2)
+    small.restore(store.state())
+    for key_prompt in ([1], [3]):
+        for completion in store.completions(key_prompt):
+            added.add(key_prompt, completion)
+    assert small.state() == added.state() and [kept for _, kept in small.state()["entries"]] == [[[9, 9, 9]], [[8]]]
 
 
 def test_group_corpus_collects_finished_siblings():

@@ -107,6 +107,12 @@ def test_bad_requests_fail_alone(engine):
     out = engine.generate([Request([3, 2**70], max_new_tokens=4), good, Request([1, 2], max_new_tokens=4, top_k=2**31)])
     assert [o.finish_reason for o in out] == ["error", "length", "error"]
     assert "prompt token ids must be in [0, 128)" in out[0].error and "top_k < 2**31" in out[2].error
+    # Fields of the wrong type are named, not truncated (2.5 tokens) and not a failure of the whole stream.
+    typed = [Request([1, 2], stop_ids={7, 9}), Request([1, 2], stop_ids=5), Request([1, 2], max_new_tokens=2.5),
+             Request([1, 3.7]), Request("12"), Request([1, 2], max_new_tokens=None), Request([1, 2], top_k=2.5)]
+    out = engine.generate([good, *typed])
+    assert out[0].finish_reason == "length" and all(o.finish_reason == "error" for o in out[1:])
+    assert "stop_ids must be a list of token ids" in out[1].error and "max_new_tokens must be an int" in out[3].error
 
 
 def test_stats_describe_the_latest_stream_only(model):

@@ -136,7 +136,12 @@ class HistoryStore:
         key = prompt_key(prompt_ids)
         kept = self._entries.setdefault(key, deque())
         self._entries.move_to_end(key)
-        kept.append([int(t) for t in completion][-self.tokens_per_prompt:])
+        kept.append([int(t) for t in completion])
+        self._bound(kept)
+
+    def _bound(self, kept: deque[list[int]]) -> None:
+        """Holds the store to its bounds: a prompt's newest tokens_per_prompt tokens, max_prompts prompts."""
+        kept[-1] = kept[-1][-self.tokens_per_prompt:]
         while sum(len(c) for c in kept) > self.tokens_per_prompt:
             kept.popleft()
         while len(self._entries) > self.max_prompts:
@@ -153,22 +158,26 @@ class HistoryStore:
                 "entries": [[key, list(kept)] for key, kept in self._entries.items()]}
 
     def restore(self, state: dict) -> None:
-        self._entries = OrderedDict((key, deque(kept)) for key, kept in state["entries"])
-        while len(self._entries) > self.max_prompts:  # a checkpoint of a larger store
-            self._entries.popitem(last=False)
+        """The contents of state(), held to this store's bounds (a checkpoint of a larger store keeps what
+        adding its completions in order would have kept)."""
+        self._entries = OrderedDict()
+        for key, kept in state["entries"]:
+            self._entries[key] = deque()
+            for completion in kept:
+                self._entries[key].append(list(completion))
+                self._bound(self._entries[key])
 
 
 def build_corpus(prompt_ids: Sequence[int], completions: Sequence[Sequence[int]], size: int, prompt_tail: int) -> np.ndarray:
     """A row's corpus [size] int32: each completion behind the prompt's last `prompt_tail` tokens (so a
     row that has just read its prompt matches the start of earlier answers), SEPARATOR-delimited; the
-    newest entries when they do not all fit."""
+    newest entries that fit when they do not all (one too long for what is left does not hide older ones)."""
     tail = list(prompt_ids[-prompt_tail:])
     out: list[int] = []
     for completion in reversed(completions):
         entry = [*tail, *completion, SEPARATOR]
-        if len(out) + len(entry) > size:
-            break
-        out = entry + out
+        if len(out) + len(entry) <= size:
+            out = entry + out
     return np.asarray(out + [SEPARATOR] * (size - len(out)), np.int32)
 
 

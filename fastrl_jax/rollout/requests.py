@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from fastrl_jax.config import RolloutConfig, SpecConfig
 
 if TYPE_CHECKING:
@@ -40,6 +42,8 @@ def sampling_problem(max_new_tokens: int, temperature: float, top_k: int, top_p:
 def request_problem(r: Request, cfg: RolloutConfig, margin: int = 0, vocab_size: int | None = None) -> str | None:
     """The reason request `r` cannot run on an engine of `cfg` whose speculative steps write `margin`
     slots past the last token, or None; vocab_size None skips the token-id range check."""
+    if problem := _type_problem(r):
+        return problem
     n = len(r.prompt_ids)
     if n == 0:
         return "the prompt is empty"
@@ -58,6 +62,25 @@ def request_problem(r: Request, cfg: RolloutConfig, margin: int = 0, vocab_size:
         return f"{len(r.stop_ids)} stop ids, more than rollout.max_stop_ids={cfg.max_stop_ids}"
     if vocab_size is not None:
         return _id_problem(r.prompt_ids, r.stop_ids, vocab_size)
+    return None
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _type_problem(r: Request) -> str | None:
+    """Fields of the wrong type, which would otherwise be truncated (2.5 tokens) or fail the whole stream."""
+    for name in ("prompt_ids", "stop_ids"):
+        ids = getattr(r, name)
+        if not isinstance(ids, (list, tuple, np.ndarray)) or not all(_is_int(t) for t in ids):
+            return f"{name} must be a list of token ids (ints), got {str(ids)[:80]!r}"
+    for name in ("max_new_tokens", "top_k", "seed"):
+        if not _is_int(getattr(r, name)):
+            return f"{name} must be an int, got {getattr(r, name)!r}"
+    for name in ("temperature", "top_p"):
+        if not isinstance(getattr(r, name), (int, float, np.integer, np.floating)) or isinstance(getattr(r, name), bool):
+            return f"{name} must be a number, got {getattr(r, name)!r}"
     return None
 
 
