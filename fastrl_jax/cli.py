@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from fastrl_jax.config import ConfigError
+from fastrl_jax.config import ConfigError, TrainingStopped
 
 
 def _config(args: argparse.Namespace, defaults: Sequence[str] = ()):
@@ -19,7 +20,7 @@ def _config(args: argparse.Namespace, defaults: Sequence[str] = ()):
     `defaults`), with the compilation cache it names (rollout.compile_cache_dir) turned on."""
     from fastrl_jax.config import load_config
 
-    model = [f"model.path={args.model}"] if getattr(args, "model", None) else []
+    model = [f"model.path={json.dumps(args.model)}"] if getattr(args, "model", None) else []  # a literal, not YAML
     return _with_cache(load_config(args.config, [*defaults, *model, *getattr(args, "overrides", []), *args.set]))
 
 
@@ -98,7 +99,8 @@ def untrained_drafter_note(sd, drafter: str | None, command: str) -> str | None:
     arms = sd.strategy_list()
     eagle = [str(a) for a in arms if a.parts()[0]]
     rest = [str(a) for a in arms if not a.parts()[0]] + (["plain decoding"] if sd.plain_arm else [])
-    runs = f"{' and '.join(rest)} compete" if len(rest) > 1 else "plain decoding runs throughout"
+    runs = (f"{' and '.join(rest)} compete" if len(rest) > 1 else f"{rest[0]} runs where speculation would" if rest
+            and rest[0] != "plain decoding" else "plain decoding runs throughout")
     return (f"--sd adaptive without --drafter: the EAGLE arms ({', '.join(eagle)}) sit out, as a randomly initialised "
             f"drafter accepts ~1 token per step, below sd.min_drafter_accept ({sd.min_drafter_accept}), and {command} "
             f"does not train it; {runs}. Give --drafter DIR (a train-drafter out_dir) to speculate with a trained drafter")
@@ -197,10 +199,16 @@ def cmd_train(args: argparse.Namespace) -> None:
     cfg = _config(args)
     check_trainable(cfg, "train")
     if args.dry_run:
-        from fastrl_jax.rl.dry_run import plan
+        from fastrl_jax.rl.dry_run import mesh_shape, plan
+        from fastrl_jax.rl.trainer import preflight
 
+        sizes = mesh_shape(cfg, args.devices)
+        preflight(cfg, sizes["data"] * sizes["fsdp"])  # what the run itself would refuse before loading
         print(plan(cfg, args.devices))
         return
+    if (args.num_processes is not None or args.process_id is not None) and not (args.distributed or args.coordinator):
+        raise ConfigError("--num-processes / --process-id start a multi-process run: give --coordinator HOST:PORT "
+                          "too, or --distributed where the cluster tells each process (SLURM, TPU pods)")
     if args.distributed or args.coordinator:
         from fastrl_jax.rl.distributed import initialize
 
@@ -209,7 +217,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     t0 = time.perf_counter()
     history = train(cfg, resume=args.resume, overwrite=args.overwrite)
-    print(f"[fastrl-jax] {len(history)} steps in {time.perf_counter() - t0:.1f}s; metrics in "
+    print(f"[fastrl-jax] {sum(m['step'] > 0 for m in history)} steps in {time.perf_counter() - t0:.1f}s; metrics in "
           f"{Path(cfg.rl.out_dir) / 'metrics.jsonl'}", file=sys.stderr)
 
 
@@ -429,12 +437,17 @@ def cmd_bench_sd(args: argparse.Namespace) -> None:
     strategies = [StrategySpec.from_config(s, "--strategies") for s in args.strategies]
     if any(s.parts()[0] for s in strategies) and not args.drafter:
         raise ConfigError("bench-sd: EAGLE strategies (S/K/V) need --drafter DIR; history ones (hD) do not")
+    if args.profile and not args.drafter:
+        raise ConfigError("bench-sd --profile times an EAGLE step's phases: give --drafter DIR")
+    if bad := [t for t in args.temperatures if not (math.isfinite(t) and t >= 0)]:
+        raise ConfigError(f"bench-sd --temperatures must be finite and >= 0 (0 is greedy), got {bad}")
+    if missing := [p for p in args.prompt_file if not Path(p).expanduser().is_file()]:
+        raise FileNotFoundError(f"bench-sd --prompt-file: no file {', '.join(missing)}")
     cfg = _config(args, ["rollout.warm_up=false"])
     if args.drafter:
         drafter_dir(args.drafter)
-    check_output_file(args.out, "--out")
-    if args.plot:
-        check_output_file(args.plot, "--plot")
+    out = check_output_file(args.out, "--out")
+    plot = check_output_file(args.plot, "--plot") if args.plot else None
     policy = _policy(cfg)
     drafter = make_drafter(cfg, policy.cfg, args.drafter, cfg.model.engine_dtype) if args.drafter else None
     held_out = held_out_sets(cfg, policy.tokenizer, args.prompts) if args.prompt_sets else {}
@@ -446,8 +459,6 @@ def cmd_bench_sd(args: argparse.Namespace) -> None:
               "machine": machine_facts()}
     print(f"[bench-sd] machine: {format_machine(result['machine'])}", file=sys.stderr)
     if args.profile:
-        if drafter is None:
-            raise ConfigError("bench-sd --profile times an EAGLE step's phases: give --drafter DIR")
         prof = bench.profile_step(policy.model, drafter, strategies[0], temperature=args.temperatures[-1],
                                   unrolled=cfg.rollout.unrolled_layers(jax.default_backend()))
         result["profile_ms"] = prof
@@ -465,15 +476,16 @@ def cmd_bench_sd(args: argparse.Namespace) -> None:
         print(bench.format_row(row))
     for key, b in result["stops_paying_at_batch"].items():
         print(f"{key}: SD stops paying at batch {b if b is not None else '> ' + str(max(args.batch_sizes))}")
-    bench.write_json(args.out, result)
-    if args.plot and bench.plot(rows, args.plot):
-        print(f"[bench-sd] wrote {args.plot}", file=sys.stderr)
+    bench.write_json(out, result)
+    if plot and bench.plot(rows, plot):
+        print(f"[bench-sd] wrote {plot}", file=sys.stderr)
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML config (configs/*.yaml); defaults apply without it")
     parser.add_argument("--model", help="HF checkpoint dir, .gguf file, or 'smollm2' (overrides model.path)")
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides, e.g. mesh.tensor=2")
+    parser.add_argument("--set", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
+                        help="config overrides, e.g. mesh.tensor=2 (--set may repeat)")
 
 
 def _add_export_policy(sub) -> None:
@@ -547,7 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="GRPO training (rollout -> rewards -> update -> weight hand-off)")
     train.add_argument("--config", help="YAML config (configs/*.yaml); defaults apply without it")
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. rl.steps=10")
-    train.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more config overrides")
+    train.add_argument("--set", nargs="*", action="extend", default=[], metavar="KEY=VALUE", help="more config overrides")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in rl.out_dir")
     train.add_argument("--overwrite", action="store_true",
                        help="rl.out_dir holds an earlier run: move it aside (renamed with a timestamp) and start afresh")
@@ -557,8 +569,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--distributed", action="store_true",
                        help="call jax.distributed.initialize() first (SLURM / TPU pods are auto-detected)")
     train.add_argument("--coordinator", help="host:port of process 0 (multi-process without SLURM; implies --distributed)")
-    train.add_argument("--num-processes", type=int)
-    train.add_argument("--process-id", type=int)
+    train.add_argument("--num-processes", type=int, help="processes of a --coordinator run")
+    train.add_argument("--process-id", type=int, help="this process's index in a --coordinator run")
     train.set_defaults(func=cmd_train)
     td = sub.add_parser("train-drafter", help="warm-up training of the EAGLE drafter on the policy's own generations")
     _common(td)
@@ -608,6 +620,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"fastrl-jax {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except TrainingStopped as e:
+        print(f"fastrl-jax {args.command}: stopped: {e}", file=sys.stderr)
+        return 1
     except OSError as e:  # a full disk, a permission: the system's own words, without a traceback
         print(f"fastrl-jax {args.command}: error: {e}", file=sys.stderr)
         return 1

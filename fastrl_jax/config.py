@@ -26,6 +26,10 @@ class ConfigError(ValueError):
     """A config problem a user can fix; the message names the key and what is allowed."""
 
 
+class TrainingStopped(RuntimeError):
+    """A run stopped on purpose (non-finite loss); the message says where it stands and what to change."""
+
+
 def _check_choice(key: str, value: Any, allowed: tuple) -> None:
     if value not in allowed:
         raise ConfigError(f"{key} must be one of {', '.join(map(str, allowed))}; got {value!r}")
@@ -378,6 +382,9 @@ class OptimConfig:
                 "optim needs learning_rate > 0, warmup_steps >= 0, max_grad_norm >= 0, weight_decay >= 0; "
                 f"got {self}"
             )
+        # b1 or b2 of 1 zeroes Adam's bias correction (1 - b^t): the first update is NaN weights.
+        if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1 and self.eps > 0):
+            raise ConfigError(f"optim needs 0 <= b1 < 1, 0 <= b2 < 1, eps > 0; got b1={self.b1}, b2={self.b2}, eps={self.eps}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -563,6 +570,10 @@ class Config:
     drafter_online: DrafterOnlineConfig = DrafterOnlineConfig()
     seed: int = 0
 
+    def __post_init__(self):
+        if not 0 <= self.seed < 2**32:  # numpy's and the request seeds' range
+            raise ConfigError(f"seed must be in [0, 2**32), got {self.seed}")
+
 
 _TYPE_NAMES = {int: "an int", float: "a float", str: "a string", bool: "a bool (true or false)"}
 
@@ -593,7 +604,7 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
     """`value` checked against (and, for tuples and floats, converted to) the field type `hint`."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if dataclasses.is_dataclass(hint):
-        return from_dict(hint, value, key)
+        return from_dict(hint, {} if value is None else value, key)  # an empty `section:` (all keys commented out)
     if origin in (typing.Union, types.UnionType):
         rest = [a for a in args if a is not type(None)]
         if len(rest) != 1:
@@ -660,9 +671,20 @@ def _apply_override(data: dict, override: str) -> None:
             raise ConfigError(f"override {override!r}: {'.'.join(parts[: depth + 1])} is a value, not a section")
     try:
         # An empty value means the empty string, so `key=` can clear a path setting.
-        node[parts[-1]] = _load_yaml(raw) if raw.strip() else ""
+        value = _load_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
-        raise ConfigError(f"override {override!r}: the value is not valid YAML ({e})") from e
+        raise ConfigError(f"override {override!r}: the value is not valid YAML ({_yaml_error(e)})") from e
+    if "#" in raw and "#" not in str(value):
+        raise ConfigError(f"override {override!r}: YAML reads ' #' as the start of a comment; quote the value "
+                          f"({parts[-1]}='...')")
+    node[parts[-1]] = value
+
+
+def _yaml_error(e: yaml.YAMLError) -> str:
+    """A YAML error in one line: what is wrong, and where."""
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{getattr(e, 'problem', None) or str(e).splitlines()[0]}{where}"
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
@@ -675,7 +697,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
         try:
             data = _load_yaml(path.read_text()) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file '{path}' is not valid YAML: {e}") from e
+            raise ConfigError(f"config file '{path}' is not valid YAML: {_yaml_error(e)}") from e
         if not isinstance(data, dict):
             raise ConfigError(f"config file '{path}' must hold a mapping of sections, got {data!r}")
     for override in overrides:

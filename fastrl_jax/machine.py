@@ -67,7 +67,7 @@ def machine_facts() -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
-        "cores_usable": len(os.sched_getaffinity(0)),
+        "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),  # macOS has none
         "memory_gib": round(pages * page_size / 2**30, 1),
         "copy_gbs": round(copy_bandwidth_gbs(), 1),
         "matmul_f32_gflops": round(matmul_gflops(), 1),

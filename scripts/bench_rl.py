@@ -93,7 +93,7 @@ def plot(off: dict, adaptive: dict, path: str) -> bool:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/smollm2_cpu.yaml")
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides")
+    parser.add_argument("--set", nargs="*", action="extend", default=[], metavar="KEY=VALUE", help="config overrides")
     parser.add_argument("--steps", type=int, default=5, help="GRPO steps per run")
     parser.add_argument("--repeats", type=int, default=1, help="runs per mode (odd); the median run is reported")
     parser.add_argument("--out", default="bench_rl.json")

@@ -497,7 +497,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="bench_rollout.json")
     parser.add_argument("--config", default="configs/smollm2_cpu.yaml",
                         help="its model section is the policy; its sd section drives adaptive (longtail)")
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides, e.g. sd.threshold_live_batch=4")
+    parser.add_argument("--set", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
+                        help="config overrides, e.g. sd.threshold_live_batch=4")
     longtail = parser.add_argument_group("longtail")
     longtail.add_argument("--drafter", help="drafter checkpoint directory (save_drafter); a random drafter when omitted")
     longtail.add_argument("--on-strategies", nargs="*", metavar="SPEC",

@@ -699,7 +699,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reduced", action="store_true", help="tiny sizes (the default on CPU)")
     p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="sections to run, in this order")
     p.add_argument("--config", help="YAML config (default: configs/smollm2_gpu.yaml, reduced: configs/smollm2_cpu.yaml)")
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every section")
+    p.add_argument("--set", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
+                   help="config overrides for every section")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="plain_decode / sd_step_profile dtype "
                    "(default bfloat16, reduced float32)")
     p.add_argument("--shapes", nargs="+", help="plain_decode models instead of the defaults: 'model' (--config's "

@@ -81,7 +81,7 @@ def main() -> None:
          [("with spot training", steps, [r["rollout_s"] for r in rows])]
          + ([("without", steps, [r["rollout_s_without"] for r in rows])] if base else [])),
     ]
-    axes[0].axhline(first, color="gray", ls=":", lw=1, label="starting value (step 1)")
+    axes[0].axhline(first, color="gray", ls=":", lw=1, label=f"first estimate (step {estimated[0]['step']})")
     for ax, (ylabel, title, lines) in zip(axes, panels):
         for label, x, y in lines:
             ax.plot(x, y, marker="o", label=label)

@@ -45,7 +45,7 @@ def tiny_dir(tmp_path_factory):
     (["--max-new-tokens", "0"], "max_new_tokens must be >= 1, got 0"),
     (["--max-new-tokens", "-5"], "max_new_tokens must be >= 1, got -5"),
     (["--max-new-tokens", "100000"], "max_new_tokens (100000) leaves no room for a prompt in the KV cache (64 slots"),
-    (["--temperature", "-1"], "need temperature >= 0"),
+    (["--temperature", "-1"], "need 0 <= temperature < inf"),
     (["--top-p", "0"], "0 < top_p <= 1; got 0.0, 0, 0.0"),
     (["--top-p", "1.5"], "0 < top_p <= 1; got 0.0, 0, 1.5"),
     (["--top-k", "-1"], "0 <= top_k < 2**31"),
@@ -98,5 +98,50 @@ def test_adaptive_sd_without_a_drafter_says_which_arms_sit_out():
                                                           "sd.plain_arm=false"]).sd
     assert "3/1/4) sit out" in untrained_drafter_note(eagle_only, None, "eval")
     assert "; plain decoding runs throughout. Give --drafter DIR" in untrained_drafter_note(eagle_only, None, "eval")
+    one_other = load_config(config, ["sd.strategies=['2/2/4', 'h3']", "sd.group_live_batch_ranges=[]",
+                                     "sd.plain_arm=false"]).sd
+    assert "; h3 runs where speculation would." in untrained_drafter_note(one_other, None, "eval")
     for overrides in (["sd.mode='on'"], ["sd.min_drafter_accept=0"], ["sd.strategies=['h6']", "sd.group_live_batch_ranges=[]"]):
         assert untrained_drafter_note(load_config(config, overrides).sd, None, "generate") is None
+
+
+def test_train_refuses_what_it_can_before_loading_and_leaves_no_run(tmp_path):
+    """Sampling settings no request could run with, an unknown reward, a missing prompt file, stray
+    process flags: refused before the model loads, with no run directory written (or moved aside); the
+    dry run refuses them too. --set may repeat."""
+    import subprocess
+    import sys
+
+    from helpers.cli import cpu_env
+    from helpers.tiny_run import tiny_overrides
+
+    def fastrl_jax(*args):  # tests/ importable (the tiny run's reward), 3 devices
+        return subprocess.run([sys.executable, "-m", "fastrl_jax.cli", *args], capture_output=True, text=True,
+                              env=cpu_env(3))
+
+    overrides = [*tiny_overrides(tmp_path), "mesh.fsdp=-1"]  # micro-batches of 8 rows over 3 devices: refused last
+    run = tmp_path / "run"
+    for extra, message in [(["rl.max_new_tokens=100"], "max_new_tokens (100) leaves no room for a prompt"),
+                           (["reward.functions=[corect]"], "corect"),
+                           ([f"data.source={tmp_path / 'none.jsonl'}"], "data.source: no file"),
+                           ([], "must be divisible by mesh data x fsdp = 3")]:
+        for flags in ([], ["--dry-run", "--devices", "3"]):
+            done = fastrl_jax("train", *overrides, *extra, *flags)
+            assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+            assert "loaded" not in done.stderr and not run.exists()
+    overrides += ["rl.micro_batch_size=6", "rl.prompts_per_step=3", "rl.samples_per_prompt=2"]
+    done = fastrl_jax("train", *overrides, "--num-processes", "2", "--process-id", "1")
+    assert done.returncode == 2 and "give --coordinator HOST:PORT" in done.stderr and not run.exists()
+    done = fastrl_jax("train", "--dry-run", "--devices", "3", *overrides, "--set", "rollout.batch_buckets=[1, 8]",
+                      "--set", "rollout.length_buckets=[32, 96]")
+    assert done.returncode == 0 and "rollout KV cache, 8 rows x 96 slots" in done.stdout, done.stderr
+
+
+def test_bench_sd_refuses_bad_flags_before_loading(tmp_path, tiny_dir):
+    common = ["bench-sd", "--model", str(tiny_dir), "--strategies", "h4", "--prompt-sets", "--batch-sizes", "1",
+              "--out", str(tmp_path / "b.json"), "--plot", ""]
+    for extra, message in [(["--prompt-file", str(tmp_path / "none.jsonl")], "--prompt-file: no file"),
+                           (["--prompt-sets", "math", "--temperatures", "-1"], "--temperatures must be finite and >= 0"),
+                           (["--prompt-sets", "math", "--profile"], "--profile times an EAGLE step's phases")]:
+        done = fastrl_jax(*common, *extra)
+        assert done.returncode == 2 and message in done.stderr and "loaded" not in done.stderr, done.stderr

@@ -78,6 +78,8 @@ def test_override_into_an_empty_yaml_section(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("mesh:\n")
     assert load_config(path, ["mesh.data=2"]).mesh.data == 2
+    assert load_config(path).mesh.data == 1  # an empty section (its keys commented out) is the defaults
+    assert load_config(None, ["rl.out_dir='runs/exp #3'"]).rl.out_dir == "runs/exp #3"  # quoted, '#' is text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +163,10 @@ def test_unknown_key_suggests_the_right_one(tmp_path):
         ("mesh", "override 'mesh' must look like section.key=value"),
         ("mesh..data=1", "must look like section.key=value"),
         ("mesh.data=[1", "override 'mesh.data=[1': the value is not valid YAML"),
+        ("optim.b1=1.0", "optim needs 0 <= b1 < 1, 0 <= b2 < 1, eps > 0; got b1=1.0"),
+        ("optim.eps=-1", "eps=-1.0"),
+        ("seed=-1", "seed must be in [0, 2**32), got -1"),
+        ("rl.out_dir=runs/exp #3", "YAML reads ' #' as the start of a comment; quote the value (out_dir='...')"),
     ],
 )
 def test_bad_values_are_named(override, message):
@@ -214,8 +220,9 @@ def test_missing_and_broken_files(tmp_path):
         load_config(missing, [])
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [unclosed")
-    with pytest.raises(ConfigError, match="is not valid YAML"):
+    with pytest.raises(ConfigError, match="is not valid YAML") as error:
         load_config(bad)
+    assert "\n" not in str(error.value) and "at line 1, column 17" in str(error.value)  # one line, and where
     listed = tmp_path / "list.yaml"
     listed.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="must hold a mapping of sections"):

@@ -65,6 +65,8 @@ def _timed(engine: RolloutEngine, rounds: list[list[Request]], repeats: int) -> 
         t0, out, totals = time.perf_counter(), [], RolloutStats()
         for reqs in rounds:
             done = engine.generate(reqs)
+            if failed := next((c.error for c in done if c.finish_reason == "error"), None):
+                raise ValueError(f"bench-sd: a request cannot run: {failed}")  # not a timing of 0 tokens
             if engine.history is not None:
                 engine.history.add_all((r.prompt_ids, c.tokens) for r, c in zip(reqs, done))
             out += done

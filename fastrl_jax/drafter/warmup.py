@@ -70,8 +70,11 @@ def acceptance(engine: RolloutEngine, prompts: list[list[int]], max_new_tokens: 
 
 
 def check_restart(cfg: Config, resume: bool) -> None:
-    """Refuses (before anything is loaded or generated) to start drafter_train.out_dir afresh when it
-    already holds checkpoints and `resume` is off."""
+    """Refuses (before anything is loaded or generated) a missing drafter_train.prompts file, and to start
+    drafter_train.out_dir afresh when it already holds checkpoints and `resume` is off."""
+    prompts = cfg.drafter_train.prompts
+    if prompts != "builtin" and not Path(prompts).expanduser().is_file():
+        raise FileNotFoundError(f"drafter_train.prompts: no file {prompts} ('builtin' or a JSONL file of prompts)")
     steps = checkpoint_steps(cfg.drafter_train.out_dir)
     if steps and not resume:
         raise ValueError(f"{Path(cfg.drafter_train.out_dir).expanduser() / 'checkpoints'} already holds checkpoints "

@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from fastrl_jax.checkpoint import RunCheckpointer, UnreadableCheckpoint
-from fastrl_jax.config import Config, ConfigError, check_trainable, save_config, to_dict
+from fastrl_jax.config import Config, ConfigError, TrainingStopped, check_trainable, save_config, to_dict
 from fastrl_jax.data import pipeline
 from fastrl_jax.data.prompts import record_prompt_ids
 from fastrl_jax.drafter.online import SpotTrainer
@@ -38,6 +38,7 @@ from fastrl_jax.rl.step_metrics import MetricsLog, rollout_summary
 from fastrl_jax.rl.workers import RolloutWorkers, request_seed
 from fastrl_jax.rollout.engine import Completion, Request
 from fastrl_jax.rollout.history import HistoryStore
+from fastrl_jax.rollout.requests import draft_margin, sampling_problem
 from fastrl_jax.sharding import make_mesh, shardings_for
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 TRAIN_LENGTH_QUANTUM = 32  # prompt and completion widths of a training batch are multiples of this
 
 
-class NonFiniteLoss(RuntimeError):
+class NonFiniteLoss(TrainingStopped):
     """The loss became NaN/inf; the update was not applied and the last good checkpoint kept."""
 
 
@@ -237,7 +238,7 @@ class Trainer:
             batch = jax.tree.map(lambda x: update.to_global(x, update.rows_sharding(self.mesh, x.shape, 1)), host)
             params, opt_state, metrics = self._step_fn(self.params, self.opt_state, self.ref_params, batch)
             metrics = {key: float(v) for key, v in jax.device_get(metrics).items()}
-            if not math.isfinite(metrics["loss"]) or not math.isfinite(metrics["grad_norm"]):
+            if not all(math.isfinite(metrics[k]) for k in ("loss", "grad_norm", "update_norm")):
                 raise NonFiniteLoss(self._nan_message(metrics, j))
             self.params, self.opt_state = params, opt_state
             self.updates += 1
@@ -254,7 +255,8 @@ class Trainer:
         # The failed update's optimizer state was donated to it: this trainer cannot go on, a resume can.
         applied = (f"mini-batch {minibatch + 1} of {self.cfg.rl.minibatches_per_step}: the earlier ones changed this "
                    "process's weights, no checkpoint" if minibatch else "stopped without applying the update")
-        return (f"loss {metrics['loss']} / grad norm {metrics['grad_norm']} at step {self.step + 1}, {applied}; "
+        return (f"loss {metrics['loss']} / grad norm {metrics['grad_norm']} / update norm {metrics['update_norm']} at "
+                f"step {self.step + 1}, {applied}; "
                 f"{kept} (lower optim.learning_rate or set optim.max_grad_norm)")
 
     def evaluate(self) -> float:
@@ -452,17 +454,38 @@ def _state_from(module: nnx.Module, pure: dict) -> nnx.State:
     return state
 
 
+def preflight(cfg: Config, mesh_rows: int) -> None:
+    """What a GRPO run can be refused for before a model loads or its run directory is touched (train and
+    --dry-run): weights it could not train, sampling settings no request could run with, an unknown reward,
+    a missing prompt file, a micro-batch that does not split over mesh_rows (data x fsdp) devices."""
+    check_trainable(cfg, "train")
+    rl = cfg.rl
+    temperatures = {"rl.temperature": rl.temperature} | ({"rl.eval_temperature": rl.eval_temperature}
+                                                         if rl.eval_every_steps else {})
+    for name, temperature in temperatures.items():
+        if problem := sampling_problem(rl.max_new_tokens, temperature, rl.top_k, rl.top_p, cfg.rollout,
+                                       draft_margin(cfg.sd)):
+            raise ConfigError(f"{problem} (rl.max_new_tokens, {name}, rl.top_k, rl.top_p)")
+    rewards.combined(cfg.reward.functions, cfg.reward.weights)
+    for name in ("source", "eval_source")[: 1 + bool(rl.eval_every_steps)]:
+        path = getattr(cfg.data, name)
+        if path != pipeline.MATH_SOURCE and not Path(path).expanduser().is_file():
+            raise FileNotFoundError(f"data.{name}: no file {path}")
+    update.check_batch_fits_mesh(rl, mesh_rows)
+
+
 def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, stream=sys.stdout) -> list[dict[str, Any]]:
-    """Checks rl.out_dir (run_dir.prepare_run_dir: --resume needs a checkpoint, a fresh run never writes
-    over an earlier one unless `overwrite` moves it aside), loads the policy and tokenizer named by
-    cfg.model, then runs GRPO to cfg.rl.steps."""
-    check_trainable(cfg, "train")  # before loading a model it could not train
+    """Checks the run (preflight) and rl.out_dir (run_dir.prepare_run_dir: --resume needs a checkpoint, a
+    fresh run never writes over an earlier one unless `overwrite` moves it aside), loads the policy and
+    tokenizer named by cfg.model, then runs GRPO to cfg.rl.steps."""
+    mesh = make_mesh(cfg.mesh)
+    preflight(cfg, mesh.shape["data"] * mesh.shape["fsdp"])  # before loading a model, or touching a run
     run_dir.prepare_run_dir(cfg, resume=resume, overwrite=overwrite)
     if cfg.rl.drafter_path and cfg.sd.mode == "off":
         log.warning("rl.drafter_path is set but sd.mode is off: the drafter is not used (set sd.mode=adaptive)")
     elif cfg.rl.drafter_path:
         drafter_dir(cfg.rl.drafter_path)  # before the model loads
-    policy = load_policy(cfg.model, make_mesh(cfg.mesh))
+    policy = load_policy(cfg.model, mesh)
     trainer = Trainer(cfg, policy.model, policy.tokenizer, resume=resume, stream=stream)
     return trainer.run()
 

@@ -164,6 +164,7 @@ def train_step(graphdef, tx, opts: StepOptions, params: Params, opt_state, ref_p
     metrics = jax.tree.map(jnp.sum, metrics)  # each micro-batch's share is already normalised
     metrics["grad_norm"] = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, opt_state, params)
+    metrics["update_norm"] = optax.tree.norm(updates)  # finite loss and gradients can still overflow the weights
     return optax.apply_updates(params, updates), opt_state, metrics
 
 
@@ -172,8 +173,9 @@ def rows_sharding(mesh: Mesh, shape: tuple[int, ...], row_axis: int) -> NamedSha
     return named_sharding(mesh, tuple("batch" if i == row_axis else None for i in range(len(shape))), shape)
 
 
-def check_batch_fits_mesh(rl: RLConfig, mesh: Mesh) -> None:
-    rows = mesh.shape["data"] * mesh.shape["fsdp"]
+def check_batch_fits_mesh(rl: RLConfig, mesh: Mesh | int) -> None:
+    """mesh: the mesh, or its data x fsdp size."""
+    rows = mesh if isinstance(mesh, int) else mesh.shape["data"] * mesh.shape["fsdp"]
     if rl.micro_batch_size % rows:
         raise ConfigError(
             f"rl.micro_batch_size={rl.micro_batch_size} must be divisible by mesh data x fsdp = {rows}: "
