@@ -245,6 +245,10 @@ def cmd_export_drafter(args: argparse.Namespace) -> None:
 
     out = check_export_dir(args.out)
     source = drafter_dir(args.drafter)
+    run_config = Path(args.drafter).expanduser() / "config.yaml"  # a train or train-drafter run: its policy
+    if not args.model and not args.config and run_config.is_file():
+        args.config = str(run_config)
+        print(f"[fastrl-jax] the policy of {run_config}", file=sys.stderr)
     cfg = _config(args)
     model_cfg = read_model_config(resolve_model_path(cfg.model.path))
     drafter = load_drafter(source, model_cfg, cfg.model.dtype)

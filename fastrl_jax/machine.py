@@ -16,8 +16,8 @@ import numpy as np
 
 
 def copy_bandwidth_gbs(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
-    """Measured host memory copy bandwidth in GB/s (read + write counted once, as a decode step reads
-    its weights once): the best of `repeats` copies of nbytes."""
+    """Measured host memory copy bandwidth in GB/s, bytes read plus bytes written: the best of `repeats`
+    copies of nbytes."""
     src = np.ones(nbytes // 4, np.float32)
     dst = np.empty_like(src)
     best = float("inf")

@@ -37,6 +37,12 @@ def test_export_drafter_writes_orbax_and_eagle(tmp_path):
         np.testing.assert_array_equal(back.draft_vocab[...], drafter.draft_vocab[...])
     again = fastrl_jax("export-drafter", "--model", str(tmp_path / "policy"), "--drafter", str(run), "--out", str(out))
     assert again.returncode == 2 and "not empty" in again.stderr and "Traceback" not in again.stderr
+    # Without --model, a run directory's own config names the policy (not the default smollm2).
+    from fastrl_jax.config import load_config, save_config
+
+    save_config(load_config(None, [f"model.path={tmp_path / 'policy'}"]), run / "config.yaml")
+    res = fastrl_jax("export-drafter", "--drafter", str(run), "--out", str(tmp_path / "export2"))
+    assert res.returncode == 0 and (tmp_path / "export2" / "eagle" / "config.json").is_file(), res.stderr
 
 
 def test_missing_unfinished_or_foreign_drafters_are_one_clear_line(tmp_path):
