@@ -115,6 +115,37 @@ def test_bad_requests_fail_alone(engine):
     assert "stop_ids must be a list of token ids" in out[1].error and "max_new_tokens must be an int" in out[3].error
 
 
+def test_a_shrunk_table_pads_with_dead_rows(model):
+    """A table moved into a smaller batch bucket pads with dead rows, not copies of its last row (jnp.take
+    wraps -1): with the last rows the long ones, the calls' tokens are the completions' and no more."""
+    from fastrl_jax.rollout import programs
+
+    engine = RolloutEngine(model, CFG, progress=False)  # batch buckets 1, 4, 16
+    requests = [Request(p, max_new_tokens=30 if i >= 13 else 2) for i, p in enumerate(prompts(16, seed=1, lo=2, hi=6))]
+    out = engine.generate(requests)
+    assert engine.stats.calls["resize"] >= 1
+    assert sum(c.tokens for c in engine.timeline) + len(requests) == sum(len(o.tokens) for o in out)  # + prefill's
+    assert all(c.live <= 3 for c in engine.timeline if c.batch == 4)
+    slots = engine._empty(16).replace(live=jnp.arange(16) >= 13, max_new=jnp.arange(16, dtype=jnp.int32))
+    small = programs.resize(slots, jnp.array([13, 14, 15, -1], jnp.int32))
+    assert np.asarray(small.live).tolist() == [True, True, True, False] and int(small.max_new[3]) == 0
+
+
+def test_rows_done_at_their_prefill_and_a_short_queue_wait_for_no_call(model):
+    """A row whose request ends at its prefill (max_new_tokens 1) is refilled before the next decode call,
+    not after it; and with one request queued a call ends when one row frees, whatever refill_rows says."""
+    cfg = dataclasses.replace(CFG, batch_buckets=(4,), refill_rows=1, steps_per_call=8)
+    ps = prompts(13, seed=2, lo=2, hi=6)
+    requests = [Request(p, max_new_tokens=40) for p in ps[:3]] + [Request(p, max_new_tokens=1) for p in ps[3:]]
+    engine = RolloutEngine(model, cfg, progress=False)
+    assert [i for i, _ in engine.stream(requests)] == [*range(3, 13), 0, 1, 2]  # the short ones first
+    cfg = dataclasses.replace(CFG, batch_buckets=(16,), refill_rows=2, steps_per_call=8)
+    requests = [Request(p, max_new_tokens=3 if i == 0 else 40) for i, p in enumerate(prompts(17, seed=3, lo=2, hi=6))]
+    engine = RolloutEngine(model, cfg, progress=False)
+    engine.generate(requests)
+    assert engine.timeline[0].steps == 2  # row 0's end frees the row the one queued request needs
+
+
 def test_stats_describe_the_latest_stream_only(model):
     """An empty, all-error or abandoned stream does not report the one before; rows that finish at their
     prefill need no decode call; a row counts idle only from the step after its last token."""

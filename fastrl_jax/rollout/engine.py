@@ -502,11 +502,11 @@ class RolloutEngine:
                 # Rows still decoding: an admitted row may have finished at its prefill (max_new_tokens 1, or a
                 # stop id first); it is collected at the next visit, and a table of such rows needs no decode call.
                 live = int(np.sum(jax.device_get(table.slots.live)))
-                if not live:
-                    continue
+                if not live or queue and live < sum(r >= 0 for r in table.row_req):
+                    continue  # rows done at their prefill are collected and refilled before the next call
                 if not queue:
                     self._compact(table, rec)
-                self._advance(table, *self._plan(live, bool(queue)), rec, refill=bool(queue), live=live)
+                self._advance(table, *self._plan(live, bool(queue)), rec, refill=len(queue), live=live)
                 if between_steps is not None:
                     between_steps(live)
 
@@ -592,11 +592,11 @@ class RolloutEngine:
                                    jax.device_put(index, self._replicated))
         table.row_req = [table.row_req[r] for r in live_rows] + [-1] * (target - len(live_rows))
 
-    def _advance(self, table: _Table, strategy: speculative.Strategy, pulled: bool, rec: Recorder, refill: bool,
+    def _advance(self, table: _Table, strategy: speculative.Strategy, pulled: bool, rec: Recorder, refill: int,
                  live: int) -> None:
         """One device call: plain decoding, or speculative steps of `strategy`, until rows finish: one
-        row, or rollout.refill_rows (at most an eighth of the table) when `refill` (queued requests wait
-        for the rows). pulled: the bandit chose the strategy; it gets the call's tokens per second back.
+        row, or rollout.refill_rows (at most an eighth of the table, and at most `refill`: the requests
+        queued for the rows). pulled: the bandit chose the strategy; it gets the call's tokens per second back.
         live: the rows decoding (> 0)."""
         c, batch = self.cfg, table.batch
         before = _counters(table.slots)  # [6, B]: tokens, speculative steps, EAGLE / history drafts, idle, length
@@ -626,7 +626,7 @@ class RolloutEngine:
         if pulled and self.chooser.exploring:  # a short call: an arm that loses costs little to try
             steps = min(steps, self.sd.explore_steps)
         # Waiting rows idle: at most an eighth of the table waits for a refill.
-        min_finished = min(c.refill_rows, self._refill_limit(batch)) if refill else 1
+        min_finished = min(c.refill_rows, self._refill_limit(batch), refill) if refill else 1
         args = (*args, jnp.int32(steps), jnp.int32(min_finished))
         if wide is not None:
             args = (*args, jax.device_put(np.asarray(wide, np.int32), self._replicated))

@@ -290,9 +290,10 @@ def _decoded(model, s: Slots, hidden, features, cache: KVCache) -> Slots:
 
 def resize(slots: Slots, index: jax.Array) -> Slots:
     """A table of len(index) rows taking row index[i] of `slots`; index -1 gives an empty dead row."""
+    rows = jnp.where(index < 0, slots.batch, index)  # past the end: filled (take wraps -1 to the last row)
 
     def take(x, axis=0):
-        return jnp.take(x, index, axis=axis, mode="fill", fill_value=0)
+        return jnp.take(x, rows, axis=axis, mode="fill", fill_value=0)
 
     def take_cache(c: KVCache) -> KVCache:
         return KVCache(k=take(c.k, 1), v=take(c.v, 1))
