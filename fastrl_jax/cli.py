@@ -203,7 +203,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         from fastrl_jax.rl.trainer import preflight
 
         sizes = mesh_shape(cfg, args.devices)
-        preflight(cfg, sizes["data"] * sizes["fsdp"])  # what the run itself would refuse before loading
+        preflight(cfg, sizes["data"] * sizes["fsdp"], files=False)  # what the run would refuse before loading
         print(plan(cfg, args.devices))
         return
     if (args.num_processes is not None or args.process_id is not None) and not (args.distributed or args.coordinator):

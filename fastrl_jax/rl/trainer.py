@@ -454,10 +454,11 @@ def _state_from(module: nnx.Module, pure: dict) -> nnx.State:
     return state
 
 
-def preflight(cfg: Config, mesh_rows: int) -> None:
+def preflight(cfg: Config, mesh_rows: int, files: bool = True) -> None:
     """What a GRPO run can be refused for before a model loads or its run directory is touched (train and
     --dry-run): weights it could not train, sampling settings no request could run with, an unknown reward,
-    a missing prompt file, a micro-batch that does not split over mesh_rows (data x fsdp) devices."""
+    a missing prompt file (files: a dry run plans a cluster's job elsewhere, without its data), a micro-batch
+    that does not split over mesh_rows (data x fsdp) devices."""
     check_trainable(cfg, "train")
     rl = cfg.rl
     temperatures = {"rl.temperature": rl.temperature} | ({"rl.eval_temperature": rl.eval_temperature}
@@ -467,7 +468,7 @@ def preflight(cfg: Config, mesh_rows: int) -> None:
                                        draft_margin(cfg.sd)):
             raise ConfigError(f"{problem} (rl.max_new_tokens, {name}, rl.top_k, rl.top_p)")
     rewards.combined(cfg.reward.functions, cfg.reward.weights)
-    for name in ("source", "eval_source")[: 1 + bool(rl.eval_every_steps)]:
+    for name in ("source", "eval_source")[: (1 + bool(rl.eval_every_steps)) * files]:
         path = getattr(cfg.data, name)
         if path != pipeline.MATH_SOURCE and not Path(path).expanduser().is_file():
             raise FileNotFoundError(f"data.{name}: no file {path}")
