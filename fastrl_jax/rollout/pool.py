@@ -212,14 +212,12 @@ class ProgramPool:
                 or len(self._programs) + len(self._pending) < 2 or self._pending and not wait):
             return
         t0 = time.perf_counter()
-        for key, future in list(self._pending.items()):
+        for key in list(self._pending):
             try:
-                future.result()
+                self._collect(key)
             except Exception as e:  # noqa: BLE001 - kept for the caller that asks for this program
                 self._failed[key] = e
                 del self._pending[key]
-            else:
-                self._collect(key)
         self._compile_seconds += time.perf_counter() - t0  # the caller waited for them
         drop = list(self._programs)[: len(self._programs) // 2]
         for key in drop:
