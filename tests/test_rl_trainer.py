@@ -242,6 +242,15 @@ def _qwen7b_hand_calculation(tensor: int, fsdp: int, itemsize: int) -> int:
     return itemsize * (matrices // (fsdp * tensor) + biases // tensor + norms)
 
 
+def _qwen7b_drafter_hand_calculation(tensor: int, itemsize: int) -> tuple[int, int]:
+    """Bytes of a Qwen2.5-7B EAGLE drafter's own parameters (fc and one decoder layer; the embedding and head
+    are the policy's) per device over `tensor`, and whole."""
+    H, F, nh, kv, D = 3584, 18944, 28, 4, 128
+    matrices = 2 * H * H + H * nh * D * 2 + H * kv * D * 2 + 3 * H * F  # fc, q, o, k, v, mlp
+    biases, norms = nh * D + 2 * kv * D, 2 * H
+    return itemsize * (matrices // tensor + biases // tensor + norms), itemsize * (matrices + biases + norms)
+
+
 def test_dry_run_matches_hand_calculation():
     cfg = load_config(ROOT / "configs" / "qwen2.5_7b_1node.yaml")
     assert (cfg.model.dtype, cfg.model.rollout_dtype) == ("float32", "bfloat16")
@@ -270,8 +279,17 @@ def test_dry_run_matches_hand_calculation():
     same = dry_run.memory_plan(load_config(ROOT / "configs" / "qwen2.5_7b_1node.yaml", ["model.rollout_dtype="]))
     # One dtype: the engines share the trainer's buffers, so the master weights stay whole along data.
     assert same["params"] == _qwen7b_hand_calculation(tensor=4, fsdp=1, itemsize=4) and same["rollout_params"] == 0
+    # The drafter: the engines' bfloat16 copy, and for online training its float32 master, gradients and
+    # starting copy (sharded like the engines' copy) and AdamW moments (whole on every device)
+    sharded, whole = _qwen7b_drafter_hand_calculation(tensor=4, itemsize=4)
+    assert plan["drafter"] == sharded // 2 and plan["drafter_training"] == 3 * sharded + 2 * whole
+    assert p["drafter"] == p["drafter_training"] == 0  # sd off
+    frozen = dry_run.memory_plan(load_config(ROOT / "configs" / "qwen2.5_7b_1node.yaml", ["drafter_online.enabled=false"]))
+    assert frozen["drafter"] == plan["drafter"] and frozen["drafter_training"] == 0
+    assert plan["total"] == sum(plan[k] for k in dry_run.MEMORY_PARTS)
     text = dry_run.plan(load_config(ROOT / "configs" / "qwen2.5_32b_multinode.yaml"))
-    assert "32 devices" in text and "32.76B parameters" in text and "programs:" in text
+    assert "32 devices" in text and "32.76B parameters" in text and "engine programs:" in text
+    assert "drafter_training" in text and "training programs: an update step" in text
 
 
 def test_dry_run_cli_for_both_gpu_configs():

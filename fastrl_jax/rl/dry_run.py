@@ -22,13 +22,16 @@ from fastrl_jax.config import Config, ConfigError
 from fastrl_jax.models.config import ModelConfig
 from fastrl_jax.models.decoder import DTYPES, abstract_decoder
 from fastrl_jax.models.drafter import Drafter, feature_layers
+from fastrl_jax.models.drafter_io import fresh_draft_vocab
 from fastrl_jax.models.known_configs import KNOWN, known_config
 from fastrl_jax.models.loading import read_model_config
-from fastrl_jax.rl.update import master_rules
+from fastrl_jax.rl.update import TRAIN_LENGTH_QUANTUM, master_rules
 from fastrl_jax.rollout.engine import RolloutEngine
 from fastrl_jax.sharding import AXES, mesh_sizes, shardings_for
 
 GiB = 2**30
+MEMORY_PARTS = ("params", "grads", "optimizer", "reference", "rollout_params", "unrolled_layers", "kv_cache",
+                "hidden_states", "drafter_kv_cache", "drafter", "drafter_training", "train_logits")
 
 
 @functools.cache  # plan() asks three times; read the checkpoint's config once
@@ -61,10 +64,35 @@ def _per_device_bytes(shardings, abstract_state) -> int:
     return total
 
 
+def abstract_drafter(cfg: Config, mcfg: ModelConfig, dtype: str) -> Drafter:
+    """The shapes of the drafter make_drafter builds from the config (drafter_train.kind and its reduced
+    draft vocabulary); a checkpoint at rl.drafter_path keeps its own, which the plan does not read."""
+    vocab = fresh_draft_vocab(mcfg, cfg.drafter_train.draft_vocab_size)
+    return nnx.eval_shape(lambda: Drafter(mcfg, nnx.Rngs(0), DTYPES[dtype], draft_vocab=vocab, kind=cfg.drafter_train.kind))
+
+
+def _drafter_plan(cfg: Config, mcfg: ModelConfig, mesh: AbstractMesh) -> dict[str, int]:
+    """Bytes per device of the drafter: the engines' copy (model.rollout_dtype), and with online training
+    (drafter_online.enabled) its master weights (model.dtype), their gradients and the starting copy kept
+    for the drift comparison, all sharded as the engines' copy, plus the AdamW moments, which the spot
+    trainer keeps whole on every device it lends (drafter/online.py). The policy's embedding and head are
+    shared, not counted."""
+    if not cfg.sd.uses_drafter():
+        return {"drafter": 0, "drafter_training": 0}
+    engine = nnx.state(abstract_drafter(cfg, mcfg, cfg.model.engine_dtype), nnx.Param)
+    master = nnx.state(abstract_drafter(cfg, mcfg, cfg.model.dtype), nnx.Param)
+    sharded = _per_device_bytes(shardings_for(master, mesh), master)
+    whole = sum(math.prod(v.shape) * np.dtype(v.dtype).itemsize for v in jax.tree.leaves(master))
+    online = cfg.drafter_online.enabled
+    mixed = cfg.model.engine_dtype != cfg.model.dtype  # else the engines draft with the master's buffers
+    return {"drafter": _per_device_bytes(shardings_for(engine, mesh), engine) if mixed or not online else 0,
+            "drafter_training": 3 * sharded + 2 * whole if online else 0}
+
+
 def memory_plan(cfg: Config, devices: int | None = None) -> dict[str, float]:
     """Bytes per device of each part of a training run (master parameters, gradients, AdamW moments,
     reference, the engines' copy of the policy in model.rollout_dtype, a rollout replica's KV cache and
-    hidden states, and the largest micro-batch's logits)."""
+    hidden states, the drafter and its online training, and the largest micro-batch's logits)."""
     mcfg = model_config(cfg.model.path)
     sizes = mesh_shape(cfg, devices)
     mesh = AbstractMesh(tuple(sizes.values()), AXES)
@@ -94,28 +122,36 @@ def memory_plan(cfg: Config, devices: int | None = None) -> dict[str, float]:
         "params": params, "grads": params, "optimizer": 2 * params,
         "reference": params if cfg.rl.kl_coef > 0 else 0,
         "rollout_params": rollout_params, "unrolled_layers": unrolled,
-        "kv_cache": kv, "hidden_states": hidden, "drafter_kv_cache": drafter_kv, "train_logits": logits,
+        "kv_cache": kv, "hidden_states": hidden, "drafter_kv_cache": drafter_kv, **_drafter_plan(cfg, mcfg, mesh),
+        "train_logits": logits,
     }
-    plan["total"] = sum(plan[k] for k in ("params", "grads", "optimizer", "reference", "rollout_params", "unrolled_layers",
-                                         "kv_cache", "hidden_states", "drafter_kv_cache", "train_logits"))
+    plan["total"] = sum(plan[k] for k in MEMORY_PARTS)
     return plan
 
 
 def program_plan(cfg: Config) -> Counter:
-    """Engine programs per phase (what warm-up compiles), plus the trainer's step programs.
+    """Engine programs per phase (what warm-up compiles).
 
     The engine is built on the abstract model (no warm-up, nothing allocated), so the plan is the
     engine's own list of programs.
     """
     mcfg = model_config(cfg.model.path)
-    dtype = DTYPES[cfg.model.engine_dtype]
-    drafter = (nnx.eval_shape(lambda: Drafter(mcfg, nnx.Rngs(0), dtype, kind=cfg.drafter_train.kind))
-               if cfg.sd.mode != "off" else None)
+    drafter = abstract_drafter(cfg, mcfg, cfg.model.engine_dtype) if cfg.sd.mode != "off" else None
     rollout = dataclasses.replace(cfg.rollout, warm_up=False, compile_cache_dir="")
-    engine = RolloutEngine(abstract_decoder(mcfg, dtype), rollout, sd=cfg.sd, drafter=drafter, progress=False)
-    counts = Counter(k[0] for k in engine.warm_up_keys())
-    counts["train_step"] = len(cfg.rollout.length_buckets)  # one per sequence-length bucket a batch reaches
-    return counts
+    engine = RolloutEngine(abstract_decoder(mcfg, DTYPES[cfg.model.engine_dtype]), rollout, sd=cfg.sd, drafter=drafter,
+                           progress=False)
+    return Counter(k[0] for k in engine.warm_up_keys())
+
+
+def training_programs(cfg: Config) -> str:
+    """The trainer's programs, compiled when first reached: one update step per (prompt, completion) width
+    pair of a rollout batch (Trainer.build_batch rounds both up to TRAIN_LENGTH_QUANTUM), and as many
+    log-prob programs with rl.minibatches_per_step > 1."""
+    p = math.ceil(cfg.rollout.prompt_buckets[-1] / TRAIN_LENGTH_QUANTUM)
+    c = math.ceil(cfg.rl.max_new_tokens / TRAIN_LENGTH_QUANTUM)
+    kinds = "an update step" + (" and a log-prob program" if cfg.rl.minibatches_per_step > 1 else "")
+    return (f"training programs: {kinds} per (prompt, completion) width pair a rollout batch reaches, widths in "
+            f"multiples of {TRAIN_LENGTH_QUANTUM} (up to {p} x {c} pairs), each compiled when first reached")
 
 
 def plan(cfg: Config, devices: int | None = None) -> str:
@@ -141,13 +177,16 @@ def plan(cfg: Config, devices: int | None = None) -> str:
         "kv_cache": f"rollout KV cache, {cfg.rollout.batch_buckets[-1]} rows x {cfg.rollout.length_buckets[-1]} slots",
         "hidden_states": "last-layer hidden states kept for the drafter (sd on)",
         "drafter_kv_cache": "drafter's one-layer KV cache (sd on)",
+        "drafter": f"the engines' {cfg.model.engine_dtype} drafter (its layer and fc; embedding and head are the policy's)",
+        "drafter_training": "online drafter training: master weights, gradients, starting copy, AdamW moments (whole)",
         "train_logits": f"logits of a micro-batch at the longest length bucket (estimate), {rows_note}",
     }
     for key, note in notes.items():
         lines.append(f"  {key:<17} {m[key] / GiB:9.3f}  {note}")
     lines.append(f"  {'total':<17} {m['total'] / GiB:9.3f}")
     progs = program_plan(cfg)
-    lines.append(f"programs: {sum(progs.values())} ({', '.join(f'{k} {v}' for k, v in sorted(progs.items()))}); "
+    lines.append(f"engine programs: {sum(progs.values())} ({', '.join(f'{k} {v}' for k, v in sorted(progs.items()))}); "
                  f"batch buckets {list(cfg.rollout.batch_buckets)}, length buckets {list(cfg.rollout.length_buckets)}, "
                  f"prompt buckets {list(cfg.rollout.prompt_buckets)}, sd {cfg.sd.mode}")
+    lines.append(training_programs(cfg))
     return "\n".join(lines)

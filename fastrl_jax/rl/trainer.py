@@ -43,8 +43,6 @@ from fastrl_jax.sharding import make_mesh, shardings_for
 
 log = logging.getLogger(__name__)
 
-TRAIN_LENGTH_QUANTUM = 32  # prompt and completion widths of a training batch are multiples of this
-
 
 class NonFiniteLoss(TrainingStopped):
     """The loss became NaN/inf; the update was not applied and the last good checkpoint kept."""
@@ -192,13 +190,13 @@ class Trainer:
 
     def build_batch(self, requests: list[Request], completions: list[Completion], advantages: np.ndarray):
         """Host arrays of one rollout batch: prompts left-padded to P slots, completions right-padded to C
-        (both rounded up to multiples of TRAIN_LENGTH_QUANTUM, so few step programs are compiled).
+        (both rounded up to multiples of update.TRAIN_LENGTH_QUANTUM, so few step programs are compiled).
 
         Returns (tokens [N, P + C], pad [N], mask [N, C], advantages [N], rollout log-probs [N, C]).
         """
         n = len(requests)
-        P = _round_up(max(len(r.prompt_ids) for r in requests), TRAIN_LENGTH_QUANTUM)
-        C = _round_up(max(len(c.tokens) for c in completions), TRAIN_LENGTH_QUANTUM)
+        P = _round_up(max(len(r.prompt_ids) for r in requests), update.TRAIN_LENGTH_QUANTUM)
+        C = _round_up(max(len(c.tokens) for c in completions), update.TRAIN_LENGTH_QUANTUM)
         tokens = np.zeros((n, P + C), np.int32)
         pad = np.zeros(n, np.int32)
         mask = np.zeros((n, C), np.float32)

@@ -25,6 +25,8 @@ from fastrl_jax.models.decoder import KVCache, run_layers
 from fastrl_jax.rl import grpo
 from fastrl_jax.sharding import DEFAULT_RULES, Rules, named_sharding
 
+TRAIN_LENGTH_QUANTUM = 32  # prompt and completion widths of a training batch are multiples of this
+
 Params = dict[str, Any]
 
 
