@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -262,7 +263,14 @@ def test_eagle3_warm_up_stores_layer_features_and_saves_its_kind(policy, tmp_pat
         assert data["hidden"].shape[-1] == 3 * TINY.hidden_size
     back = load_drafter(tmp_path / "e3" / "drafter", TINY)
     assert back.kind == "eagle3" and back.draft_vocab[...].shape == (32,)
-    # The same out_dir with another kind: its data.npz holds EAGLE-3's features, named before any training
+    # The same out_dir with settings that collect other data: refused before anything loads, naming them
+    for change, named in (({"kind": "eagle"}, "drafter_train.kind (was 'eagle3', now 'eagle')"),
+                          ({"max_new_tokens": 25}, "drafter_train.max_new_tokens (was 24, now 25)")):
+        other = dataclasses.replace(cfg, drafter_train=dataclasses.replace(cfg.drafter_train, **change))
+        with pytest.raises(ValueError, match=r"data.npz was collected with other settings: " + re.escape(named)):
+            warmup.check_restart(other, resume=True)
+    # Data from before its settings were recorded: a kind whose features it lacks is still named, by width
+    (tmp_path / "e3" / "data.json").unlink()
     other = dataclasses.replace(cfg, drafter_train=dataclasses.replace(cfg.drafter_train, kind="eagle"))
     with pytest.raises(ValueError, match=r"wide; this buffer takes 64 .*drafter_train.kind eagle .*delete .*data.npz"):
         warmup.train_drafter(other, policy, FakeTokenizer(), progress=False)

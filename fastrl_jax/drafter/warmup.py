@@ -2,6 +2,7 @@
 
 One run lives in drafter_train.out_dir:
   data.npz          the collected sample buffer (a rerun or resume skips generation)
+  data.json         the settings it was collected with (a rerun with others is refused)
   checkpoints/      RunCheckpointer steps: drafter params, optimizer state, trainer position
   metrics.jsonl     one JSON line per log step and per evaluation; tensorboard/ the same as scalars
   drafter/          the trained drafter alone (Orbax, models.drafter_io.load_drafter), written at the end
@@ -14,6 +15,7 @@ functions of (seed, step), so the steps after a restart are the steps the run wo
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import shutil
 import sys
@@ -70,11 +72,15 @@ def acceptance(engine: RolloutEngine, prompts: list[list[int]], max_new_tokens: 
 
 
 def check_restart(cfg: Config, resume: bool) -> None:
-    """Refuses (before anything is loaded or generated) a missing drafter_train.prompts file, and to start
-    drafter_train.out_dir afresh when it already holds checkpoints and `resume` is off."""
+    """Refuses (before anything is loaded or generated) a missing drafter_train.prompts file, collected data
+    in drafter_train.out_dir from other settings (check_data), and to start the out_dir afresh when it
+    already holds checkpoints and `resume` is off."""
     prompts = cfg.drafter_train.prompts
     if prompts != "builtin" and not Path(prompts).expanduser().is_file():
         raise FileNotFoundError(f"drafter_train.prompts: no file {prompts} ('builtin' or a JSONL file of prompts)")
+    data_file = Path(cfg.drafter_train.out_dir).expanduser() / "data.npz"
+    if data_file.is_file():
+        check_data(cfg, data_file)
     steps = checkpoint_steps(cfg.drafter_train.out_dir)
     if steps and not resume:
         raise ValueError(f"{Path(cfg.drafter_train.out_dir).expanduser() / 'checkpoints'} already holds checkpoints "
@@ -128,9 +134,40 @@ def train_drafter(cfg: Config, policy: Decoder, tokenizer, *, resume: bool = Tru
     return summary
 
 
+DATA_SETTINGS = ("kind", "prompts", "num_prompts", "chat_fraction", "instruction", "samples_per_prompt", "max_new_tokens",
+                 "temperature", "buffer_max_tokens")
+
+
+def data_settings(cfg: Config) -> dict:
+    """The settings that shape the warm-up data (in JSON form): other values collect other data."""
+    dt = cfg.drafter_train
+    settings = {"model.path": cfg.model.path, "model.rollout_dtype": cfg.model.engine_dtype, "seed": cfg.seed,
+                "data.math_levels": cfg.data.math_levels, **{f"drafter_train.{k}": getattr(dt, k) for k in DATA_SETTINGS}}
+    if dt.prompts != "builtin":
+        settings["drafter_train.prompts (sha256)"] = hashlib.sha256(Path(dt.prompts).expanduser().read_bytes()).hexdigest()
+    return json.loads(json.dumps(settings))
+
+
+def check_data(cfg: Config, data_file: Path) -> None:
+    """Refuses to reuse data_file when the settings it was collected with (its data.json) differ from cfg's;
+    data collected before the settings were recorded is reused unchecked, with a note."""
+    record = data_file.with_suffix(".json")
+    if not record.is_file():
+        print(f"[train-drafter] {data_file} has no record of its settings ({record.name}): reused unchecked",
+              file=sys.stderr)
+        return
+    was, now = json.loads(record.read_text()), data_settings(cfg)
+    changed = [f"{k} (was {was.get(k)!r}, now {now.get(k)!r})" for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)]
+    if changed:
+        raise ValueError(f"{data_file} was collected with other settings: {'; '.join(changed)}. Delete it to collect "
+                         "again (its checkpoints then continue on the new data), restore the settings, or give a new "
+                         "drafter_train.out_dir")
+
+
 def collect_data(cfg: Config, policy: Decoder, tokenizer, data_file: Path, stop, summary: dict, progress: bool) -> SampleBuffer:
     """The training data: the policy's answers to the warm-up prompts with their hidden states, generated
-    once and saved to data_file (a rerun or resume reads it back)."""
+    once and saved to data_file with its settings beside it (a rerun or resume with the same settings reads
+    it back)."""
     dt = cfg.drafter_train
     layers = feature_layers(dt.kind, policy.cfg.num_layers)
     buffer = SampleBuffer(dt.buffer_max_tokens, policy.cfg.hidden_size * max(len(layers), 1))
@@ -149,6 +186,7 @@ def collect_data(cfg: Config, policy: Decoder, tokenizer, data_file: Path, stop,
                                feature_layers=layers)
         summary["collect"] = collect(engine, requests, buffer, progress=progress)
         del engine
+        data_file.with_suffix(".json").write_text(json.dumps(data_settings(cfg), indent=2) + "\n")
         buffer.save(data_file)
     summary["data"] = {"sequences": len(buffer), "tokens": buffer.num_tokens}
     return buffer
