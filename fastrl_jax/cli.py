@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from fastrl_jax.config import ConfigError, TrainingStopped
+from fastrl_jax.config import ConfigError, TrainingStopped, temperature_problem
 
 
 def _config(args: argparse.Namespace, defaults: Sequence[str] = ()):
@@ -443,8 +442,9 @@ def cmd_bench_sd(args: argparse.Namespace) -> None:
         raise ConfigError("bench-sd: EAGLE strategies (S/K/V) need --drafter DIR; history ones (hD) do not")
     if args.profile and not args.drafter:
         raise ConfigError("bench-sd --profile times an EAGLE step's phases: give --drafter DIR")
-    if bad := [t for t in args.temperatures if not (math.isfinite(t) and t >= 0)]:
-        raise ConfigError(f"bench-sd --temperatures must be finite and >= 0 (0 is greedy), got {bad}")
+    for t in args.temperatures:
+        if problem := temperature_problem("bench-sd --temperatures", t):
+            raise ConfigError(problem)
     if missing := [p for p in args.prompt_file if not Path(p).expanduser().is_file()]:
         raise FileNotFoundError(f"bench-sd --prompt-file: no file {', '.join(missing)}")
     cfg = _config(args, ["rollout.warm_up=false"])

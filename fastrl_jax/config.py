@@ -42,6 +42,18 @@ def _check_at_least(section: str, cfg: Any, names: Sequence[str], least: int) ->
             raise ConfigError(f"{section}.{name} must be >= {least}, got {value}")
 
 
+MIN_TEMPERATURE = 1e-5  # vLLM's sampling epsilon too
+
+
+def temperature_problem(name: str, t: float, greedy: bool = True) -> str | None:
+    """Why sampling temperature `t` (the setting `name`) cannot run, or None: 0 is greedy (where `greedy`
+    allows it), else MIN_TEMPERATURE <= t < inf. Below MIN_TEMPERATURE a sample is the greedy token in all
+    but near-ties, and from ~1e-36 logits / t overflow float32 (NaN log-probs)."""
+    if (greedy and t == 0) or MIN_TEMPERATURE <= t < math.inf:  # NaN fails both
+        return None
+    return f"{name} must be {'0 (greedy) or ' if greedy else ''}in [{MIN_TEMPERATURE:g}, inf), got {t}"
+
+
 DTYPE_NAMES = ("float32", "bfloat16")
 # "auto" and kernels.backends.BACKENDS (config sits below kernels; tests/test_config.py keeps the two equal)
 ATTENTION_BACKENDS = ("auto", "reference", "pallas", "pallas_interpret", "triton")
@@ -424,15 +436,19 @@ class RLConfig:
                                      "micro_batch_size", "keep_checkpoints", "eval_prompts", "eval_samples"), 1)
         if self.samples_per_prompt < 2:
             raise ConfigError(f"rl.samples_per_prompt must be >= 2 (GRPO compares samples of a prompt), got {self.samples_per_prompt}")
-        if self.temperature <= 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ConfigError(f"rl needs temperature > 0, 0 < top_p <= 1, top_k >= 0; got {self.temperature}, {self.top_p}, {self.top_k}")
+        for problem in (temperature_problem("rl.temperature", self.temperature, greedy=False),
+                        temperature_problem("rl.eval_temperature", self.eval_temperature)):
+            if problem:
+                raise ConfigError(problem)
+        if not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ConfigError(f"rl needs 0 < top_p <= 1, top_k >= 0; got {self.top_p}, {self.top_k}")
         if not 0 <= self.clip_low < 1 or self.clip_high < 0 or self.kl_coef < 0:
             raise ConfigError(f"rl needs 0 <= clip_low < 1, clip_high >= 0, kl_coef >= 0; got {self.clip_low}, {self.clip_high}, {self.kl_coef}")
         if self.checkpoint_every_steps < 0 or self.eval_every_steps < 0:
             raise ConfigError("rl.checkpoint_every_steps and rl.eval_every_steps must be >= 0")
-        if self.eval_temperature < 0 or (self.eval_samples > 1 and self.eval_temperature == 0):
-            raise ConfigError(f"rl.eval_temperature must be >= 0, and > 0 for rl.eval_samples > 1 (greedy samples are "
-                              f"all the same); got {self.eval_temperature} with {self.eval_samples} samples")
+        if self.eval_samples > 1 and self.eval_temperature == 0:
+            raise ConfigError(f"rl.eval_temperature must be > 0 for rl.eval_samples > 1 (greedy samples are all the "
+                              f"same); got {self.eval_temperature} with {self.eval_samples} samples")
         sequences = self.prompts_per_step * self.samples_per_prompt
         if sequences % (self.minibatches_per_step * self.micro_batch_size):
             raise ConfigError(
@@ -493,7 +509,9 @@ class DrafterTrainConfig:
             "checkpoint_every_steps", "keep_checkpoints", "eval_max_new_tokens", "unroll_steps"), 1)
         _check_at_least("drafter_train", self, (
             "warmup_steps", "eval_every_steps", "eval_prompts", "draft_vocab_size",
-            "weight_decay", "grad_clip_norm", "ce_weight", "input_noise", "temperature"), 0)
+            "weight_decay", "grad_clip_norm", "ce_weight", "input_noise"), 0)
+        if problem := temperature_problem(f"{key}temperature", self.temperature):
+            raise ConfigError(problem)
         if self.learning_rate <= 0:
             raise ConfigError(f"{key}learning_rate must be > 0, got {self.learning_rate}")
         if not 0 <= self.chat_fraction <= 1 or not 0 < self.unroll_decay <= 1:
@@ -641,15 +659,23 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
 
 
 class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader with YAML 1.2 booleans (true/false only). Under YAML 1.1's rules, on/off/
-    yes/no are booleans too, and `sd.mode=off` or `mode: on` would reach a string field as False/True."""
+    """PyYAML's safe loader with YAML 1.2's booleans (true/false only) and integers (decimal, 0x, 0o). Under
+    YAML 1.1's rules, on/off/yes/no are booleans too, so `sd.mode=off` or `mode: on` would reach a string
+    field as False/True; `010` is octal 8 and `1:30` base-60 90."""
 
 
+_BOOL, _INT = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:int"
 _Loader.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+    first: [(tag, rx) for tag, rx in resolvers if tag not in (_BOOL, _INT)]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
-_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+_Loader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+# Digit separators as in Python (`200_000`); ints resolve before floats, which start with the same characters.
+for _first, _resolvers in _Loader.yaml_implicit_resolvers.items():
+    if _first in "-+0123456789":
+        _resolvers.insert(0, (_INT, re.compile(r"^(?:[-+]?[0-9][0-9_]*|0x[0-9a-fA-F_]+|0o[0-7_]+)$")))
+_Loader.add_constructor(_INT, lambda loader, node: int(loader.construct_scalar(node).replace("_", ""),
+                                                       16 if "x" in node.value else 8 if "o" in node.value else 10))
 
 
 def _load_yaml(text: str) -> Any:

@@ -45,9 +45,10 @@ def tiny_dir(tmp_path_factory):
     (["--max-new-tokens", "0"], "max_new_tokens must be >= 1, got 0"),
     (["--max-new-tokens", "-5"], "max_new_tokens must be >= 1, got -5"),
     (["--max-new-tokens", "100000"], "max_new_tokens (100000) leaves no room for a prompt in the KV cache (64 slots"),
-    (["--temperature", "-1"], "need 0 <= temperature < inf"),
-    (["--top-p", "0"], "0 < top_p <= 1; got 0.0, 0, 0.0"),
-    (["--top-p", "1.5"], "0 < top_p <= 1; got 0.0, 0, 1.5"),
+    (["--temperature", "-1"], "temperature must be 0 (greedy) or in [1e-05, inf), got -1.0"),
+    (["--temperature", "1e-38"], "temperature must be 0 (greedy) or in [1e-05, inf), got 1e-38"),
+    (["--top-p", "0"], "0 < top_p <= 1; got 0, 0.0"),
+    (["--top-p", "1.5"], "0 < top_p <= 1; got 0, 1.5"),
     (["--top-k", "-1"], "0 <= top_k < 2**31"),
     (["--sd", "on", "--max-new-tokens", "60"], "max_new_tokens (60) + 7 draft-tree slots leaves no room"),
     (["--drafter", "{tmp}"], "--drafter applies only to speculative decoding: add --sd on or --sd adaptive"),
@@ -143,7 +144,7 @@ def test_bench_sd_refuses_bad_flags_before_loading(tmp_path, tiny_dir):
     common = ["bench-sd", "--model", str(tiny_dir), "--strategies", "h4", "--prompt-sets", "--batch-sizes", "1",
               "--out", str(tmp_path / "b.json"), "--plot", ""]
     for extra, message in [(["--prompt-file", str(tmp_path / "none.jsonl")], "--prompt-file: no file"),
-                           (["--prompt-sets", "math", "--temperatures", "-1"], "--temperatures must be finite and >= 0"),
+                           (["--prompt-sets", "math", "--temperatures", "-1"], "--temperatures must be 0 (greedy) or in"),
                            (["--prompt-sets", "math", "--profile"], "--profile times an EAGLE step's phases")]:
         done = fastrl_jax(*common, *extra)
         assert done.returncode == 2 and message in done.stderr and "loaded" not in done.stderr, done.stderr

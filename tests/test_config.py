@@ -239,3 +239,12 @@ def test_on_off_yes_no_are_strings_only_true_false_are_booleans(tmp_path):
     assert loaded.sd.mode == "on" and loaded.drafter_online.enabled is False
     with pytest.raises(ConfigError, match=r"drafter_online.enabled must be a bool \(true or false\), got 'yes'"):
         load_config(None, ["drafter_online.enabled=yes"])
+
+
+def test_integers_are_decimal_as_in_yaml_1_2():
+    # YAML 1.1 (PyYAML's default) reads `010` as octal 8 and `1:30` as base-60 90.
+    cfg = load_config(None, ["rl.steps=010", "drafter_online.buffer_max_tokens=200_000", "seed=0x10",
+                             "rl.out_dir=1:30"])
+    assert (cfg.rl.steps, cfg.drafter_online.buffer_max_tokens, cfg.seed, cfg.rl.out_dir) == (10, 200_000, 16, "1:30")
+    with pytest.raises(ConfigError, match=r"rl.steps must be an int.*got '1:30'"):
+        load_config(None, ["rl.steps=1:30"])

@@ -309,11 +309,14 @@ def test_dry_run_cli_for_both_gpu_configs():
     ("optim.schedule=step", "optim.schedule must be one of constant, cosine, linear"),
     ("reward.weights=[1.0, 2.0]", "same length"),
     ("data.math_levels=[0]", "data.math_levels must be a non-empty subset"),
-    ("rl.temperature=0", "temperature > 0"),
-    ("rl.eval_samples=2", "rl.eval_temperature must be >= 0, and > 0 for rl.eval_samples > 1"),
+    ("rl.temperature=0", "rl.temperature must be in [1e-05, inf), got 0"),
+    ("rl.temperature=1e-9", "rl.temperature must be in [1e-05, inf), got 1e-09"),
+    ("rl.eval_temperature=-1", "rl.eval_temperature must be 0 (greedy) or in [1e-05, inf)"),
+    ("rl.eval_samples=2", "rl.eval_temperature must be > 0 for rl.eval_samples > 1"),
+    ("drafter_train.temperature=1e-38", "drafter_train.temperature must be 0 (greedy) or in [1e-05, inf)"),
 ])
 def test_rl_config_validation(override, message):
-    with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("[", r"\[")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, [override])
 
 

@@ -145,7 +145,7 @@ def test_eval_of_a_run_is_the_same_with_adaptive_speculative_decoding(run, tmp_p
     (["--samples", "5000"], "--samples must be in 1 .. 1024"),
     (["--samples", "2", "--temperature", "0"], "gives 2 identical greedy completions"),
     (["--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
-    (["--temperature", "-1"], "need 0 <= temperature < inf"),
+    (["--temperature", "-1"], "temperature must be 0 (greedy) or in [1e-05, inf), got -1.0"),
     (["--out", "{tmp}/missing/eval.json"], "directory {tmp}/missing does not exist; create it first"),
     (["--out", "{tmp}"], "is a directory"),
     (["--step", "7"], "--step 7: no such checkpoint"),

@@ -8,13 +8,12 @@ weights are read. Only the token-id range needs the model (its vocabulary size).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fastrl_jax.config import RolloutConfig, SpecConfig
+from fastrl_jax.config import RolloutConfig, SpecConfig, temperature_problem
 
 if TYPE_CHECKING:
     from fastrl_jax.rollout.engine import Request
@@ -35,8 +34,10 @@ def sampling_problem(max_new_tokens: int, temperature: float, top_k: int, top_p:
         extra = f" + {margin} draft-tree slots" if margin else ""
         return (f"max_new_tokens ({max_new_tokens}){extra} leaves no room for a prompt in the KV cache ({max_len} slots, "
                 "the largest rollout.length_buckets entry): lower it or raise rollout.length_buckets")
-    if not 0 <= temperature < math.inf or not 0 <= top_k < 2**31 or not 0 < top_p <= 1:  # `not <=` catches NaN too
-        return f"need 0 <= temperature < inf, 0 <= top_k < 2**31, 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}"
+    if problem := temperature_problem("temperature", temperature):
+        return problem
+    if not 0 <= top_k < 2**31 or not 0 < top_p <= 1:  # `not <=` catches NaN too
+        return f"need 0 <= top_k < 2**31, 0 < top_p <= 1; got {top_k}, {top_p}"
     return None
 
 
