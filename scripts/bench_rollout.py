@@ -309,7 +309,9 @@ def bench_stream(args) -> int:
           f"{max(r.max_new_tokens for r in requests)}), batch {args.batch}, sd {sd.mode}; median of {args.repeats}")
     for k in keys:
         print(f"  {k:<22} {median[k]:.3f}" if isinstance(median[k], float) else f"  {k:<22} {median[k]}")
-    print(f"  runs tok/s {[round(m['tok_s'], 1) for m in runs]}; outputs identical across runs: {identical}")
+    print(f"  runs tok/s {[round(m['tok_s'], 1) for m in runs]}, stream / full batch "
+          f"{[round(m['stream_vs_full_batch'], 3) for m in runs]}, prefill {[round(m['prefill_share'], 3) for m in runs]}; "
+          f"outputs identical across runs: {identical}")
     summary = {k: median[k] for k in keys} | {"runs_tok_s": [m["tok_s"] for m in runs], "identical_across_runs": identical,
                                               "requests": len(requests), "batch": args.batch, "sd": sd.mode,
                                               "rollout": dataclasses.asdict(rollout_cfg), "machine": facts}
