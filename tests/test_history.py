@@ -91,6 +91,9 @@ def test_store_bounds_tokens_per_prompt_and_prompts_and_round_trips():
         for completion in store.completions(key_prompt):
             added.add(key_prompt, completion)
     assert small.state() == added.state() and [kept for _, kept in small.state()["entries"]] == [[[9, 9, 9]], [[8]]]
+    # A completion longer than the bound keeps its start: the corpus puts it right behind the prompt's tail
+    store.add([4], list(range(100, 115)))
+    assert store.completions([4]) == [list(range(100, 110))]
 
 
 def test_group_corpus_collects_finished_siblings():

@@ -109,8 +109,9 @@ def prompt_key(prompt_ids: Sequence[int]) -> str:
 class HistoryStore:
     """Earlier completions per prompt on the host: the newest first out of its corpus, bounded.
 
-    Per prompt at most `tokens_per_prompt` tokens of completions (oldest dropped first); at most
-    `max_prompts` prompts (the least recently used dropped first).
+    Per prompt at most `tokens_per_prompt` tokens of completions (oldest dropped first; of one longer
+    completion its start, which the corpus puts behind the prompt's tail); at most `max_prompts` prompts
+    (the least recently used dropped first).
     """
 
     def __init__(self, tokens_per_prompt: int, max_prompts: int):
@@ -141,7 +142,7 @@ class HistoryStore:
 
     def _bound(self, kept: deque[list[int]]) -> None:
         """Holds the store to its bounds: a prompt's newest tokens_per_prompt tokens, max_prompts prompts."""
-        kept[-1] = kept[-1][-self.tokens_per_prompt:]
+        kept[-1] = kept[-1][: self.tokens_per_prompt]  # the start: what follows the prompt in its corpus entry
         while sum(len(c) for c in kept) > self.tokens_per_prompt:
             kept.popleft()
         while len(self._entries) > self.max_prompts:
