@@ -150,11 +150,9 @@ def data_settings(cfg: Config) -> dict:
 
 def check_data(cfg: Config, data_file: Path) -> None:
     """Refuses to reuse data_file when the settings it was collected with (its data.json) differ from cfg's;
-    data collected before the settings were recorded is reused unchecked, with a note."""
+    data collected before the settings were recorded passes unchecked."""
     record = data_file.with_suffix(".json")
     if not record.is_file():
-        print(f"[train-drafter] {data_file} has no record of its settings ({record.name}): reused unchecked",
-              file=sys.stderr)
         return
     was, now = json.loads(record.read_text()), data_settings(cfg)
     changed = [f"{k} (was {was.get(k)!r}, now {now.get(k)!r})" for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)]
@@ -177,7 +175,9 @@ def collect_data(cfg: Config, policy: Decoder, tokenizer, data_file: Path, stop,
         except ValueError as e:
             raise ValueError(f"{e}: drafter_train.kind {dt.kind} reads layers {list(layers)} of this policy; delete "
                              f"{data_file} to collect again, or give a new drafter_train.out_dir") from None
-        print(f"[train-drafter] reusing {len(buffer)} sequences ({buffer.num_tokens} tokens) from {data_file}", file=sys.stderr)
+        unchecked = "" if data_file.with_suffix(".json").is_file() else " (no record of its settings: not checked)"
+        print(f"[train-drafter] reusing {len(buffer)} sequences ({buffer.num_tokens} tokens) from {data_file}{unchecked}",
+              file=sys.stderr)
     else:
         requests = [Request(p, dt.max_new_tokens, dt.temperature, seed=cfg.seed * 1_000_003 + i * dt.samples_per_prompt + k,
                             stop_ids=stop)
