@@ -130,6 +130,43 @@ def test_unsupported_architecture_and_missing_metadata_are_named(tmp_path):
         gguf_loader.read_gguf_config(tmp_path / "partial.gguf")
 
 
+def test_a_gguf_missing_tensors_is_named_not_a_bare_key_error(tmp_path):
+    import jax
+
+    from fastrl_jax.config import MeshConfig
+    from fastrl_jax.models.loading import load_model
+    from fastrl_jax.sharding import make_mesh
+
+    hf = tiny_hf_tensors("llama", True, np.random.default_rng(0))
+    write_tiny_gguf(tmp_path / "lost.gguf", "llama", {k: v for k, v in hf.items() if k != "model.layers.1.mlp.up_proj.weight"})
+    with pytest.raises(ValueError, match=r"lost.gguf has no tensor 'model.layers.1.mlp.up_proj.weight'.*not .* whole model"):
+        load_model(tmp_path / "lost.gguf", make_mesh(MeshConfig(), jax.devices()[:1]))
+    write_tiny_gguf(tmp_path / "empty.gguf", "llama", {k: v for k, v in hf.items() if "layers" not in k})
+    with pytest.raises(ValueError, match=r"empty.gguf has no tensor blk.0.attn_q.weight: it does not describe a whole model"):
+        gguf_loader.read_gguf_config(tmp_path / "empty.gguf")
+
+
+def test_sentencepiece_merges_from_scores_with_a_token_listed_twice_equal_transformers(tmp_path):
+    """Files without merges: the merges follow the tokens' scores, a duplicated token keeping its last score."""
+    from transformers import AutoTokenizer
+
+    pieces, piece_scores = ["▁", "a", "a", "b", "c", "ab", "bc"], [0.0, 0.0, 0.0, 0.0, 0.0, -2.0, -1.0]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+
+    def metadata(writer):
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(tokens)
+        writer.add_token_scores([0.0] * 259 + piece_scores)
+        writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(pieces))
+        writer.add_unk_token_id(0)
+
+    path = tmp_path / "dup.gguf"
+    write_tiny_gguf(path, "llama", tiny_hf_tensors("llama", True, np.random.default_rng(0)), metadata)
+    ours, theirs = gguf_loader.load_gguf_tokenizer(path), AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in ("abc", "bcab", "a b c"):
+        assert ours(text)["input_ids"] == theirs(text)["input_ids"], text
+
+
 @pytest.mark.parametrize("extra", ["rope_freqs.weight", "blk.0.ffn_gate_exps.weight"])
 def test_tensors_the_decoder_cannot_use_are_refused(tmp_path, extra):
     path = tmp_path / "m.gguf"

@@ -286,3 +286,56 @@ def test_smollm2_matches_transformers(smollm2):
             pos = jnp.full((1, 1), t, jnp.int32)
             logits, _, cache = step(model, jnp.asarray(ids[:, t : t + 1]), pos, cache, jnp.full(1, t, jnp.int32))
             assert relative_error(logits[:, 0], ref[:, t]) < model_rtol()
+
+
+_ROPE_BASE = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2)
+_ROPE_CASES = {
+    # Qwen2.5's documented YaRN block: the factor applies although max_position_embeddings equals the original length
+    "qwen2.5 yarn": ("qwen2", dict(max_position_embeddings=32768, rope_theta=1e6,
+                                   rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})),
+    "qwen3 yarn": ("qwen3", dict(max_position_embeddings=40960, head_dim=16, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 32768})),
+    "yarn, no original length": ("llama", dict(max_position_embeddings=4096,
+                                               rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})),
+    "yarn mscale": ("llama", dict(max_position_embeddings=4096, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 16,
+        "beta_slow": 2, "truncate": False})),
+    "linear, rope_theta beside rope_parameters": ("llama", dict(max_position_embeddings=4096, rope_theta=5e5,
+                                                                rope_parameters={"rope_type": "linear", "factor": 2.0})),
+    "qwen3 without head_dim": ("qwen3", dict(max_position_embeddings=4096, rope_theta=1e4)),
+}
+
+
+@pytest.mark.parametrize("case", _ROPE_CASES)
+def test_rope_frequencies_match_transformers(case):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from fastrl_jax.models.config import rope_inv_freq
+
+    family, settings = _ROPE_CASES[case]
+    ours = ModelConfig.from_hf_dict({"model_type": family, **_ROPE_BASE, **settings})
+    inv_freq, scaling = rope_inv_freq(ours)
+    hf = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[family](
+        **_ROPE_BASE, **settings)
+    head_dim = getattr(hf, "head_dim", hf.hidden_size // hf.num_attention_heads)  # as transformers' RoPE reads it
+    assert ours.head_dim == head_dim
+    kind = hf.rope_parameters["rope_type"]
+    if kind == "default":
+        theirs, their_scaling = 1.0 / hf.rope_parameters["rope_theta"] ** (np.arange(0, head_dim, 2) / head_dim), 1.0
+    else:
+        theirs, their_scaling = ROPE_INIT_FUNCTIONS[kind](hf, "cpu")
+    np.testing.assert_allclose(inv_freq, np.asarray(theirs), rtol=1e-5)
+    assert scaling == pytest.approx(float(their_scaling), rel=1e-6)
+
+
+def test_a_safetensors_dtype_we_cannot_read_is_named(tmp_path):
+    import json
+    import struct
+
+    from fastrl_jax.models.loading import SafetensorsDir
+
+    header = json.dumps({"model.embed_tokens.weight": {"dtype": "F8_E4M3", "shape": [4, 4], "data_offsets": [0, 16]}}).encode()
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(16))
+    with pytest.raises(ValueError, match=r"tensor model.embed_tokens.weight has dtype F8_E4M3, which fastrl-jax cannot load"):
+        SafetensorsDir(tmp_path).get("model.embed_tokens.weight")

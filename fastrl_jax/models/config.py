@@ -75,13 +75,12 @@ class ModelConfig:
             raise ValueError(f"attention biases on {family} (attention_bias: true, q/k/v and o_proj biases) are not supported; "
                              "the layers have Qwen2's q/k/v biases only")
         num_heads = d["num_attention_heads"]
-        head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
+        # transformers' defaults where config.json leaves it out: Qwen3Config's 128, else hidden / heads
+        head_dim = d.get("head_dim") or (128 if family == "qwen3" else d["hidden_size"] // num_heads)
         # transformers >= 5 nests RoPE settings in rope_parameters; older config.json files use
-        # rope_theta + rope_scaling.
-        rope = dict(d.get("rope_parameters") or {})
-        if not rope:
-            rope = dict(d.get("rope_scaling") or {})
-            rope["rope_theta"] = d.get("rope_theta", 10000.0)
+        # rope_theta + rope_scaling. Either may leave rope_theta at the top level, or out (10000).
+        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        rope.setdefault("rope_theta", d.get("rope_theta", 10000.0))
         rope.setdefault("rope_type", rope.pop("type", "default"))
         return cls(
             family=family,
@@ -146,11 +145,10 @@ def _llama3(inv_freq: np.ndarray, p: dict) -> np.ndarray:
 
 
 def _yarn(inv_freq, base, dim, p, max_pos) -> tuple[np.ndarray, float]:
-    factor = p["factor"]
     old_len = p.get("original_max_position_embeddings") or max_pos
-    # HF: when the config names an original length, the factor is re-derived from the two lengths.
-    if p.get("original_max_position_embeddings"):
-        factor = max_pos / old_len
+    # As transformers 5 and llama.cpp: the config's factor; without one, the ratio of the two lengths (DeepSeek-V3).
+    # (transformers 4.x re-derived it whenever an original length was given, which left Qwen2.5's YaRN unscaled.)
+    factor = p.get("factor") or max_pos / old_len
 
     def mscale(scale, m=1.0):
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0

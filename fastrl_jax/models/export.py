@@ -200,7 +200,8 @@ def export_into(out: str | Path, writer: bool = True) -> Iterator[Path]:
     try:
         yield partial
     except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
+        if writer:  # another process's failure must not remove the directory process 0 writes
+            shutil.rmtree(partial, ignore_errors=True)
         raise
     if writer:
         if out.is_dir():

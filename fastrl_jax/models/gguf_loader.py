@@ -70,6 +70,16 @@ def read_gguf_tensors(path: str | Path) -> dict[str, np.ndarray]:
     return tensors
 
 
+def tensor_getter(path: str | Path, tensors: dict[str, np.ndarray]):
+    """tensors' lookup for decoder_from_hf_tensors, naming a missing tensor and the file that lacks it."""
+    def get(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise ValueError(f"{path} has no tensor {name!r} (its GGUF name differs): it does not describe a whole model; "
+                             "convert it again")
+        return tensors[name]
+    return get
+
+
 def load_gguf_tokenizer(path: str | Path):
     """A transformers `PreTrainedTokenizerFast` rebuilt from the vocabulary, merges and template in the GGUF.
 
@@ -172,7 +182,10 @@ def _byte_level_bpe(tokens: list[str], merges: list[str] | None, pre: str | None
 def _sentencepiece_bpe(tokens: list[str], merges: list[str] | None, scores: list[float] | None) -> Tokenizer:
     """Sentencepiece-style BPE with byte fallback ('llama' files: Llama 2, Mistral, TinyLlama)."""
     vocab = {token: index for index, token in enumerate(tokens)}
-    pairs = [tuple(merge.split(" ")) for merge in merges] if merges is not None else _merges_from_scores(vocab, scores)
+    if merges is not None:
+        pairs = [tuple(merge.split(" ")) for merge in merges]
+    else:
+        pairs = _merges_from_scores(vocab, dict(zip(tokens, scores)))
     backend = Tokenizer(models.BPE(vocab, pairs, fuse_unk=True, byte_fallback=True))
     backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
     backend.decoder = decoders.Sequence([
@@ -181,14 +194,14 @@ def _sentencepiece_bpe(tokens: list[str], merges: list[str] | None, scores: list
     return backend
 
 
-def _merges_from_scores(vocab: dict[str, int], scores: list[float]) -> list[tuple[str, str]]:
+def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
     """The merges a sentencepiece vocabulary implies (older files store scores, not merges).
 
     Every split of a token into two vocabulary tokens, ranked by the whole token's score; ties keep
-    vocabulary order.
+    vocabulary order. scores: by token (a token listed twice keeps its last score, as in transformers).
     """
     merges = []
-    for token, score in zip(vocab, scores):
+    for token, score in scores.items():
         splits = [(token[:k], token[k:], score) for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab]
         merges += sorted(splits, key=lambda split: (vocab[split[0]], vocab[split[1]]))
     merges.sort(key=lambda merge: (merge[2], len(merge[0]), len(merge[1])), reverse=True)
@@ -292,16 +305,22 @@ def _config(reader: gguf.GGUFReader, path: Path) -> dict[str, Any]:
             f"loader does not read; load the model's HF checkpoint directory instead"
         )
     num_heads = meta(f"{arch}.attention.head_count", _REQUIRED)
+
+    def shape(name: str) -> tuple[int, ...]:
+        if name not in shapes:
+            raise ValueError(f"{path} has no tensor {name}: it does not describe a whole model; convert it again")
+        return shapes[name]
+
     config = {
         "model_type": arch,
-        "vocab_size": meta(f"{arch}.vocab_size") or shapes["token_embd.weight"][0],
+        "vocab_size": meta(f"{arch}.vocab_size") or shape("token_embd.weight")[0],
         "hidden_size": meta(f"{arch}.embedding_length", _REQUIRED),
         "intermediate_size": meta(f"{arch}.feed_forward_length", _REQUIRED),
         "num_hidden_layers": meta(f"{arch}.block_count", _REQUIRED),
         "num_attention_heads": num_heads,
         "num_key_value_heads": meta(f"{arch}.attention.head_count_kv", num_heads),
         # From the q projection itself: converters differ in which head-size keys they write.
-        "head_dim": shapes["blk.0.attn_q.weight"][0] // num_heads,
+        "head_dim": shape("blk.0.attn_q.weight")[0] // num_heads,
         "rms_norm_eps": meta(f"{arch}.attention.layer_norm_rms_epsilon", _REQUIRED),
         "rope_theta": meta(f"{arch}.rope.freq_base", 10000.0),
         "max_position_embeddings": meta(f"{arch}.context_length", _REQUIRED),

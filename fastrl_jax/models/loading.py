@@ -72,8 +72,8 @@ def load_model(path: str | Path, mesh: Mesh, dtype: str = "float32", attention: 
     if path.suffix == ".gguf":
         from fastrl_jax.models import gguf_loader
 
-        tensors = gguf_loader.read_gguf_tensors(path)
-        return decoder_from_hf_tensors(cfg, tensors.__getitem__, mesh, dtype), cfg
+        tensors = gguf_loader.tensor_getter(path, gguf_loader.read_gguf_tensors(path))
+        return decoder_from_hf_tensors(cfg, tensors, mesh, dtype), cfg
     return decoder_from_hf_tensors(cfg, SafetensorsDir(path).get, mesh, dtype), cfg
 
 
@@ -145,6 +145,9 @@ class SafetensorsDir:
             raise KeyError(f"tensor {key!r} is missing from the checkpoint")
         file, entry, data_start = self.entries[key]
         begin, end = entry["data_offsets"]
+        if entry["dtype"] not in _ST_DTYPES:
+            raise ValueError(f"{file}: tensor {key} has dtype {entry['dtype']}, which fastrl-jax cannot load "
+                             f"(it reads {', '.join(_ST_DTYPES)}); convert the checkpoint")
         dtype = np.dtype(_ST_DTYPES[entry["dtype"]])
         return np.memmap(file, dtype=dtype, mode="r", offset=data_start + begin, shape=tuple(entry["shape"]))
 
