@@ -260,6 +260,9 @@ def cmd_export_drafter(args: argparse.Namespace) -> None:
             export_eagle(drafter, model_cfg, partial / eagle)
     print(f"[fastrl-jax] wrote {out / 'orbax'} (Orbax, fastrl-jax generate --drafter) and {out / eagle} "
           f"(safetensors, SGLang {arch})", file=sys.stderr)
+    if (out / eagle / "token_map.pt").is_file():  # SGLang's EAGLE reads the draft vocabulary from this flag alone
+        print(f"[fastrl-jax] serve it with --speculative-algorithm EAGLE --speculative-draft-model-path {out / eagle} "
+              f"--speculative-token-map {out / eagle / 'token_map.pt'}", file=sys.stderr)
 
 
 def _export_mesh():

@@ -109,6 +109,8 @@ def test_bad_input_is_rejected():
         buf.add(tokens, bad, mask)
     with pytest.raises(ValueError, match="no sequence"):
         buf.sample(np.random.default_rng(0), 1, 8)
+    with pytest.raises(ValueError, match=r"at least 2 tokens in a 1-d array, got shape \(\)"):
+        buf.add(7, hidden, mask)
 
 
 def test_draft_vocab_takes_most_frequent_and_always():

@@ -70,6 +70,12 @@ def test_eagle_export_round_trip(model, tmp_path, vocab):
     config = json.loads((tmp_path / "eagle" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle"] and config["num_hidden_layers"] == 1
     assert config.get("draft_vocab_size") == (None if vocab is None else len(vocab))
+    # SGLang's EAGLE drafts over --speculative-token-map's ids (it does not read d2t): torch.load of the ids
+    token_map = tmp_path / "eagle" / "token_map.pt"
+    assert token_map.is_file() == (vocab is not None)
+    if vocab is not None:
+        torch = pytest.importorskip("torch")
+        assert torch.load(token_map, weights_only=True) == vocab.tolist()
 
     back = load_eagle(tmp_path / "eagle", TINY)
     for a, b in zip(outputs(drafter, model), outputs(back, model)):
@@ -130,6 +136,9 @@ def test_orbax_round_trip_keeps_the_draft_vocab(model, tmp_path, vocab):
     assert back.draft_vocab_size == drafter.draft_vocab_size
     for a, b in zip(outputs(drafter, model), outputs(back, model)):
         np.testing.assert_array_equal(a, b)
+    if vocab is not None:  # for a policy of a smaller vocabulary its ids do not exist: refused, not loaded broken
+        with pytest.raises(ValueError, match=r"draft vocabulary is not distinct ids of this policy's 64-token"):
+            load_drafter(tmp_path / "d", dataclasses.replace(TINY, vocab_size=64))
 
 
 def test_export_rejects_a_foreign_checkpoint(tmp_path):

@@ -78,9 +78,9 @@ class SampleBuffer:
         tokens = np.asarray(tokens, np.int32)
         hidden = np.asarray(hidden)
         loss_mask = np.asarray(loss_mask, bool)
-        n = len(tokens)
-        if tokens.ndim != 1 or n < 2:
+        if tokens.ndim != 1 or len(tokens) < 2:
             raise ValueError(f"a sequence needs at least 2 tokens in a 1-d array, got shape {tokens.shape}")
+        n = len(tokens)
         if hidden.ndim != 2 or hidden.shape[1] != self.hidden_size or hidden.shape[0] not in (n - 1, n):
             raise ValueError(f"hidden must be [{n - 1}, {self.hidden_size}] for {n} tokens, got {hidden.shape}")
         if loss_mask.shape != (n,):

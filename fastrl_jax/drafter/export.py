@@ -7,7 +7,9 @@ Layout (as SafeAILab EAGLE checkpoints; no embedding, no head: SGLang takes both
                      layers.0.self_attn.{q,k,v,o}_proj.weight, layers.0.mlp.{gate,up,down}_proj.weight,
                      layers.0.post_attention_layernorm.weight (layer 0 has no input_layernorm),
                      and with a reduced draft vocabulary EAGLE-3's d2t [K] int64 (target id - draft
-                     index) and t2d [vocab] bool.
+                     index) and t2d [vocab] bool, which SGLang's EAGLE model does not read: it drafts
+                     over the hot tokens of --speculative-token-map, so the draft ids are written as
+  token_map.pt       (torch.save of the K ids; token_map.json where torch is not installed) too.
 Weights are in torch nn.Linear layout [out, in]; q/k use HF's half-split RoPE layout, as ours do.
 Features are the target's last hidden state after its final norm, as SGLang captures them.
 
@@ -26,6 +28,7 @@ EAGLE-3 (export_eagle3; SGLang python/sglang/srt/models/llama_eagle3.py):
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +40,7 @@ from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.models.loading import HFTensor, hf_layer_tensors
 
 _FILE = "model.safetensors"
+log = logging.getLogger(__name__)
 
 
 def _eagle_layer_names(cfg: ModelConfig) -> dict[str, HFTensor]:
@@ -114,7 +118,28 @@ def export_eagle(drafter: Drafter, policy_cfg: ModelConfig, out_dir: str | Path)
     tensors = {"fc.weight": fc.T, "fc.bias": np.zeros(fc.shape[1], fc.dtype), **_layer_tensors(drafter),
                **_vocab_tensors(drafter, policy_cfg.vocab_size)}
     vocab = None if drafter.draft_vocab is None else drafter.draft_vocab_size
-    return _write(out_dir, tensors, eagle_config(policy_cfg, vocab, str(fc.dtype)))
+    out = _write(out_dir, tensors, eagle_config(policy_cfg, vocab, str(fc.dtype)))
+    if drafter.draft_vocab is not None:
+        write_token_map(np.asarray(drafter.draft_vocab[...]), out)
+    return out
+
+
+def write_token_map(ids: np.ndarray, out_dir: Path) -> Path:
+    """The draft vocabulary as SGLang's --speculative-token-map reads it (torch.load of the hot token ids):
+    out_dir/token_map.pt, or, without torch here, out_dir/token_map.json and a note on converting it."""
+    ids = [int(i) for i in ids]
+    try:
+        import torch
+    except ImportError:
+        path = out_dir / "token_map.json"
+        path.write_text(json.dumps(ids) + "\n")
+        log.warning("torch is not installed: wrote the draft vocabulary as %s; SGLang's --speculative-token-map needs "
+                    "it as .pt: python -c \"import json, torch; torch.save(json.load(open('%s')), '%s')\"",
+                    path, path, path.with_suffix(".pt"))
+        return path
+    path = out_dir / "token_map.pt"
+    torch.save(ids, path)
+    return path
 
 
 def _eagle3_layer_names(cfg: ModelConfig) -> dict[str, tuple]:
@@ -138,6 +163,11 @@ def export_eagle3(drafter: Drafter, policy: Decoder, out_dir: str | Path) -> Pat
     if drafter.kind != "eagle3":
         raise ValueError(f"export_eagle3 writes EAGLE-3 drafters; this one is {drafter.kind} (use export_eagle)")
     cfg = policy.cfg
+    layers = list(drafter.feature_layers)
+    if layers != sorted(set(layers)) or layers[0] < 1:
+        # SGLang captures each layer once, in ascending order, and layer 0's input not at all in some versions
+        log.warning("EAGLE-3 feature layers %s (a %d-layer policy) are not distinct, ascending and >= 1: SGLang will "
+                    "feed this drafter other features than it was trained on", layers, cfg.num_layers)
     p = {k: np.asarray(v)[0] for k, v in nnx.to_pure_dict(nnx.state(drafter.layers, nnx.Param)).items()}
     fc = np.asarray(drafter.fc[...])  # [3H, H]
     tensors = {"fc.weight": fc.T, "norm.weight": np.asarray(drafter.norm[...]),

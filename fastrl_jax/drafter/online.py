@@ -202,7 +202,7 @@ class SpotTrainer:
         """Replica `replica` has finished its share of the rollout: its devices may train the drafter."""
         with self._cv:
             self._lent.append((replica, time.perf_counter()))
-            self._cv.notify()
+            self._cv.notify_all()  # wait_compiled() may wait on it too
 
     def tail_step(self, live_batch: int) -> None:
         """Engine hook (single replica): one drafter step while the tail is thin and the share (and with
@@ -223,7 +223,7 @@ class SpotTrainer:
         t0 = time.perf_counter()
         with self._cv:
             self._stop = True
-            self._cv.notify()
+            self._cv.notify_all()  # wait_compiled() may wait on it too
         if self._thread is not None:
             self._thread.join()
             self._thread = None

@@ -79,6 +79,10 @@ def load_drafter(path: str | Path, cfg: ModelConfig, dtype="float32") -> Drafter
             restored = ckptr.restore(path, target)
         except (ValueError, KeyError, AttributeError) as e:
             raise ValueError(f"{path} is not a drafter checkpoint for this policy ({e})") from e
+    ids = restored.get("draft_vocab")
+    if ids is not None and (len(np.unique(ids)) != len(ids) or ids.min() < 0 or ids.max() >= cfg.vocab_size):
+        raise ValueError(f"{path}: its draft vocabulary is not distinct ids of this policy's {cfg.vocab_size}-token "
+                         f"vocabulary (ids {int(ids.min())} .. {int(ids.max())}): it was trained for another policy")
     nnx.replace_by_pure_dict(state, restored)
     return nnx.merge(graphdef, state)
 
