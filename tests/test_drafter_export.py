@@ -12,7 +12,7 @@ from helpers.greedy import greedy_generate
 from helpers.tiny import CFG, TINY, prompts, tiny_model
 
 from fastrl_jax.config import SpecConfig
-from fastrl_jax.drafter.export import export_eagle, export_eagle3, load_eagle
+from fastrl_jax.drafter.export import eagle_config, export_eagle, export_eagle3, load_eagle
 from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.models.drafter_io import load_drafter, save_drafter
 from fastrl_jax.rollout import speculative
@@ -69,6 +69,8 @@ def test_eagle_export_round_trip(model, tmp_path, vocab):
     assert {k: v.shape for k, v in tensors.items()} == expected
     config = json.loads((tmp_path / "eagle" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle"] and config["num_hidden_layers"] == 1
+    # untied even for a tied policy (SmolLM2): SGLang sets the target's embedding and head into separate modules
+    assert eagle_config(dataclasses.replace(TINY, tie_word_embeddings=True), None, "float32")["tie_word_embeddings"] is False
     assert config.get("draft_vocab_size") == (None if vocab is None else len(vocab))
     # SGLang's EAGLE drafts over --speculative-token-map's ids (it does not read d2t): torch.load of the ids
     token_map = tmp_path / "eagle" / "token_map.pt"

@@ -74,7 +74,9 @@ def eagle_config(cfg: ModelConfig, draft_vocab_size: int | None, dtype: str) -> 
         "vocab_size": cfg.vocab_size,
         "max_position_embeddings": cfg.max_position_embeddings,
         "rope_theta": rope.get("rope_theta", 10000.0),
-        "tie_word_embeddings": cfg.tie_word_embeddings,
+        # Untied whatever the policy: SGLang replaces the drafter's embedding and head by the target's
+        # (set_embed_and_head), and with a tied config its head is the embedding module, deleted twice there.
+        "tie_word_embeddings": False,
         "bias": False,
         "torch_dtype": dtype,
     }
@@ -176,7 +178,7 @@ def export_eagle3(drafter: Drafter, policy: Decoder, out_dir: str | Path) -> Pat
                **_vocab_tensors(drafter, cfg.vocab_size)}
     config = eagle_config(cfg, drafter.draft_vocab_size, str(fc.dtype)) | {
         "architectures": ["LlamaForCausalLMEagle3"], "target_hidden_size": cfg.hidden_size,
-        "tie_word_embeddings": False, "bias": False,
+        "bias": False,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in drafter.feature_layers]},
     }
     return _write(out_dir, tensors, config)
