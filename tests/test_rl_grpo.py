@@ -29,7 +29,7 @@ def test_group_advantages_properties(seed):
         assert (np.asarray(grpo.group_advantages(jnp.full(16, reward), 8)) == 0.0).all()
         assert (np.asarray(grpo.group_advantages(jnp.full(16, reward), 8, std_normalize=False)) == 0.0).all()
     np.testing.assert_allclose(a.mean(1), 0.0, atol=1e-5)
-    np.testing.assert_allclose(a[1:].std(1), 1.0, rtol=1e-3)
+    np.testing.assert_allclose(a[1:].std(1, ddof=1), 1.0, rtol=1e-3)  # the sample std, as verl's torch.std
     # invariant to a positive affine map of the rewards, order preserving within a group
     b = np.asarray(grpo.group_advantages(jnp.asarray(3.0 * r - 2.0), n)).reshape(G, n)
     np.testing.assert_allclose(a, b, atol=1e-3)
@@ -38,6 +38,27 @@ def test_group_advantages_properties(seed):
     np.testing.assert_allclose(c, r.reshape(G, n) - r.reshape(G, n).mean(1, keepdims=True), atol=1e-6)
     with pytest.raises(ValueError, match="groups of 4"):
         grpo.group_advantages(jnp.zeros(10), 4)
+
+
+def test_padding_slots_cannot_make_the_loss_nan():
+    """Log-probs at masked slots are never trained; a ratio there that overflows exp() must not reach the loss or
+    its gradient (inf x 0 is NaN)."""
+    logp = jnp.array([[-1.0, -1.2, -200.0]])
+    old, ref = jnp.array([[-1.1, -1.0, 0.0]]), jnp.array([[-1.0, -1.1, -5.0]])
+    mask = jnp.array([[1.0, 1.0, 0.0]])
+
+    def loss(lp, old):
+        return grpo.grpo_loss(lp, old, jnp.array([1.0]), mask, clip_low=0.2, clip_high=0.28, aggregation="token",
+                              normalizer=2.0, ref_logp=ref, kl_coef=0.1)[0]
+
+    for old_at_pad in (0.0, -300.0):  # the k3 path (ref - logp = 195) and the ratio path (logp - old = 100)
+        o = old.at[0, 2].set(old_at_pad)
+        value, grad = jax.value_and_grad(loss)(logp, o)
+        assert np.isfinite(float(value)) and np.isfinite(np.asarray(grad)).all() and float(grad[0, 2]) == 0.0
+        # the live slots' loss is the loss without the padding slot
+        short = grpo.grpo_loss(logp[:, :2], o[:, :2], jnp.array([1.0]), mask[:, :2], clip_low=0.2, clip_high=0.28,
+                               aggregation="token", normalizer=2.0, ref_logp=ref[:, :2], kl_coef=0.1)[0]
+        np.testing.assert_allclose(float(value), float(short), rtol=1e-6)
 
 
 def surrogate_grad(logp, old, adv, lo=0.2, hi=0.28):

@@ -21,6 +21,11 @@ from fastrl_jax.rl import rewards
         ("The answer is **12**. (I checked it 3 times.)", "12"),  # markdown bold
         ("The answer is: $\\(-4\\)$.", "-4"),
         ("5 apples left after 2-3 days", "3"),  # a range's dash is no minus sign
+        ("The answer is $\\frac{3}{4}$", "\\frac{3}{4}"),  # not the denominator, the last number
+        ("The answer is \\(\\sqrt{2}\\).", "\\sqrt{2}"),  # stated, though no number: not the 2 inside it
+        ("The two roots are 2,5", "5"),  # commas only as thousands separators
+        ("so the answer is 3,4 apples", "3"),
+        ("a total of 1,000,000 grains", "1,000,000"),
     ],
 )
 def test_extract_answer(text, expected):
@@ -32,7 +37,9 @@ def test_extract_answer(text, expected):
     [("1,234", 1234), ("$12.50", Fraction(25, 2)), ("3/4", Fraction(3, 4)), ("\\frac{3}{4}", Fraction(3, 4)),
      ("-0.5", Fraction(-1, 2)), ("7.", 7), ("50%", 50), ("\\dfrac{1}{2}", Fraction(1, 2)), ("abc", None), (None, None),
      ("\\$12.50", Fraction(25, 2)), ("50\\%", 50), ("\\text{7}", 7), ("12\\text{ cm}", 12), ("1\\,000", 1000),
-     ("\\tfrac{1}{3}", Fraction(1, 3)), ("\\frac34", Fraction(3, 4)), ("-\\frac{1}{2}", Fraction(-1, 2))],
+     ("\\tfrac{1}{3}", Fraction(1, 3)), ("\\frac34", Fraction(3, 4)), ("-\\frac{1}{2}", Fraction(-1, 2)),
+     ("10{,}000", 10000), ("1 1/2", None), ("3\\frac{1}{2}", None),  # mixed numbers are not read as 11/2 or 3
+     ("1e10000000", None), ("1e5", None)],  # exponents: Fraction() would build 10**10000000 exactly
 )
 def test_normalize_number(text, value):
     assert rewards.normalize_number(text) == value
@@ -51,6 +58,9 @@ def test_format_reward():
     assert rewards.format_reward("The answer is 3", "3") == 1.0
     assert rewards.format_reward("\\boxed{3}", "4") == 1.0
     assert rewards.format_reward("3", "3") == 0.0
+    assert rewards.format_reward("The answer is $\\frac{3}{4}$", "3/4") == 1.0
+    assert rewards.correctness_reward("The answer is $\\frac{3}{4}$", "4") == 0.0
+    assert rewards.correctness_reward("The answer is \\(\\frac{3}{4}\\).", "3/4") == 1.0
 
 
 def test_registry_and_combination():

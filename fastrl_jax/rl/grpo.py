@@ -17,15 +17,16 @@ KL_ESTIMATORS = ("k1", "k3")
 def group_advantages(rewards: jax.Array, group_size: int, std_normalize: bool = True, eps: float = 1e-6) -> jax.Array:
     """rewards [N] (N = groups x group_size, a group's samples adjacent) -> advantages [N].
 
-    A = (r - mean of its group) / (std of its group + eps); a group whose samples all got the same
-    reward has A = 0 and contributes no gradient. std_normalize=False keeps r - mean (Dr. GRPO).
+    A = (r - mean of its group) / (std of its group + eps), the sample std (ddof 1, as verl's and TRL's
+    torch.std); a group whose samples all got the same reward has A = 0 and contributes no gradient.
+    std_normalize=False keeps r - mean (Dr. GRPO).
     """
     if rewards.shape[0] % group_size:
         raise ValueError(f"{rewards.shape[0]} rewards do not split into groups of {group_size}")
     r = rewards.reshape(-1, group_size).astype(jnp.float32)
     centred = r - r.mean(axis=1, keepdims=True)
     if std_normalize:
-        centred = centred / (r.std(axis=1, keepdims=True) + eps)
+        centred = centred / (r.std(axis=1, ddof=1, keepdims=True) + eps)
     # Exactly 0 for equal rewards: float32's mean of e.g. eight 0.1s is not 0.1, and / (std + eps) would blow
     # the rounding up to a real advantage.
     same = r.max(axis=1, keepdims=True) == r.min(axis=1, keepdims=True)
@@ -112,6 +113,11 @@ def grpo_loss(
     logp, old_logp, ref_logp, mask [B, T]; advantages [B]. Returns (loss, metrics); metrics are
     aggregated the same way, so they too add up over micro-batches.
     """
+    # Padding slots hold log-probs nothing trains; a log-ratio of ~90 there would make exp() inf, and inf x 0 a
+    # NaN loss and gradient. Their ratios are 1 instead (the mask already drops them from every sum).
+    live, pad = mask > 0, jax.lax.stop_gradient(logp)
+    old_logp = jnp.where(live, old_logp, pad)
+    ref_logp = None if ref_logp is None else jnp.where(live, ref_logp, pad)
     surrogate, clipped = clipped_surrogate(logp, old_logp, advantages, clip_low, clip_high)
     loss = aggregate(surrogate, mask, aggregation, normalizer)
     metrics = {"pg_loss": loss, "clip_fraction": aggregate(clipped.astype(jnp.float32), mask, aggregation, normalizer)}

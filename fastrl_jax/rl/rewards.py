@@ -17,9 +17,12 @@ RewardFn = Callable[[str, str], float]
 _REGISTRY: dict[str, RewardFn] = {}
 
 # A minus sign right after a digit is a range or a difference ("2-3 days"), not a negative number.
-_NUMBER = r"(?<!\d)-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|(?<!\d)-?\.\d+"
-# "The answer is: **12**", "answer is $\\(12\\)$": markdown emphasis and math delimiters may come before the number.
-_ANSWER_IS = re.compile(r"answer is\s*:?(?:[\s*_$]|\\[(\[])*(" + _NUMBER + ")", re.IGNORECASE)
+# Commas only as thousands separators: "2,5" is two numbers.
+_NUMBER = r"(?<!\d)-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:/\d+)?|(?<!\d)-?\.\d+"
+# "The answer is: **12**", "answer is $\\(12\\)$": markdown emphasis and math delimiters may come before the
+# answer: a number, or LaTeX (\frac{3}{4}; \sqrt{2}, which no number equals, rather than the 2 inside it).
+_LATEX = r"-?\\[a-zA-Z]+(?:\{[^{}]*\}|\d)*"
+_ANSWER_IS = re.compile(r"answer is\s*:?(?:[\s*_$]|\\[(\[])*(" + _LATEX + "|" + _NUMBER + ")", re.IGNORECASE)
 _LAST_NUMBER = re.compile(_NUMBER)
 
 
@@ -87,7 +90,9 @@ def normalize_number(text: str | None) -> Fraction | None:
     Fraction; None if not a number."""
     if text is None:
         return None
-    s = re.sub(r"\\[!,;: ]", "", text.strip().rstrip("."))  # LaTeX spacing: 1\,000
+    s = re.sub(r"\\[!,;: ]", "", text.strip().rstrip(".")).replace("{,}", "")  # LaTeX spacing: 1\,000, 1{,}000
+    if re.search(r"\d(?:\s+\d+/\d|\s*\\[dt]?frac)", s):  # a mixed number (1 1/2, 3\frac{1}{2}) is no one number
+        return None
     s = re.sub(r"\\([$%])", r"\1", s).replace(",", "").replace("$", "").replace(" ", "")  # \$12.50, 50\%
     whole = re.fullmatch(r"\\(?:text|mathrm)\{([^}]*)\}", s)  # \text{7} is 7; 12\text{ cm} is 12
     s = whole.group(1) if whole else re.sub(r"\\(?:text|mathrm)\{[^}]*\}", "", s)
@@ -96,6 +101,8 @@ def normalize_number(text: str | None) -> Fraction | None:
         sign, num, den = frac.group(1), frac.group(2) or frac.group(4), frac.group(3) or frac.group(5)
         s = f"{sign}{num}/{den}"
     s = s.rstrip("%")
+    if not re.fullmatch(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:/\d+)?", s):  # Fraction() would build 1e10000000 exactly
+        return None
     try:
         value = Fraction(s)
     except (ValueError, ZeroDivisionError):
