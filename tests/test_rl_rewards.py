@@ -38,7 +38,8 @@ def test_extract_answer(text, expected):
      ("-0.5", Fraction(-1, 2)), ("7.", 7), ("50%", 50), ("\\dfrac{1}{2}", Fraction(1, 2)), ("abc", None), (None, None),
      ("\\$12.50", Fraction(25, 2)), ("50\\%", 50), ("\\text{7}", 7), ("12\\text{ cm}", 12), ("1\\,000", 1000),
      ("\\tfrac{1}{3}", Fraction(1, 3)), ("\\frac34", Fraction(3, 4)), ("-\\frac{1}{2}", Fraction(-1, 2)),
-     ("10{,}000", 10000), ("1 1/2", None), ("3\\frac{1}{2}", None),  # mixed numbers are not read as 11/2 or 3
+     ("10{,}000", 10000), ("1 1/2", Fraction(3, 2)), ("3\\frac{1}{2}", Fraction(7, 2)),  # mixed: not 11/2, nor 3
+     ("-2\\tfrac34", Fraction(-11, 4)), ("1 1/0", None),
      ("1e10000000", None), ("1e5", None)],  # exponents: Fraction() would build 10**10000000 exactly
 )
 def test_normalize_number(text, value):

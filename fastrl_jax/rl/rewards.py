@@ -91,7 +91,12 @@ def normalize_number(text: str | None) -> Fraction | None:
     if text is None:
         return None
     s = re.sub(r"\\[!,;: ]", "", text.strip().rstrip(".")).replace("{,}", "")  # LaTeX spacing: 1\,000, 1{,}000
-    if re.search(r"\d(?:\s+\d+/\d|\s*\\[dt]?frac)", s):  # a mixed number (1 1/2, 3\frac{1}{2}) is no one number
+    mixed = re.fullmatch(r"(-?)(\d+)(?:\s+(\d+)/(\d+)|\s*\\[dt]?frac(?:\{(\d+)\}\{(\d+)\}|(\d)(\d)))", s)
+    if mixed:  # 1 1/2, 3\frac{1}{2}: a whole part and a fraction (not 11/2, nor the 3 alone)
+        sign, whole, *parts = mixed.groups()
+        num, den = (int(p) for p in (parts[0] or parts[2] or parts[4], parts[1] or parts[3] or parts[5]))
+        return None if den == 0 else (-1 if sign else 1) * (int(whole) + Fraction(num, den))
+    if re.search(r"\d(?:\s+\d+/\d|\s*\\[dt]?frac)", s):  # a mixed number among other text
         return None
     s = re.sub(r"\\([$%])", r"\1", s).replace(",", "").replace("$", "").replace(" ", "")  # \$12.50, 50\%
     whole = re.fullmatch(r"\\(?:text|mathrm)\{([^}]*)\}", s)  # \text{7} is 7; 12\text{ cm} is 12
