@@ -146,6 +146,29 @@ def test_a_gguf_missing_tensors_is_named_not_a_bare_key_error(tmp_path):
         gguf_loader.read_gguf_config(tmp_path / "empty.gguf")
 
 
+def test_a_cached_gguf_keeps_its_dequantized_tensors_until_it_changes(tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTRL_JAX_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    path = tmp_path / "cache" / "m.gguf"
+    write_tiny_gguf(path, "llama", tiny_hf_tensors("llama", True, np.random.default_rng(0)))
+    first = gguf_loader.read_gguf_tensors(path)
+    assert (tmp_path / "cache" / "m.f32.safetensors").is_file()
+    real = gguf.quants.dequantize
+    monkeypatch.setattr(gguf.quants, "dequantize", lambda *a: pytest.fail("dequantized again"))
+    again = gguf_loader.read_gguf_tensors(path)
+    assert again.keys() == first.keys() and all(np.array_equal(again[k], first[k]) for k in first)
+    monkeypatch.setattr(gguf.quants, "dequantize", real)
+    write_tiny_gguf(path, "llama", tiny_hf_tensors("llama", True, np.random.default_rng(1)))  # the same size, rewritten
+    changed = gguf_loader.read_gguf_tensors(path)
+    assert not np.array_equal(changed["model.embed_tokens.weight"], first["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(gguf_loader.read_gguf_tensors(path)["model.embed_tokens.weight"],
+                                  changed["model.embed_tokens.weight"])
+    # A GGUF elsewhere (a user's file) leaves nothing beside it
+    write_tiny_gguf(tmp_path / "mine.gguf", "llama", tiny_hf_tensors("llama", True, np.random.default_rng(0)))
+    gguf_loader.read_gguf_tensors(tmp_path / "mine.gguf")
+    assert not list(tmp_path.glob("mine*.safetensors"))
+
+
 def test_sentencepiece_merges_from_scores_with_a_token_listed_twice_equal_transformers(tmp_path):
     """Files without merges: the merges follow the tokens' scores, a duplicated token keeping its last score."""
     from transformers import AutoTokenizer
