@@ -91,11 +91,11 @@ def normalize_number(text: str | None) -> Fraction | None:
     if text is None:
         return None
     s = re.sub(r"\\[!,;: ]", "", text.strip().rstrip(".")).replace("{,}", "")  # LaTeX spacing: 1\,000, 1{,}000
-    mixed = re.fullmatch(r"(-?)(\d+)(?:\s+(\d+)/(\d+)|\s*\\[dt]?frac(?:\{(\d+)\}\{(\d+)\}|(\d)(\d)))", s)
+    mixed = re.fullmatch(r"(-?)(\d+)(?:\s+(\d+/\d+)|\s*(\\[dt]?frac.*))", s)
     if mixed:  # 1 1/2, 3\frac{1}{2}: a whole part and a fraction (not 11/2, nor the 3 alone)
-        sign, whole, *parts = mixed.groups()
-        num, den = (int(p) for p in (parts[0] or parts[2] or parts[4], parts[1] or parts[3] or parts[5]))
-        return None if den == 0 else (-1 if sign else 1) * (int(whole) + Fraction(num, den))
+        sign, whole, fraction = mixed.group(1), mixed.group(2), mixed.group(3) or mixed.group(4)
+        part = normalize_number(fraction)
+        return None if part is None or part < 0 else (-1 if sign else 1) * (int(whole) + part)
     if re.search(r"\d(?:\s+\d+/\d|\s*\\[dt]?frac)", s):  # a mixed number among other text
         return None
     s = re.sub(r"\\([$%])", r"\1", s).replace(",", "").replace("$", "").replace(" ", "")  # \$12.50, 50\%
