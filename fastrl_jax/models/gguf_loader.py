@@ -66,14 +66,17 @@ def read_gguf_tensors(path: str | Path) -> dict[str, np.ndarray]:
     from safetensors import safe_open
 
     path = Path(path)
-    copy, stat = _dequantized_copy(path), path.stat()
+    copy = _dequantized_copy(path)
+    if copy is None:
+        return _dequantize(path)
+    stat = path.stat()
     stamp = {"gguf_size": str(stat.st_size), "gguf_mtime_ns": str(stat.st_mtime_ns)}
-    if copy is not None and copy.is_file():
+    if copy.is_file():
         with safe_open(str(copy), "numpy") as f:
             if f.metadata() == stamp:
                 return {name: f.get_tensor(name) for name in f.keys()}
     tensors = _dequantize(path)
-    if copy is not None and sum(v.nbytes for v in tensors.values()) <= DEQUANTIZED_MAX_BYTES:
+    if sum(v.nbytes for v in tensors.values()) <= DEQUANTIZED_MAX_BYTES:
         _save_atomically(copy, tensors, stamp)
     return tensors
 
