@@ -167,24 +167,74 @@ def test_a_cached_gguf_keeps_its_dequantized_tensors_until_it_changes(tmp_path, 
     write_tiny_gguf(tmp_path / "mine.gguf", "llama", tiny_hf_tensors("llama", True, np.random.default_rng(0)))
     gguf_loader.read_gguf_tensors(tmp_path / "mine.gguf")
     assert not list(tmp_path.glob("mine*.safetensors"))
+    # A change to the loader's code makes the copy stale too
+    monkeypatch.setattr(gguf_loader, "_READER_VERSION", "a later loader")
+    monkeypatch.setattr(gguf.quants, "dequantize", lambda *a: pytest.fail("dequantized again"))
+    with pytest.raises(pytest.fail.Exception, match="dequantized again"):
+        gguf_loader.read_gguf_tensors(path)
+
+
+def test_a_cached_gguf_keeps_its_config_and_tokenizer_until_it_changes(tmp_path, monkeypatch):
+    """Parsing a GGUF's header takes seconds; the fetched one's config and tokenizer are kept beside it."""
+    monkeypatch.setenv("FASTRL_JAX_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    path = tmp_path / "cache" / "m.gguf"
+
+    def metadata(writer):
+        sentencepiece_vocabulary(writer)
+        writer.add_chat_template("{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}")
+
+    write_tiny_gguf(path, "llama", tiny_hf_tensors("llama", True, np.random.default_rng(0)), metadata)
+    config, tokenizer = gguf_loader.read_gguf_config(path), gguf_loader.load_gguf_tokenizer(path)
+    assert (tmp_path / "cache" / "m.header.json").is_file()
+    texts = ["abc", "bcab a", "<s>a</s> b\nc"]
+    messages = [{"role": "user", "content": "ab"}]
+    open_reader = gguf_loader._open
+    monkeypatch.setattr(gguf_loader, "_open", lambda path: pytest.fail("parsed the GGUF again"))
+    kept_tokenizer = gguf_loader.load_gguf_tokenizer(path)
+    assert gguf_loader.read_gguf_config(path) == config
+    for text in texts:
+        assert kept_tokenizer(text)["input_ids"] == tokenizer(text)["input_ids"], text
+        assert kept_tokenizer.decode(tokenizer(text)["input_ids"], skip_special_tokens=True) == text.replace("<s>", "").replace("</s>", "")
+    assert kept_tokenizer.apply_chat_template(messages, tokenize=False) == "<s>ab</s>"
+    assert (kept_tokenizer.bos_token, kept_tokenizer.eos_token, kept_tokenizer.unk_token) == ("<s>", "</s>", "<unk>")
+
+    # A rewritten file, a damaged copy and a later loader are each read again
+    monkeypatch.setattr(gguf_loader, "_open", open_reader)
+    write_tiny_gguf(path, "qwen2", tiny_hf_tensors("qwen2", False, np.random.default_rng(0)), metadata)
+    assert gguf_loader.read_gguf_config(path)["model_type"] == "qwen2"
+    (tmp_path / "cache" / "m.header.json").write_text("{")
+    assert gguf_loader.read_gguf_config(path)["model_type"] == "qwen2"
+    monkeypatch.setattr(gguf_loader, "_READER_VERSION", "a later loader")
+    monkeypatch.setattr(gguf_loader, "_open", lambda path: pytest.fail("parsed the GGUF again"))
+    with pytest.raises(pytest.fail.Exception, match="parsed the GGUF again"):
+        gguf_loader.read_gguf_config(path)
+
+    # A cached GGUF without a tokenizer still gives its config, and its tokenizer error
+    monkeypatch.setattr(gguf_loader, "_open", open_reader)
+    write_tiny_gguf(path, "llama", tiny_hf_tensors("llama", True, np.random.default_rng(0)))
+    assert gguf_loader.read_gguf_config(path)["model_type"] == "llama"
+    with pytest.raises(ValueError, match="holds no usable tokenizer"):
+        gguf_loader.load_gguf_tokenizer(path)
+
+
+def sentencepiece_vocabulary(writer) -> None:
+    """A sentencepiece vocabulary without merges, with "a" listed twice: bytes, a b c, and ab bc ranked by score."""
+    pieces, piece_scores = ["▁", "a", "a", "b", "c", "ab", "bc"], [0.0, 0.0, 0.0, 0.0, 0.0, -2.0, -1.0]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * 259 + piece_scores)
+    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(pieces))
+    writer.add_unk_token_id(0)
 
 
 def test_sentencepiece_merges_from_scores_with_a_token_listed_twice_equal_transformers(tmp_path):
     """Files without merges: the merges follow the tokens' scores, a duplicated token keeping its last score."""
     from transformers import AutoTokenizer
 
-    pieces, piece_scores = ["▁", "a", "a", "b", "c", "ab", "bc"], [0.0, 0.0, 0.0, 0.0, 0.0, -2.0, -1.0]
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
-
-    def metadata(writer):
-        writer.add_tokenizer_model("llama")
-        writer.add_token_list(tokens)
-        writer.add_token_scores([0.0] * 259 + piece_scores)
-        writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(pieces))
-        writer.add_unk_token_id(0)
-
     path = tmp_path / "dup.gguf"
-    write_tiny_gguf(path, "llama", tiny_hf_tensors("llama", True, np.random.default_rng(0)), metadata)
+    write_tiny_gguf(path, "llama", tiny_hf_tensors("llama", True, np.random.default_rng(0)), sentencepiece_vocabulary)
     ours, theirs = gguf_loader.load_gguf_tokenizer(path), AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
     for text in ("abc", "bcab", "a b c"):
         assert ours(text)["input_ids"] == theirs(text)["input_ids"], text

@@ -8,9 +8,13 @@ Supported architectures are the decoder families: llama, qwen2, qwen3.
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib.metadata
+import json
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +54,7 @@ _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
 
 def read_gguf_config(path: str | Path) -> dict[str, Any]:
     """The transformers-style config dict (LlamaConfig / Qwen2Config / Qwen3Config keys) of a GGUF file."""
-    reader = _open(path)
-    return _config(reader, Path(path))
+    return _header_part(Path(path), "config")
 
 
 DEQUANTIZED_MAX_BYTES = 4 << 30  # larger models are dequantized at every load rather than cached on disk
@@ -61,46 +64,82 @@ def read_gguf_tensors(path: str | Path) -> dict[str, np.ndarray]:
     """Every tensor, dequantized to float32, under its HF name and in PyTorch Linear layout [out, in].
 
     A GGUF in the fastrl-jax cache directory (the fetched SmolLM2) keeps these tensors beside it as
-    NAME.f32.safetensors, stamped with the GGUF's size and modification time and written again when
-    they change: later loads read them instead of dequantizing (7 s of a SmolLM2 load on 2 CPU cores)."""
+    NAME.f32.safetensors, stamped (_stamp) and written again when the stamp changes: later loads read
+    them instead of dequantizing (7 s of a SmolLM2 load on 2 CPU cores)."""
     from safetensors import safe_open
+    from safetensors.numpy import save_file
 
     path = Path(path)
-    copy = _dequantized_copy(path)
-    if copy is None:
+    kept = _kept_copy(path, ".f32.safetensors")
+    if kept is None:
         return _dequantize(path)
-    stat = path.stat()
-    stamp = {"gguf_size": str(stat.st_size), "gguf_mtime_ns": str(stat.st_mtime_ns)}
-    if copy.is_file():
-        with safe_open(str(copy), "numpy") as f:
+    stamp = _stamp(path)
+    if kept.is_file():
+        with safe_open(str(kept), "numpy") as f:
             if f.metadata() == stamp:
                 return {name: f.get_tensor(name) for name in f.keys()}
     tensors = _dequantize(path)
     if sum(v.nbytes for v in tensors.values()) <= DEQUANTIZED_MAX_BYTES:
-        _save_atomically(copy, tensors, stamp)
+        contiguous = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+        _save_atomically(kept, "dequantized tensors", lambda out: save_file(contiguous, str(out), metadata=stamp))
     return tensors
 
 
-def _dequantized_copy(path: Path) -> Path | None:
-    """Where the dequantized tensors of `path` are kept: beside a GGUF in hub.cache_dir(), else nowhere."""
+def _header_part(path: Path, part: str) -> Any:
+    """The "config" dict or the "tokenizer" spec read from the GGUF's header.
+
+    Parsing the header takes seconds (see _reader), so a GGUF in the cache directory keeps both parts
+    beside it as NAME.header.json, stamped like its dequantized tensors."""
+    kept = _kept_copy(path, ".header.json")
+    if kept is None or not path.is_file():
+        return _HEADER_PARTS[part](_open(path), path)
+    stamp = _stamp(path)
     try:
-        return path.with_suffix(".f32.safetensors") if path.resolve().parent == hub.cache_dir().resolve() else None
+        header = json.loads(kept.read_text())
+        if header["stamp"] == stamp:
+            return header[part]
+    except (OSError, ValueError, KeyError):
+        pass  # none kept yet, or a damaged one: read the GGUF again
+    reader = _open(path)
+    try:
+        header = {"stamp": stamp} | {name: read(reader, path) for name, read in _HEADER_PARTS.items()}
+    except ValueError:  # a part the file lacks (a GGUF without a tokenizer): keep nothing, read `part` alone
+        return _HEADER_PARTS[part](reader, path)
+    _save_atomically(kept, "config and tokenizer", lambda out: out.write_text(json.dumps(header)))
+    return header[part]
+
+
+def _kept_copy(path: Path, suffix: str) -> Path | None:
+    """Where what is read from `path` is kept: beside a GGUF in hub.cache_dir(), else nowhere."""
+    try:
+        return path.with_suffix(suffix) if path.resolve().parent == hub.cache_dir().resolve() else None
     except OSError:
         return None
 
 
-def _save_atomically(target: Path, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
-    """Writes beside the target and renames, so a concurrent load never reads half a file; a failed write
-    (a full disk) costs only the next load's dequantizing."""
-    from safetensors.numpy import save_file
+def _stamp(path: Path) -> dict[str, str]:
+    """What a kept copy was read from and how: the GGUF's size and mtime, this module and the packages it reads with
+    (a fix to the reading must not be hidden behind a copy made before it)."""
+    stat = path.stat()
+    return {"gguf_size": str(stat.st_size), "gguf_mtime_ns": str(stat.st_mtime_ns), "reader": _READER_VERSION}
 
+
+_READER_VERSION = ",".join([
+    hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16],
+    *(f"{package} {importlib.metadata.version(package)}" for package in ("gguf", "tokenizers")),
+])
+
+
+def _save_atomically(target: Path, what: str, write: Callable[[Path], None]) -> None:
+    """Writes beside the target and renames, so a concurrent load never reads half a file; a failed write
+    (a full disk) costs only the next load's reading the GGUF again."""
     partial = target.with_suffix(f".partial{os.getpid()}")
     try:
-        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(partial), metadata=metadata)
+        write(partial)
         os.replace(partial, target)
     except OSError as e:
         partial.unlink(missing_ok=True)
-        print(f"[fastrl-jax] could not keep the dequantized tensors at {target} ({e}); the next load dequantizes again",
+        print(f"[fastrl-jax] could not keep the {what} at {target} ({e}); the next load reads the GGUF again",
               file=sys.stderr)
 
 
@@ -139,8 +178,13 @@ def load_gguf_tokenizer(path: str | Path):
     """
     from transformers import PreTrainedTokenizerFast
 
-    path = Path(path)
-    fields = _open(path).fields
+    spec = _header_part(Path(path), "tokenizer")
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(spec["backend"]), **spec["settings"])
+
+
+def _tokenizer_spec(reader: gguf.GGUFReader, path: Path) -> dict[str, Any]:
+    """The tokenizer as JSON: its `tokenizers` backend serialized, and PreTrainedTokenizerFast's settings."""
+    fields = reader.fields
 
     def meta(key: str, default: Any = None) -> Any:
         return fields[key].contents() if key in fields else default
@@ -178,15 +222,15 @@ def load_gguf_tokenizer(path: str | Path):
         name: tokens[token_id] if (token_id := meta(f"tokenizer.ggml.{key}")) is not None else None
         for name, key in _SPECIAL_TOKEN_IDS.items()
     }
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        chat_template=meta("tokenizer.chat_template"),
+    settings = {
+        "chat_template": meta("tokenizer.chat_template"),
         # llama.cpp adds BOS to a sentencepiece vocabulary unless told otherwise, and older files
         # carry no flag.
-        add_bos_token=meta("tokenizer.ggml.add_bos_token", kind == "llama"),
-        add_eos_token=meta("tokenizer.ggml.add_eos_token", False),
-        **special_tokens,
-    )
+        "add_bos_token": meta("tokenizer.ggml.add_bos_token", kind == "llama"),
+        "add_eos_token": meta("tokenizer.ggml.add_eos_token", False),
+    }
+    return {"backend": backend.to_str(), "settings": settings | special_tokens}
+
 
 
 _SPECIAL_TOKEN_IDS = {
@@ -384,6 +428,9 @@ def _config(reader: gguf.GGUFReader, path: Path) -> dict[str, Any]:
     if rope_scaling:
         config["rope_scaling"] = rope_scaling
     return config
+
+
+_HEADER_PARTS = {"config": _config, "tokenizer": _tokenizer_spec}
 
 
 def _rope_scaling(meta, arch: str) -> dict[str, Any] | None:
