@@ -414,6 +414,7 @@ class RLConfig:
     micro_batch_size: int = 8  # sequences per forward/backward; gradients accumulate over a mini-batch
     clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high] (DAPO's clip-higher)
     clip_high: float = 0.28
+    clip_ratio_c: float = 3.0  # dual-clip PPO: a negative-advantage token loses at most clip_ratio_c x |A| (verl's); 0 = off
     loss_aggregation: str = "token"  # token (DAPO) | sequence (GRPO)
     advantage_std_normalize: bool = True
     kl_coef: float = 0.0  # > 0 keeps a frozen reference policy
@@ -444,6 +445,8 @@ class RLConfig:
             raise ConfigError(f"rl needs 0 < top_p <= 1, top_k >= 0; got {self.top_p}, {self.top_k}")
         if not 0 <= self.clip_low < 1 or self.clip_high < 0 or self.kl_coef < 0:
             raise ConfigError(f"rl needs 0 <= clip_low < 1, clip_high >= 0, kl_coef >= 0; got {self.clip_low}, {self.clip_high}, {self.kl_coef}")
+        if self.clip_ratio_c != 0 and not self.clip_ratio_c > 1:
+            raise ConfigError(f"rl.clip_ratio_c (dual-clip PPO's bound) must be > 1, or 0 for off; got {self.clip_ratio_c}")
         if self.checkpoint_every_steps < 0 or self.eval_every_steps < 0:
             raise ConfigError("rl.checkpoint_every_steps and rl.eval_every_steps must be >= 0")
         if self.eval_samples > 1 and self.eval_temperature == 0:

@@ -167,6 +167,7 @@ def test_unknown_key_suggests_the_right_one(tmp_path):
         ("optim.eps=-1", "eps=-1.0"),
         ("seed=-1", "seed must be in [0, 2**32), got -1"),
         ("rl.out_dir=runs/exp #3", "YAML reads ' #' as the start of a comment; quote the value (out_dir='...')"),
+        ("rl.clip_ratio_c=0.9", "rl.clip_ratio_c (dual-clip PPO's bound) must be > 1, or 0 for off; got 0.9"),
     ],
 )
 def test_bad_values_are_named(override, message):

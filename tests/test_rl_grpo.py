@@ -68,7 +68,7 @@ def surrogate_grad(logp, old, adv, lo=0.2, hi=0.28):
 def test_on_policy_surrogate_is_policy_gradient():
     logp = jnp.asarray(RNG.normal(size=(3, 7)), jnp.float32)
     adv = jnp.asarray([1.5, -0.5, 0.0])
-    loss, clipped = grpo.clipped_surrogate(logp, logp, adv, 0.2, 0.28)
+    loss, clipped, _ = grpo.clipped_surrogate(logp, logp, adv, 0.2, 0.28, clip_ratio_c=3.0)
     np.testing.assert_allclose(loss, -np.broadcast_to(adv[:, None], (3, 7)))
     assert not clipped.any()
     np.testing.assert_allclose(surrogate_grad(logp, logp, adv), -np.broadcast_to(adv[:, None], (3, 7)), rtol=1e-6)
@@ -85,6 +85,32 @@ def test_decoupled_clip(ratio, adv, zero):
     g = surrogate_grad(logp, old, jnp.asarray([adv]))
     assert (float(g[0, 0]) == 0.0) == zero
     assert bool(grpo.clipped_surrogate(logp, old, jnp.asarray([adv]), 0.2, 0.28)[1][0, 0]) == zero
+
+
+def verl_policy_loss(logp, old, adv, lo, hi, c):
+    """verl's compute_policy_loss ("vanilla"), per token, in numpy: clamp, PPO clip, dual clip for A < 0."""
+    ratio = np.exp(np.clip(logp - old, -20.0, 20.0))
+    clip_pg_losses1 = np.maximum(-adv * ratio, -adv * np.clip(ratio, 1 - lo, 1 + hi))
+    return np.where(adv < 0, np.minimum(-adv * c, clip_pg_losses1), clip_pg_losses1)
+
+
+def test_dual_clip_matches_verl_and_bounds_negative_advantage_tokens():
+    """Off-policy, a token the policy has made far likelier under a negative advantage loses at most c x |A|,
+    with no gradient (verl's clip_ratio_c); a log-ratio of 100 stays finite."""
+    old = jnp.asarray(RNG.normal(size=(4, 6)), jnp.float32)
+    logp = old + jnp.asarray(RNG.normal(scale=1.5, size=(4, 6)), jnp.float32).at[0, 0].set(100.0)
+    adv = jnp.asarray([-1.5, -0.3, 0.8, 2.0])
+    loss, clipped, dual = grpo.clipped_surrogate(logp, old, adv, 0.2, 0.28, clip_ratio_c=3.0)
+    want = verl_policy_loss(np.asarray(logp), np.asarray(old), np.asarray(adv)[:, None], 0.2, 0.28, 3.0)
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
+    ratio = np.exp(np.asarray(logp - old))
+    np.testing.assert_array_equal(dual, (np.asarray(adv)[:, None] < 0) & (ratio > 3.0))
+    assert dual[0, 0] and dual.sum() >= 2 and np.isfinite(np.asarray(loss)).all()
+    grad = jax.grad(lambda lp: grpo.clipped_surrogate(lp, old, adv, 0.2, 0.28, 3.0)[0].sum())(logp)
+    assert np.all(np.asarray(grad)[np.asarray(dual)] == 0.0) and np.isfinite(np.asarray(grad)).all()
+    # off (0): the pessimistic side is unbounded, as before
+    off = grpo.clipped_surrogate(logp, old, adv, 0.2, 0.28)[0]
+    assert float(off[0, 0]) > 3.0 * 1.5
 
 
 def test_kl_estimators():

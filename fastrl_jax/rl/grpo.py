@@ -49,18 +49,23 @@ def entropy(logits: jax.Array, temperature: float = 1.0) -> jax.Array:
 
 
 def clipped_surrogate(
-    logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, clip_low: float, clip_high: float
-) -> tuple[jax.Array, jax.Array]:
-    """Per-token PPO loss with DAPO's decoupled clip range [1 - clip_low, 1 + clip_high].
+    logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, clip_low: float, clip_high: float, clip_ratio_c: float = 0.0
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per-token PPO loss with DAPO's decoupled clip range [1 - clip_low, 1 + clip_high], and dual-clip PPO.
 
-    logp, old_logp [B, T]; advantages [B] (one per sequence). Returns (loss [B, T], clipped [B, T]
-    bool: tokens whose gradient the clip removed).
+    logp, old_logp [B, T]; advantages [B] (one per sequence). Dual clip (Ye et al. 2019; verl's clip_ratio_c,
+    0 = off): a token of a negative advantage loses at most clip_ratio_c x |A|, so one the policy has since made
+    far likelier (off-policy mini-batches) cannot dominate the batch. The log-ratio is clamped to [-20, 20], as
+    verl does, so a ratio cannot overflow. Returns (loss [B, T], clipped [B, T] bool: tokens whose gradient the
+    PPO clip removed, dual_clipped [B, T] bool: those the dual clip removed).
     """
-    ratio = jnp.exp(logp - old_logp)
+    ratio = jnp.exp(jnp.clip(logp - old_logp, -20.0, 20.0))
     adv = advantages[:, None]
     unclipped = ratio * adv
     clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
-    return -jnp.minimum(unclipped, clipped), clipped < unclipped
+    loss = -jnp.minimum(unclipped, clipped)
+    dual_clipped = (adv < 0) & (loss > -clip_ratio_c * adv) if clip_ratio_c else jnp.zeros_like(loss, bool)
+    return jnp.where(dual_clipped, -clip_ratio_c * adv, loss), clipped < unclipped, dual_clipped
 
 
 def kl_penalty(logp: jax.Array, ref_logp: jax.Array, estimator: str) -> jax.Array:
@@ -104,6 +109,7 @@ def grpo_loss(
     clip_high: float,
     aggregation: str,
     normalizer: jax.Array | float,
+    clip_ratio_c: float = 0.0,
     ref_logp: jax.Array | None = None,
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
@@ -118,9 +124,10 @@ def grpo_loss(
     live, pad = mask > 0, jax.lax.stop_gradient(logp)
     old_logp = jnp.where(live, old_logp, pad)
     ref_logp = None if ref_logp is None else jnp.where(live, ref_logp, pad)
-    surrogate, clipped = clipped_surrogate(logp, old_logp, advantages, clip_low, clip_high)
+    surrogate, clipped, dual_clipped = clipped_surrogate(logp, old_logp, advantages, clip_low, clip_high, clip_ratio_c)
     loss = aggregate(surrogate, mask, aggregation, normalizer)
-    metrics = {"pg_loss": loss, "clip_fraction": aggregate(clipped.astype(jnp.float32), mask, aggregation, normalizer)}
+    metrics = {"pg_loss": loss, "clip_fraction": aggregate(clipped.astype(jnp.float32), mask, aggregation, normalizer),
+               "dual_clip_fraction": aggregate(dual_clipped.astype(jnp.float32), mask, aggregation, normalizer)}
     if ref_logp is not None:
         kl = aggregate(kl_penalty(logp, ref_logp, kl_estimator), mask, aggregation, normalizer)
         loss = loss + kl_coef * kl

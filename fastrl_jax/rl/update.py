@@ -121,6 +121,7 @@ class StepOptions:
     temperature: float
     clip_low: float
     clip_high: float
+    clip_ratio_c: float
     aggregation: str
     kl_coef: float
     kl_estimator: str
@@ -129,8 +130,8 @@ class StepOptions:
 
     @classmethod
     def from_config(cls, rl: RLConfig) -> StepOptions:
-        return cls(rl.temperature, rl.clip_low, rl.clip_high, rl.loss_aggregation, rl.kl_coef, rl.kl_estimator,
-                   rl.remat, on_policy=rl.minibatches_per_step == 1)
+        return cls(rl.temperature, rl.clip_low, rl.clip_high, rl.clip_ratio_c, rl.loss_aggregation, rl.kl_coef,
+                   rl.kl_estimator, rl.remat, on_policy=rl.minibatches_per_step == 1)
 
 
 def _micro_loss(params, graphdef, ref_params, mb: GRPOBatch, normalizer, opts: StepOptions):
@@ -142,8 +143,8 @@ def _micro_loss(params, graphdef, ref_params, mb: GRPOBatch, normalizer, opts: S
         ref = jax.lax.stop_gradient(sequence_logprobs(graphdef, ref_params, mb.tokens, mb.pad, C, opts.temperature)[0])
     loss, metrics = grpo.grpo_loss(
         logp, old, mb.advantages, mb.mask, clip_low=opts.clip_low, clip_high=opts.clip_high,
-        aggregation=opts.aggregation, normalizer=normalizer, ref_logp=ref, kl_coef=opts.kl_coef,
-        kl_estimator=opts.kl_estimator,
+        clip_ratio_c=opts.clip_ratio_c, aggregation=opts.aggregation, normalizer=normalizer, ref_logp=ref,
+        kl_coef=opts.kl_coef, kl_estimator=opts.kl_estimator,
     )
     metrics["entropy"] = grpo.aggregate(ent, mb.mask, opts.aggregation, normalizer)
     metrics["loss"] = loss
