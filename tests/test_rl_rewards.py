@@ -26,6 +26,8 @@ from fastrl_jax.rl import rewards
         ("The two roots are 2,5", "5"),  # commas only as thousands separators
         ("so the answer is 3,4 apples", "3"),
         ("a total of 1,000,000 grains", "1,000,000"),
+        ("The answer is \u22123.", "-3"),  # a Unicode minus (U+2212) is a minus, not the positive 3
+        ("so x = \u22127", "-7"),
     ],
 )
 def test_extract_answer(text, expected):
@@ -37,6 +39,7 @@ def test_extract_answer(text, expected):
     [("1,234", 1234), ("$12.50", Fraction(25, 2)), ("3/4", Fraction(3, 4)), ("\\frac{3}{4}", Fraction(3, 4)),
      ("-0.5", Fraction(-1, 2)), ("7.", 7), ("50%", 50), ("\\dfrac{1}{2}", Fraction(1, 2)), ("abc", None), (None, None),
      ("\\$12.50", Fraction(25, 2)), ("50\\%", 50), ("\\text{7}", 7), ("12\\text{ cm}", 12), ("1\\,000", 1000),
+     ("x = 5", 5), ("y=\u22123/4", Fraction(-3, 4)), ("\u22122", -2), ("x = 5, y = 3", None),
      ("\\tfrac{1}{3}", Fraction(1, 3)), ("\\frac34", Fraction(3, 4)), ("-\\frac{1}{2}", Fraction(-1, 2)),
      ("10{,}000", 10000), ("1 1/2", Fraction(3, 2)), ("3\\frac{1}{2}", Fraction(7, 2)),  # mixed: not 11/2, nor 3
      ("-2\\tfrac34", Fraction(-11, 4)), ("1 1/0", None),

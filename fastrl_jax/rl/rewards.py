@@ -74,7 +74,8 @@ def last_boxed(text: str) -> str | None:
 
 def extract_answer(text: str) -> str | None:
     """The final answer of a completion: the last \\boxed{}, else the last "The answer is X",
-    else the last number in the text; None when there is none."""
+    else the last number in the text; None when there is none. A Unicode minus (U+2212) is a minus."""
+    text = text.replace("\u2212", "-")
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed
@@ -86,11 +87,12 @@ def extract_answer(text: str) -> str | None:
 
 
 def normalize_number(text: str | None) -> Fraction | None:
-    """'1,234', '$12.50', '\\$12.50', '3/4', '\\frac{3}{4}', '\\tfrac34', '50\\%', '\\text{7}', '-0.5', '7.' -> an exact
-    Fraction; None if not a number."""
+    """'1,234', '$12.50', '\\$12.50', '3/4', '\\frac{3}{4}', '\\tfrac34', '50\\%', '\\text{7}', '-0.5', '\u22120.5', '7.',
+    'x = 7' -> an exact Fraction; None if not a number."""
     if text is None:
         return None
     s = re.sub(r"\\[!,;: ]", "", text.strip().rstrip(".")).replace("{,}", "")  # LaTeX spacing: 1\,000, 1{,}000
+    s = re.sub(r"^[a-zA-Z]\s*=\s*", "", s.replace("\u2212", "-"))  # x = 5: one variable's value; U+2212 minus
     mixed = re.fullmatch(r"(-?)(\d+)(?:\s+(\d+/\d+)|\s*(\\[dt]?frac.*))", s)
     if mixed:  # 1 1/2, 3\frac{1}{2}: a whole part and a fraction (not 11/2, nor the 3 alone)
         sign, whole, fraction = mixed.group(1), mixed.group(2), mixed.group(3) or mixed.group(4)
