@@ -304,6 +304,9 @@ _ROPE_CASES = {
     "linear, rope_theta beside rope_parameters": ("llama", dict(max_position_embeddings=4096, rope_theta=5e5,
                                                                 rope_parameters={"rope_type": "linear", "factor": 2.0})),
     "qwen3 without head_dim": ("qwen3", dict(max_position_embeddings=4096, rope_theta=1e4)),
+    # transformers' own max_position_embeddings, where YaRN without an original length reads it
+    "llama yarn, no lengths": ("llama", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})),
+    "qwen2 yarn, no lengths": ("qwen2", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0})),
 }
 
 

@@ -92,7 +92,7 @@ class ModelConfig:
             num_kv_heads=d.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            max_position_embeddings=d.get("max_position_embeddings") or _MAX_POSITIONS[family],
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=family == "qwen2",
             qk_norm=family == "qwen3",
@@ -100,6 +100,12 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=token_ids(d.get("eos_token_id")),
         )
+
+
+
+# transformers' defaults where config.json leaves max_position_embeddings out (YaRN without an original length
+# scales from it)
+_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768}
 
 
 def token_ids(value) -> tuple[int, ...]:

@@ -71,8 +71,9 @@ def clipped_surrogate(
 def kl_penalty(logp: jax.Array, ref_logp: jax.Array, estimator: str) -> jax.Array:
     """Per-token estimate of KL(policy || reference) from the sampled tokens' log-probs [B, T].
 
-    k1 = log p - log q (unbiased, can be negative); k3 = q/p - log(q/p) - 1 (unbiased, >= 0,
-    lower variance; Schulman's estimator, GRPO's choice).
+    k1 = log p - log q (an unbiased estimate of the KL's value, can be negative; as a loss term its gradient is
+    zero in expectation on-policy, as with verl's "kl" loss type); k3 = q/p - log(q/p) - 1 (unbiased, >= 0, lower
+    variance; Schulman's estimator, GRPO's choice).
     """
     if estimator == "k1":
         return logp - ref_logp
