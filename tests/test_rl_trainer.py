@@ -81,6 +81,9 @@ def test_lossless_sd_adaptive_matches_plain_decoding(tmp_path):
     resumed = make_trainer(tmp_path / "sd", *sd, resume=True)
     assert resumed.spot.steps_done == trainer.spot.steps_done and resumed.spot.bank_s == trainer.spot.bank_s != 0
     assert adaptive[1][-1]["drafter_bank_s"] == trainer.spot.bank_s  # the step's figure is the bank it saved
+    # The acceptance estimate the EAGLE arms gate on comes back too: no prior, no estimate again
+    assert {r.engine.chooser.drafter_accept for r in resumed.workers.replicas} == {last}
+    assert resumed._estimated_at == trainer._estimated_at == trainer.spot.steps_done
     # The bandit goes on where it was (rewards, pulls, exploration RNG), not from a cold start.
     bandits = [[r.engine.chooser.state() for r in t.workers.replicas] for t in (trainer, resumed)]
     assert bandits[0] == bandits[1] and bandits[0][0]["pulls"]

@@ -98,6 +98,7 @@ class Trainer:
         # Drafter steps done at its latest acceptance estimate; a random drafter's prior (~1 token per step)
         # stands for one at 0 steps, a checkpoint has none.
         self._estimated_at = None if rl.drafter_path else 0
+        self._drafter_accept = math.nan  # that estimate (tokens per step), NaN while the prior stands
         if self.drafter is not None and cfg.drafter_online.enabled:
             if jax.process_count() > 1:
                 log.warning("drafter_online: online drafter training runs in single-process runs only; "
@@ -179,7 +180,7 @@ class Trainer:
         spot.deposit(-(time.perf_counter() - t0))
         spot.add(requests, completions, step)
         if changed:
-            self._estimated_at = spot.steps_done
+            self._estimated_at, self._drafter_accept = spot.steps_done, out["drafter_accept"]
             self.drafter = spot.drafter()
             self.workers.update_drafter(self.drafter, out["drafter_accept"])
         out["drafter_eval_s"] = time.perf_counter() - t0
@@ -347,6 +348,9 @@ class Trainer:
             meta["history"] = self.history.state()
         if self.spot is not None:
             meta["run"]["drafter_bank_s"] = self.spot.bank_s  # tail_budget 'saved': what speculation saved, not yet spent
+            # The drafter's latest acceptance estimate and its steps then: the engines' EAGLE arms gate on it
+            meta["run"]["drafter_estimate"] = {"steps": self._estimated_at,
+                                               "accept": None if math.isnan(self._drafter_accept) else self._drafter_accept}
         if controller := self.workers.controller_state():
             meta["controller"] = controller
         self._saving = self.step
@@ -412,15 +416,20 @@ class Trainer:
         self.ref_params = arrays.get("reference", self.ref_params)
         if "drafter" in arrays:
             nnx.update(self.drafter, _state_from(self.drafter, arrays["drafter"]))
-            self.workers.update_drafter(self.drafter)  # its acceptance: the prior until this run estimates it
         if self.spot is not None:
             self.spot.restore(self.drafter, arrays.get("drafter_optimizer"))
             self.spot.bank_s = float(meta["run"].get("drafter_bank_s", 0.0))  # checkpoints before 2026-11-26 have none
-            self._estimated_at = None if self.spot.steps_done else self._estimated_at  # a trained drafter: estimate it
+            estimate = meta["run"].get("drafter_estimate")
+            if estimate is None:  # checkpoints before 2026-11-27: a trained drafter is estimated again
+                estimate = {"steps": None if self.spot.steps_done else self._estimated_at, "accept": None}
+            self._estimated_at = estimate["steps"]
+            self._drafter_accept = math.nan if estimate["accept"] is None else float(estimate["accept"])
             # Its samples are not checkpointed (GBs at scale: tokens x features in float16): rollouts are lossless
             # whatever the drafter, so only the drafter's next steps differ from an uninterrupted run.
             print("[fastrl-jax] the online drafter's sample buffer starts empty; it refills from this step's rollouts",
                   file=sys.stderr)
+        if "drafter" in arrays:
+            self.workers.update_drafter(self.drafter, self._drafter_accept)  # NaN: the prior until this run estimates it
         self.workers.update_weights(self.params)
         self.data.restore(meta["data"])
         if "history" in meta:
