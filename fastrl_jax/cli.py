@@ -78,12 +78,15 @@ def _generate_config(args: argparse.Namespace):
         used = (["--drafter"] if args.drafter else []) + spec_flags
         raise ConfigError(f"{', '.join(used)} {'applies' if len(used) == 1 else 'apply'} only to speculative decoding: "
                           "add --sd on or --sd adaptive (or drop it)")
+    tree = [f"--{name.replace('_', '-')}" for name in _TREE_FLAGS if getattr(args, name) is not None]
+    if args.spec_strategy and tree:
+        raise ConfigError(f"--spec-strategy names the whole strategy, so {', '.join(tree)} would be ignored: give "
+                          "--spec-strategy S/K/V alone, or the tree flags without it")
     spec = [f"sd.mode={args.sd!r}"] + [f"sd.{key}={getattr(args, name)!r}" for name, key in _SPEC_FLAGS
                                        if getattr(args, name) is not None and name != "spec_strategy"]
-    if args.spec_strategy:
-        spec.append(f"sd.strategies=[{args.spec_strategy!r}]")
-    elif any(getattr(args, name) is not None for name in _TREE_FLAGS):
-        spec.append("sd.strategies=[]")  # the tree flags name the strategy: the config's list must not win
+    if args.spec_strategy or tree:  # the flags name the one strategy: the config's list and its groups' ranges must not win
+        spec += [f"sd.strategies=[{args.spec_strategy!r}]" if args.spec_strategy else "sd.strategies=[]",
+                 "sd.group_live_batch_ranges=[]"]
     return _config(args, ["rollout.warm_up=false", *spec])
 
 
@@ -222,10 +225,14 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 def cmd_train_drafter(args: argparse.Namespace) -> None:
     from fastrl_jax.config import check_trainable
+    from fastrl_jax.data.chat_prompts import HELD_OUT
     from fastrl_jax.drafter.warmup import check_restart, train_drafter
 
     cfg = _config(args, ["rollout.warm_up=false"])
     check_trainable(cfg, "train-drafter")
+    if cfg.drafter_train.eval_prompts > len(HELD_OUT):  # else it fails only after the data are collected
+        raise ConfigError(f"drafter_train.eval_prompts ({cfg.drafter_train.eval_prompts}) exceeds the {len(HELD_OUT)} "
+                          f"held-out chat prompts: give {len(HELD_OUT)} or fewer")
     check_restart(cfg, resume=not args.restart)
     policy = _policy(cfg)
     summary = train_drafter(cfg, policy.model, policy.tokenizer, resume=not args.restart)
@@ -387,6 +394,7 @@ def _eval_requests(cfg, path: Path, records, samples: int, temperature: float, m
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
+    from fastrl_jax.data.pipeline import MATH_SOURCE
     from fastrl_jax.models.drafter_io import drafter_accept_prior, drafter_dir, make_drafter
     from fastrl_jax.rl.evaluate import evaluate, format_table, held_out_records, model_workers
 
@@ -399,6 +407,10 @@ def cmd_eval(args: argparse.Namespace) -> None:
     if note := untrained_drafter_note(cfg.sd, args.drafter, "eval"):
         print(f"[fastrl-jax] {note}", file=sys.stderr)
     source = args.prompts or cfg.data.eval_source
+    if source != MATH_SOURCE and not Path(source).expanduser().is_file():
+        raise FileNotFoundError(f"{'--prompts' if args.prompts else 'data.eval_source'} {source}: no such file; give "
+                                f"'{MATH_SOURCE}' (the built-in held-out problems) or a .jsonl / .parquet file of records "
+                                "with an answer")
     records = held_out_records(cfg, num_prompts, source)
     if len(records) < num_prompts:
         print(f"[fastrl-jax] {source} holds {len(records)} records; evaluating all of them", file=sys.stderr)
@@ -430,10 +442,13 @@ def cmd_bench_sd(args: argparse.Namespace) -> None:
     import jax
 
     from fastrl_jax.config import StrategySpec
+    from fastrl_jax.data.chat_prompts import HELD_OUT
     from fastrl_jax.data.prompts import held_out_sets, read_jsonl_prompts
     from fastrl_jax.drafter import bench
     from fastrl_jax.machine import format_machine, machine_facts
     from fastrl_jax.models.drafter_io import drafter_dir, make_drafter
+    from fastrl_jax.models.hub import resolve_model_path
+    from fastrl_jax.models.tokenizer import load_tokenizer
 
     names = [*args.prompt_sets, *(Path(p).stem for p in args.prompt_file)]  # a prompt file's set: its stem
     if not names:
@@ -450,17 +465,22 @@ def cmd_bench_sd(args: argparse.Namespace) -> None:
             raise ConfigError(problem)
     if missing := [p for p in args.prompt_file if not Path(p).expanduser().is_file()]:
         raise FileNotFoundError(f"bench-sd --prompt-file: no file {', '.join(missing)}")
+    if "chat" in args.prompt_sets and args.prompts > len(HELD_OUT):
+        raise ConfigError(f"bench-sd --prompts {args.prompts}: the chat set holds {len(HELD_OUT)} held-out prompts; give "
+                          f"--prompts {len(HELD_OUT)} or fewer, or leave chat out of --prompt-sets")
     cfg = _config(args, ["rollout.warm_up=false"])
     if args.drafter:
         drafter_dir(args.drafter)
     out = check_output_file(args.out, "--out")
-    plot = check_output_file(args.plot, "--plot") if args.plot else None
-    policy = _policy(cfg)
-    drafter = make_drafter(cfg, policy.cfg, args.drafter, cfg.model.engine_dtype) if args.drafter else None
-    held_out = held_out_sets(cfg, policy.tokenizer, args.prompts) if args.prompt_sets else {}
-    prompt_sets = {name: held_out[name] for name in args.prompt_sets}
+    plot = None
+    if args.plot:  # matplotlib adds .png to a name without a suffix: check (and report) the file it writes
+        plot = check_output_file(args.plot if Path(args.plot).suffix else f"{args.plot}.png", "--plot")
+    tokenizer = load_tokenizer(resolve_model_path(cfg.model.path))  # prompt files are read before the weights
+    prompt_sets = held_out_sets(cfg, tokenizer, args.prompts, args.prompt_sets)
     for path in args.prompt_file:
-        prompt_sets[Path(path).stem] = read_jsonl_prompts(path, policy.tokenizer)[: args.prompts]
+        prompt_sets[Path(path).stem] = read_jsonl_prompts(path, tokenizer)[: args.prompts]
+    policy = _policy(cfg, tokenizer)
+    drafter = make_drafter(cfg, policy.cfg, args.drafter, cfg.model.engine_dtype) if args.drafter else None
     result = {"model": cfg.model.path, "dtype": cfg.model.engine_dtype, "drafter": str(args.drafter),
               "new_tokens": args.new_tokens, "repeats": args.repeats, "backend": jax.default_backend(),
               "machine": machine_facts()}
@@ -633,6 +653,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # a full disk, a permission: the system's own words, without a traceback
         print(f"fastrl-jax {args.command}: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: one line, not the traceback of wherever it landed
+        print(f"\nfastrl-jax {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

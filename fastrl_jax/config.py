@@ -347,7 +347,8 @@ class DataConfig:
     messages_field: str = "messages"
     answer_field: str = "answer"
     math_levels: tuple[int, ...] = (1, 2, 3, 4, 5)  # built-in problem difficulty levels to draw from
-    instruction: str = "Put the final answer after 'The answer is'."  # appended to every prompt text
+    # Appended to every record's "prompt" text; a "messages" record is used as it is.
+    instruction: str = "Put the final answer after 'The answer is'."
     chat_template: bool = True
     shuffle: bool = True
 
@@ -449,6 +450,8 @@ class RLConfig:
             raise ConfigError(f"rl.clip_ratio_c (dual-clip PPO's bound) must be > 1, or 0 for off; got {self.clip_ratio_c}")
         if self.checkpoint_every_steps < 0 or self.eval_every_steps < 0:
             raise ConfigError("rl.checkpoint_every_steps and rl.eval_every_steps must be >= 0")
+        if not Path(self.out_dir).name:  # '', '.' or '/': a run would write where it started, and --overwrite fail
+            raise ConfigError(f"rl.out_dir must name the run's own directory (e.g. runs/grpo), got {self.out_dir!r}")
         if self.eval_samples > 1 and self.eval_temperature == 0:
             raise ConfigError(f"rl.eval_temperature must be > 0 for rl.eval_samples > 1 (greedy samples are all the "
                               f"same); got {self.eval_temperature} with {self.eval_samples} samples")
@@ -722,11 +725,13 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file '{path}' not found")
+            raise ConfigError(f"config file '{path}' {'is a directory' if path.is_dir() else 'not found'}")
         try:
-            data = _load_yaml(path.read_text()) or {}
+            data = _load_yaml(path.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file '{path}' is not valid YAML: {_yaml_error(e)}") from e
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file '{path}' is not UTF-8 text (byte {e.start}: {e.reason})") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file '{path}' must hold a mapping of sections, got {data!r}")
     for override in overrides:

@@ -10,9 +10,27 @@ from pathlib import Path
 from typing import Any
 
 
+def read_text(path: Path) -> str:
+    """A prompt file's text: UTF-8, a leading byte-order mark (Windows editors write one) dropped."""
+    try:
+        return path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
+
+
+def checked_file(path: str | Path, what: str) -> Path:
+    """`path` (~ expanded) when it is a file; else FileNotFoundError naming `what` (a directory says so)."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise FileNotFoundError(f"{what} {path} is a directory; give a file")
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} {path} not found")
+    return path
+
+
 def jsonl_rows(path: Path) -> Iterator[tuple[int, str, Any]]:
     """(line number, line, parsed value) of each non-blank line; invalid JSON names the line."""
-    for n, line in enumerate(path.read_text().split("\n"), 1):  # not splitlines: U+2028 etc. may sit inside strings
+    for n, line in enumerate(read_text(path).split("\n"), 1):  # not splitlines: U+2028 etc. may sit inside strings
         if not line.strip():
             continue
         try:
@@ -24,9 +42,7 @@ def jsonl_rows(path: Path) -> Iterator[tuple[int, str, Any]]:
 
 def read_prompt_file(path: str | Path, encode: Callable[[str], list[int]]) -> list[list[int]]:
     """Token ids per line: `encode(text)` for {"prompt": text}, the ids as given for {"prompt_ids": [...]}."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"prompts file {path} not found")
+    path = checked_file(path, "prompts file")
     prompts = []
     for n, line, row in jsonl_rows(path):
         if isinstance(row, dict) and isinstance(row.get("prompt"), str):
@@ -46,9 +62,7 @@ def read_prompt_file(path: str | Path, encode: Callable[[str], list[int]]) -> li
 def read_records(path: str | Path, prompt_field: str = "prompt", messages_field: str = "messages",
                  answer_field: str = "answer") -> list[dict[str, Any]]:
     """Reads a .jsonl or .parquet prompt file into records {"prompt"|"messages", "answer"}."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"dataset file {path} not found (data.source / data.eval_source)")
+    path = checked_file(path, "dataset file")
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -57,7 +71,7 @@ def read_records(path: str | Path, prompt_field: str = "prompt", messages_field:
         rows = [row for _, _, row in jsonl_rows(path)]
     elif path.suffix == ".json":  # one array of records
         try:
-            rows = json.loads(path.read_text())
+            rows = json.loads(read_text(path))
         except json.JSONDecodeError as e:
             raise ValueError(f"dataset file {path} is not valid JSON ({e}); JSON lines go in a .jsonl file") from e
         if not isinstance(rows, list):

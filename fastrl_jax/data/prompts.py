@@ -49,13 +49,14 @@ def math_prompt_ids(tokenizer, seed: int, count: int, levels, instruction: str) 
             for p in math_problems.problems(seed, count, tuple(levels))]
 
 
-def held_out_sets(cfg: Config, tokenizer, count: int) -> dict[str, list[list[int]]]:
-    """Held-out prompts: math problems of another generator stream, and hand-written chat prompts."""
-    return {
-        "math": math_prompt_ids(tokenizer, cfg.seed + HELD_OUT_SEED_OFFSET, count, cfg.data.math_levels,
-                                cfg.drafter_train.instruction),
-        "chat": [chat_prompt_ids(tokenizer, t) for t in chat_prompts.held_out_prompts(count)],
-    }
+def held_out_sets(cfg: Config, tokenizer, count: int,
+                  names: Sequence[str] = ("math", "chat")) -> dict[str, list[list[int]]]:
+    """Held-out prompts of the sets `names`: math problems of another generator stream, hand-written chat
+    prompts (at most len(chat_prompts.HELD_OUT))."""
+    make = {"math": lambda: math_prompt_ids(tokenizer, cfg.seed + HELD_OUT_SEED_OFFSET, count, cfg.data.math_levels,
+                                            cfg.drafter_train.instruction),
+            "chat": lambda: [chat_prompt_ids(tokenizer, t) for t in chat_prompts.held_out_prompts(count)]}
+    return {name: make[name]() for name in names}
 
 
 def drafter_training_prompts(cfg: Config, tokenizer) -> list[list[int]]:
