@@ -73,6 +73,8 @@ _TREE_FLAGS = ("spec_steps", "spec_topk", "spec_verify_tokens")
 
 def _generate_config(args: argparse.Namespace):
     """generate's config: --sd and --spec-* over the config's sd section, programs compiled when reached."""
+    if not 0 <= args.seed < 2**32:  # the engine keys sampling by a uint32: -1 would sample as 2**32 - 1
+        raise ConfigError(f"--seed must be in [0, 2**32) (request i samples with seed + i), got {args.seed}")
     spec_flags = [f"--{name.replace('_', '-')}" for name, _ in _SPEC_FLAGS if getattr(args, name) is not None]
     if args.sd == "off" and (args.drafter or spec_flags):
         used = (["--drafter"] if args.drafter else []) + spec_flags

@@ -45,7 +45,10 @@ DEFAULT_RULES: Rules = (
 )
 
 
-def mesh_sizes(cfg: MeshConfig, devices: int, where: str = "visible (jax.devices())") -> dict[str, int]:
+VISIBLE = "visible (jax.devices())"
+
+
+def mesh_sizes(cfg: MeshConfig, devices: int, where: str = VISIBLE) -> dict[str, int]:
     """The mesh axis sizes {data, fsdp, tensor} for `devices` devices; the -1 axis takes the rest.
     `where` says in errors where the device count came from."""
     if devices < 1:
@@ -63,15 +66,17 @@ def mesh_sizes(cfg: MeshConfig, devices: int, where: str = "visible (jax.devices
     if math.prod(shape) != devices:
         raise ConfigError(
             f"mesh data*fsdp*tensor = {'*'.join(map(str, shape))} = {math.prod(shape)} but {devices} devices are "
-            f"{where}; set mesh.* so the product is {devices}, or on CPU set "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={math.prod(shape)}"
+            f"{where}; set mesh.* so the product is {devices}"
+            # the visible devices only: a planned count (--dry-run --devices) is the user's own number
+            + (f", or on CPU set XLA_FLAGS=--xla_force_host_platform_device_count={math.prod(shape)}"
+               if where == VISIBLE else "")
         )
     return dict(zip(AXES, shape))
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A mesh over all visible (or the given) devices with axes (data, fsdp, tensor); -1 takes the rest."""
-    where = "visible (jax.devices())" if devices is None else "given"
+    where = VISIBLE if devices is None else "given"
     devices = list(jax.devices() if devices is None else devices)
     shape = tuple(mesh_sizes(cfg, len(devices), where).values())
     # Auto axes: XLA propagates shardings from the annotated inputs; Explicit axes would

@@ -144,3 +144,9 @@ def test_generate_reads_a_prompt_file_with_a_byte_order_mark(tiny_dir, tmp_path)
                      "rollout.batch_buckets=[2]", "rollout.compile_cache_dir=")
     assert run.returncode == 0, run.stderr
     assert [json.loads(line)["prompt_ids"] for line in out.read_text().splitlines()] == [[3, 4], [5]]
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**32)])
+def test_generate_seed_must_be_a_uint32(seed):
+    with pytest.raises(ConfigError, match=r"--seed must be in \[0, 2\*\*32\)"):
+        cli._generate_config(cli.build_parser().parse_args(["generate", "--prompt", "hi", "--seed", seed]))

@@ -49,6 +49,10 @@ def test_mesh_product_mismatch_explains_the_fix():
     for devices in (0, -8):  # e.g. train --dry-run --devices 0
         with pytest.raises(ConfigError, match=f"a mesh needs at least 1 device; {devices} are planned"):
             mesh_sizes(MeshConfig(fsdp=-1), devices, where="planned")
+    # A planned count (train --dry-run --devices 3) is the user's own: no XLA_FLAGS advice
+    with pytest.raises(ConfigError) as info:
+        mesh_sizes(MeshConfig(data=2, fsdp=2), 3, where="planned (--devices)")
+    assert str(info.value).endswith("set mesh.* so the product is 3")
 
 
 def test_make_mesh_on_given_devices():
