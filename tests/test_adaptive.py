@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 import time
 
 import numpy as np
@@ -259,3 +260,20 @@ def test_an_arm_compiles_in_the_background_while_plain_decoding_goes_on(model):
     speculative_programs = [s for k, s in engine.pool.stats.items() if k[0] in ("sd", "draft_prefill")]
     assert speculative_programs and all(s.background for s in speculative_programs)
     assert "compiled in the background" in engine.pool.report()
+
+
+@pytest.mark.parametrize("kind", ["beg", "ucb1"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_reward_that_is_not_a_number_does_not_steer_the_bandit(kind, bad):
+    """One NaN or inf reward for the best arm used to lock it out (BEG's max over medians skips a NaN) or
+    make every arm look alike (UCB1's scale became inf) for a window of pulls."""
+    fast, slow = Strategy(2, 2, 6), Strategy(3, 2, 6)
+    rate = {slow: 10.0, fast: 100.0, PLAIN: 50.0}
+    chooser = StrategyChooser([slow, fast], {6: (1, 8)}, kind=kind, epsilon=0.0, plain_arm=True)
+    chooser.record(fast, 2, bad)
+    picks = []
+    for _ in range(40):
+        arm = chooser.choose(2)
+        picks.append(arm)
+        chooser.record(arm, 2, rate[arm])
+    assert picks[-20:].count(fast) >= 15

@@ -153,8 +153,10 @@ class StrategyChooser:
         return max(arms, key=ucb)
 
     def record(self, strategy: Strategy, live_batch: int, reward: float) -> None:
-        """reward: tokens per second per live row of one host step run with `strategy` at `live_batch`."""
+        """reward: tokens per second per live row of one host step run with `strategy` at `live_batch`.
+        A reward that is not a finite number (a broken timing) is dropped: kept, one NaN or inf would decide
+        the arm's median or UCB1's scale, and so the choices, until it left the window."""
         b = self.bucket(live_batch)
-        if strategy in self.arms(b):
+        if math.isfinite(reward) and strategy in self.arms(b):
             self.rewards[b, strategy].append(reward)
             self.pulls[b, strategy] += 1

@@ -320,11 +320,19 @@ def _move_path(cache: KVCache, start, order):
 
 
 def draft(policy, drafter, s: Slots, ds: DraftState | None, strategy: Strategy, kv_len: int,
-          match: history_lib.MatchSettings) -> tuple[Tree, KVCache | None]:
-    """The strategy's draft tree for every row, and the drafter's cache after it (None without EAGLE)."""
+          match: history_lib.MatchSettings, mode: str) -> tuple[Tree, KVCache | None]:
+    """The strategy's draft tree for every row, and the drafter's cache after it (None without EAGLE).
+
+    mode: the accept mode. Only coupled steps rank drafts by the position-keyed sampling noise. A
+    rejection step decides positions with other randomness, and a later plain step (adaptive mode mixes
+    them) samples the positions it drafted but left undecided with that noise: had the noise ranked the
+    drafts, the step's outcome would already depend on it and the plain tokens would be biased. The
+    drafter's own ranking also drafts the likelier tokens, which rejection accepts more often.
+    """
     tree, dcache = None, None
     if strategy.uses_drafter:
-        tree, dcache = draft_tree(policy, drafter, ds, s.token, s.length, strategy, kv_len, s.params)
+        params = s.params if mode == "coupled" else None
+        tree, dcache = draft_tree(policy, drafter, ds, s.token, s.length, strategy, kv_len, params)
     if strategy.history_tokens:
         tokens, n = history_lib.propose(s.history, s.length, s.group, s.corpus, strategy.history_tokens, match)
         chain = chain_tree(s.token, tokens, n)
@@ -338,7 +346,7 @@ def sd_step(policy, drafter, s: Slots, ds: DraftState | None, strategy: Strategy
     B = s.batch
     rows = jnp.arange(B)
     L = s.length
-    tree, dcache = draft(policy, drafter, s, ds, strategy, kv_len, match)
+    tree, dcache = draft(policy, drafter, s, ds, strategy, kv_len, match, mode)
     logits, hidden, cache = policy(
         tree.tokens, L[:, None] + tree.depth, s.cache, L, block_mask=ancestor_mask(tree.parents), kv_len=kv_len,
         capture=s.feature_layers,
