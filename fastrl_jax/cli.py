@@ -484,7 +484,7 @@ def cmd_bench_sd(args: argparse.Namespace) -> None:
     policy = _policy(cfg, tokenizer)
     drafter = make_drafter(cfg, policy.cfg, args.drafter, cfg.model.engine_dtype) if args.drafter else None
     result = {"model": cfg.model.path, "dtype": cfg.model.engine_dtype, "drafter": str(args.drafter),
-              "new_tokens": args.new_tokens, "repeats": args.repeats, "backend": jax.default_backend(),
+              "accept": cfg.sd.accept, "new_tokens": args.new_tokens, "repeats": args.repeats, "backend": jax.default_backend(),
               "machine": machine_facts()}
     print(f"[bench-sd] machine: {format_machine(result['machine'])}", file=sys.stderr)
     if args.profile:
@@ -496,7 +496,7 @@ def cmd_bench_sd(args: argparse.Namespace) -> None:
     rows = bench.run_bench(
         policy.model, drafter, prompt_sets, policy.stop_ids, base_cfg=cfg.rollout, batch_sizes=args.batch_sizes,
         strategies=strategies, temperatures=args.temperatures, vocabs=args.vocab, new_tokens=args.new_tokens,
-        repeats=args.repeats, samples_per_prompt=args.samples_per_prompt,
+        repeats=args.repeats, samples_per_prompt=args.samples_per_prompt, sd=cfg.sd,
         log=lambda line: print(f"[bench-sd] {line}", file=sys.stderr, flush=True))
     result["rows"] = rows
     result["stops_paying_at_batch"] = bench.stop_paying(rows)

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 from helpers.tiny import CFG, TINY, prompts, tiny_model
 
-from fastrl_jax.config import StrategySpec
+from fastrl_jax.config import HistoryConfig, SpecConfig, StrategySpec
 from fastrl_jax.drafter.bench import run_bench, stop_paying
 from fastrl_jax.models.drafter import Drafter
 
@@ -47,6 +47,30 @@ def test_by_default_a_drafter_without_a_reduced_vocabulary_is_timed_over_the_ful
         log=lambda line: None,
     )
     assert [(r["vocab"], r["same_tokens"]) for r in rows] == [("full", 1)]
+
+
+def test_the_configs_accept_rule_and_history_settings_reach_every_cell(monkeypatch):
+    """bench-sd --set sd.accept=rejection / sd.history.*: each cell's engine runs the config's rule and history
+    settings with the cell's strategy (they were SpecConfig defaults whatever the config said)."""
+    from fastrl_jax.drafter import bench
+
+    engines = []
+
+    def recording_engine(*args, **kwargs):
+        engines.append(kwargs.get("sd"))
+        return bench_engine(*args, **kwargs)
+
+    bench_engine = bench.RolloutEngine
+    monkeypatch.setattr(bench, "RolloutEngine", recording_engine)
+    sd = SpecConfig(accept="rejection", history=HistoryConfig(min_match=3, corpus_tokens=64))
+    rows = run_bench(
+        tiny_model(), Drafter(TINY, nnx.Rngs(1)), {"a": prompts(1, seed=2, hi=8)}, stop_ids=[], base_cfg=CFG,
+        batch_sizes=[1], strategies=[StrategySpec("3/1/4+h4")], temperatures=[0.0], vocabs=None, new_tokens=4,
+        repeats=1, sd=sd, log=lambda line: None,
+    )
+    cell = engines[-1]
+    assert (cell.mode, cell.strategies, cell.accept, cell.history) == ("on", ("3/1/4+h4",), "rejection", sd.history)
+    assert rows[0]["same_tokens"] == 1  # greedy: rejection keeps plain decoding's tokens
 
 
 def test_an_empty_prompt_set_is_named_before_anything_runs():

@@ -86,13 +86,15 @@ def _timed(engine: RolloutEngine, rounds: list[list[Request]], repeats: int) -> 
 def run_bench(policy: Decoder, drafter: Drafter | None, prompt_sets: dict[str, Sequence[Sequence[int]]], stop_ids: Sequence[int], *,
               base_cfg: RolloutConfig, batch_sizes: Sequence[int], strategies: Sequence[StrategySpec],
               temperatures: Sequence[float], vocabs: Sequence[str] | None, new_tokens: int, repeats: int,
-              samples_per_prompt: int = 1, log=print) -> list[dict]:
+              samples_per_prompt: int = 1, sd: SpecConfig = SpecConfig(), log=print) -> list[dict]:
     """Rows {prompts, temperature, batch, strategy, vocab, plain_tok_s, sd_tok_s, acceptance_length,
     drafts_per_step, speedup, same_tokens, requests}: one per prompt set and cell. Sets are timed apart
     because the drafter's acceptance, and so the speedup, depends on the kind of text (math answers vs
     chat). samples_per_prompt > 1 asks each prompt that many times (other seeds) one after another, as
     an RL group: history strategies ('hD') draft from the earlier samples. vocabs None: the drafter's
-    reduced draft vocabulary (when it has one) and the full one."""
+    reduced draft vocabulary (when it has one) and the full one. sd: the accept rule and history settings
+    (its mode and strategies are each cell's). With sd.accept 'rejection', sampled rows are exact in
+    distribution only, so same_tokens counts fewer at T > 0."""
     empty = [name for name, prompts in prompt_sets.items() if not prompts]
     if empty or not prompt_sets:
         raise ValueError(f"bench-sd: no prompts to time in {empty or 'any set'}")
@@ -125,9 +127,9 @@ def run_bench(policy: Decoder, drafter: Drafter | None, prompt_sets: dict[str, S
     rows = []
     cells = [(vocab, spec) for spec in strategies for vocab in (vocabs if spec.parts()[0] else vocabs[:1])]
     for vocab, spec in cells:  # a strategy without an EAGLE tree has no vocabulary to vary
-        sd = SpecConfig(mode="on", strategies=(spec,))
-        history = HistoryStore(sd.history.corpus_tokens, sd.history.store_prompts) if sd.uses_history() else None
-        engine = RolloutEngine(policy, cfg, sd=sd, drafter=drafters[vocab], progress=False, history=history)
+        cell = dataclasses.replace(sd, mode="on", strategies=(spec,), group_live_batch_ranges=())
+        history = HistoryStore(cell.history.corpus_tokens, cell.history.store_prompts) if cell.uses_history() else None
+        engine = RolloutEngine(policy, cfg, sd=cell, drafter=drafters[vocab], progress=False, history=history)
         for name, prompts in prompt_sets.items():
             for t in temperatures:
                 for b in batch_sizes:
