@@ -228,7 +228,10 @@ def cmd_train(args: argparse.Namespace) -> None:
 def cmd_train_drafter(args: argparse.Namespace) -> None:
     from fastrl_jax.config import check_trainable
     from fastrl_jax.data.chat_prompts import HELD_OUT
+    from fastrl_jax.data.prompts import drafter_training_prompts
     from fastrl_jax.drafter.warmup import check_restart, train_drafter
+    from fastrl_jax.models.hub import resolve_model_path
+    from fastrl_jax.models.tokenizer import load_tokenizer
 
     cfg = _config(args, ["rollout.warm_up=false"])
     check_trainable(cfg, "train-drafter")
@@ -236,7 +239,10 @@ def cmd_train_drafter(args: argparse.Namespace) -> None:
         raise ConfigError(f"drafter_train.eval_prompts ({cfg.drafter_train.eval_prompts}) exceeds the {len(HELD_OUT)} "
                           f"held-out chat prompts: give {len(HELD_OUT)} or fewer")
     check_restart(cfg, resume=not args.restart)
-    policy = _policy(cfg)
+    tokenizer = load_tokenizer(resolve_model_path(cfg.model.path))
+    if cfg.drafter_train.prompts != "builtin":
+        drafter_training_prompts(cfg, tokenizer)  # a malformed prompt file fails here, before the weights load
+    policy = _policy(cfg, tokenizer)
     summary = train_drafter(cfg, policy.model, policy.tokenizer, resume=not args.restart)
     final = summary.get("final_eval", {})
     figures = ", ".join(f"{k.removeprefix('accept_')} {v:.2f}" for k, v in final.items() if k.startswith("accept_"))

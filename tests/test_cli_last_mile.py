@@ -133,6 +133,9 @@ def test_late_failures_are_refused_before_the_model_loads(tiny_dir, tmp_path):
                      "drafter_train.eval_prompts=40", "rollout.compile_cache_dir=")
     assert run.returncode == 2 and "drafter_train.eval_prompts (40) exceeds the 32" in run.stderr, run.stderr
     assert "loaded" not in run.stderr and not (tmp_path / "d").exists()
+    run = fastrl_jax("train-drafter", "--model", str(tiny_dir), "--set", f"drafter_train.out_dir={tmp_path}/d",
+                     f"drafter_train.prompts={bad}", "rollout.compile_cache_dir=")
+    assert run.returncode == 2 and f"{bad} is not UTF-8 text" in run.stderr and "loaded" not in run.stderr, run.stderr
 
 
 def test_generate_reads_a_prompt_file_with_a_byte_order_mark(tiny_dir, tmp_path):
