@@ -62,12 +62,13 @@ def test_long_sequences_are_cropped():
     for r in range(2):
         assert np.array_equal(np.diff(b.tokens[r]), np.ones(15))
         np.testing.assert_array_equal(b.hidden[r, :, 0], b.tokens[r])  # inside the sequence every token has h
+        np.testing.assert_array_equal(b.positions[r], b.tokens[r])  # a crop keeps its positions in the sequence
 
 
 def test_save_load_round_trip(tmp_path):
     buf = SampleBuffer(max_tokens=10_000, hidden_size=H, keep_steps=3)
     for i in range(4):
-        buf.add(*seq(4 + i, 10 * i), step=i)
+        buf.add(*seq(4 + i, 10 * i), step=i, temperature=0.5 * i, seed=2**32 + i)
     buf.save(tmp_path / "b.npz")
     back = SampleBuffer(max_tokens=10_000, hidden_size=H, keep_steps=3)
     back.load(tmp_path / "b.npz")
@@ -76,6 +77,25 @@ def test_save_load_round_trip(tmp_path):
     y = back.sample(np.random.default_rng(3), 2, 12)
     for a, b in zip(vars(x).values(), vars(y).values()):
         np.testing.assert_array_equal(a, b)
+    assert {(s.temperature, s.seed) for s in back._seqs} == {(0.5 * i, i) for i in range(4)}
+
+
+def test_rollouts_keep_their_sampling_settings_per_segment():
+    """An acceptance estimate drafts a sampled rollout as the engine did (train.chain_acceptance): each packed
+    token carries its sequence's temperature and seed, and its position in the whole sequence."""
+    from fastrl_jax.rollout.engine import Completion, Request
+
+    buf = SampleBuffer(max_tokens=100, hidden_size=H)
+    requests = [Request([1, 2], 3, temperature=0.7, seed=2**32 + 5), Request([3, 4, 5], 3, temperature=0.0, seed=9)]
+    done = [Completion([5, 6, 7], [0.0] * 3, "length", hidden_states=np.ones((4, H), np.float32)),
+            Completion([8, 9], [0.0] * 2, "length", hidden_states=np.ones((4, H), np.float32))]
+    assert buf.add_rollouts(requests, done) == (2, 5)
+    b = buf.sample(np.random.default_rng(0), rows=1, seq_len=10)
+    for req, n in zip(requests, (5, 5)):
+        idx = np.flatnonzero(b.tokens[0] == req.prompt_ids[0])[0] + np.arange(n)
+        np.testing.assert_array_equal(b.temperature[0, idx], np.float32(req.temperature))
+        np.testing.assert_array_equal(b.seeds[0, idx], req.seed % 2**32)
+        np.testing.assert_array_equal(b.positions[0, idx], np.arange(n))
 
 
 def test_a_rollout_outside_float16_is_left_out_not_fatal():

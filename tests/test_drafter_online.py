@@ -22,6 +22,8 @@ from fastrl_jax.models.drafter import Drafter, policy_features
 from fastrl_jax.models.loading import load_model
 from fastrl_jax.rl.workers import RolloutWorkers
 from fastrl_jax.rollout.engine import Request
+from fastrl_jax.rollout.sampling import SamplingParams
+from fastrl_jax.rollout.speculative import coupled_logp
 from fastrl_jax.sharding import make_mesh
 
 
@@ -45,8 +47,19 @@ def _prefix(drafter, policy, tokens, feats, kv):
                   drafter.empty_cache(1, kv), jnp.zeros(1, jnp.int32), mask)
 
 
-def _oracle_accepted(drafter, policy, tokens, feats, a, depth):
-    """Drafts accepted at anchor a, drafting one entry at a time through the drafter's KV cache.
+def _engine_draft(drafter, logits, temperature, seed, position):
+    """The token draft_tree puts first for logits [K] of the token at `position`: the drafter's argmax, or at
+    temperature > 0 its Gumbel-coupled guess of what the policy samples there (speculative.coupled_logp)."""
+    params = SamplingParams(jnp.asarray([temperature], jnp.float32), jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.float32),
+                            jnp.asarray([seed], jnp.uint32))
+    ids = drafter.token_ids(jnp.arange(logits.shape[-1]))
+    scores = coupled_logp(logits[None], params, jnp.asarray([position], jnp.int32), ids)
+    return int(drafter.token_ids(jnp.argmax(scores[0])))
+
+
+def _oracle_accepted(drafter, policy, tokens, feats, a, depth, temperature=0.0, seed=0):
+    """Drafts accepted at anchor a, drafting one entry at a time through the drafter's KV cache as the
+    engine's chain (1-wide tree) drafts for a row sampling at `temperature` with `seed`.
 
     Every call has the same shapes (fast eagerly): the true entries fill slots 0 .. S-2, chain entry j
     goes to slot S-1+j and sees the true entries <= a and the chain entries before it."""
@@ -56,8 +69,10 @@ def _oracle_accepted(drafter, policy, tokens, feats, a, depth):
     logits, pred = logits[:, a : a + 1], pred[:, a : a + 1]
     accepted = 0
     for j in range(depth):
-        draft = int(drafter.token_ids(jnp.argmax(logits[0, 0])))
-        if a + j + 2 >= S or draft != int(tokens[a + j + 2]):
+        if a + j + 2 >= S:
+            break
+        draft = _engine_draft(drafter, logits[0, 0], temperature, seed, a + j + 2)
+        if draft != int(tokens[a + j + 2]):
             break
         accepted += 1
         slot = S - 1 + j
@@ -67,10 +82,13 @@ def _oracle_accepted(drafter, policy, tokens, feats, a, depth):
     return accepted
 
 
-def test_chain_acceptance_matches_step_by_step_drafting():
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_chain_acceptance_matches_step_by_step_drafting(temperature):
+    """Sampled rows draft the Gumbel-coupled guess, not the argmax (the chain's drafts at T = 1 differ from the
+    argmax almost everywhere here): the estimate must count what the engine's chain would accept."""
     policy = tiny_model()
     drafter = Drafter(TINY, nnx.Rngs(1), draft_vocab=np.arange(0, 128, 2))
-    S, depth = 14, 3
+    S, depth, seed = 14, 3, 7
     rng = np.random.default_rng(0)
     hidden = jnp.asarray(rng.normal(size=(S, TINY.hidden_size)), jnp.float32)
     feats = policy_features(policy, hidden)
@@ -80,14 +98,15 @@ def test_chain_acceptance_matches_step_by_step_drafting():
     for a in range(S - 2):
         logits, _, _ = _prefix(drafter, policy, tokens, feats, S - 1 + depth)
         if a % 4 != 3:
-            tokens[a + 2] = int(drafter.token_ids(jnp.argmax(logits[0, a])))
+            tokens[a + 2] = _engine_draft(drafter, logits[0, a], temperature, seed, a + 2)
     tokens = jnp.asarray(tokens)
     mask = np.arange(S) >= 3
     batch = {"tokens": tokens[None], "hidden": hidden[None], "loss_mask": jnp.asarray(mask)[None],
-             "positions": jnp.arange(S)[None], "segments": jnp.ones((1, S), jnp.int32)}
+             "positions": jnp.arange(S)[None], "segments": jnp.ones((1, S), jnp.int32),
+             "temperature": jnp.full((1, S), temperature, jnp.float32), "seeds": jnp.full((1, S), seed, jnp.uint32)}
     accepted, anchors = nnx.jit(chain_acceptance, static_argnums=3)(drafter, policy, batch, depth)
     anchor_list = [a for a in range(S - 2) if mask[a + 2]]
-    expected = sum(_oracle_accepted(drafter, policy, tokens, feats, a, depth) for a in anchor_list)
+    expected = sum(_oracle_accepted(drafter, policy, tokens, feats, a, depth, temperature, seed) for a in anchor_list)
     assert int(anchors) == len(anchor_list)
     assert int(accepted) == expected
     assert expected >= len(anchor_list) // 2  # the construction makes most depth-0 drafts right

@@ -8,7 +8,9 @@ has the same shapes and little padding.
 
 Alignment (one sequence of n tokens): tokens x_0 .. x_{n-1}; hidden h_0 .. h_{n-2} (the policy's
 hidden state after each token but the last, as the engine returns them); loss_mask [n] marks the
-tokens a drafter should learn to predict (the completion).
+tokens a drafter should learn to predict (the completion). A rollout's sequence also keeps its sampling
+temperature and seed, so an acceptance estimate can draft as the engine does for a sampled row
+(train.chain_acceptance).
 """
 
 from __future__ import annotations
@@ -34,8 +36,19 @@ class PackedBatch:
     tokens: np.ndarray  # [B, S] int32
     hidden: np.ndarray  # [B, S, H] hidden state after each token (zero where the sequence has none)
     loss_mask: np.ndarray  # [B, S] bool, the token is one to predict
-    positions: np.ndarray  # [B, S] int32 position of each token in its sequence (its crop, if cropped)
+    positions: np.ndarray  # [B, S] int32 position of each token in its whole sequence (a crop's too)
     segments: np.ndarray  # [B, S] int32 sequence number within the row, from 1; 0 is padding
+    temperature: np.ndarray  # [B, S] float32 the sequence's sampling temperature (0: greedy)
+    seeds: np.ndarray  # [B, S] uint32 the sequence's sampling seed (its request's, mod 2**32)
+
+    @classmethod
+    def zeros(cls, rows: int, seq_len: int, hidden_size: int) -> PackedBatch:
+        """An all-padding batch [rows, seq_len] (also the shapes a compiled train step takes)."""
+        shape = (rows, seq_len)
+        return cls(tokens=np.zeros(shape, np.int32), hidden=np.zeros((*shape, hidden_size), np.float32),
+                   loss_mask=np.zeros(shape, bool), positions=np.zeros(shape, np.int32),
+                   segments=np.zeros(shape, np.int32), temperature=np.zeros(shape, np.float32),
+                   seeds=np.zeros(shape, np.uint32))
 
 
 @dataclasses.dataclass
@@ -44,6 +57,8 @@ class _Sequence:
     hidden: np.ndarray  # [n - 1, H]
     loss_mask: np.ndarray  # [n] bool
     step: int
+    temperature: float  # the rollout's sampling temperature (0: greedy)
+    seed: int  # its sampling seed, uint32
 
 
 class SampleBuffer:
@@ -73,8 +88,9 @@ class SampleBuffer:
     def steps(self) -> list[int]:
         return sorted({s.step for s in self._seqs})
 
-    def add(self, tokens, hidden, loss_mask, step: int = 0) -> None:
-        """Adds one sequence: tokens [n], hidden [n - 1, H] (or [n, H], the last row is dropped), loss_mask [n]."""
+    def add(self, tokens, hidden, loss_mask, step: int = 0, temperature: float = 0.0, seed: int = 0) -> None:
+        """Adds one sequence: tokens [n], hidden [n - 1, H] (or [n, H], the last row is dropped), loss_mask [n];
+        temperature and seed: what sampled its completion (its Request's)."""
         tokens = np.asarray(tokens, np.int32)
         hidden = np.asarray(hidden)
         loss_mask = np.asarray(loss_mask, bool)
@@ -89,7 +105,8 @@ class SampleBuffer:
             raise ValueError(f"a {n}-token sequence does not fit a buffer of {self.max_tokens} tokens")
         if not self._fits(hidden):
             raise ValueError(f"hidden states are not finite or exceed the range of {self.hidden_dtype}")
-        self._seqs.append(_Sequence(tokens, hidden[: n - 1].astype(self.hidden_dtype), loss_mask, int(step)))
+        self._seqs.append(_Sequence(tokens, hidden[: n - 1].astype(self.hidden_dtype), loss_mask, int(step),
+                                    float(temperature), int(seed) % 2**32))
         self._tokens += n
         while self._tokens > self.max_tokens:
             self._tokens -= len(self._seqs.popleft().tokens)
@@ -109,7 +126,7 @@ class SampleBuffer:
                                 "such rollouts are left out (counted in SampleBuffer.skipped)", self.hidden_dtype)
                 continue
             seq = list(req.prompt_ids) + list(out.tokens)
-            self.add(seq, out.hidden_states, np.arange(len(seq)) >= len(req.prompt_ids), step)
+            self.add(seq, out.hidden_states, np.arange(len(seq)) >= len(req.prompt_ids), step, req.temperature, req.seed)
             sequences, tokens = sequences + 1, tokens + len(out.tokens)
         return sequences, tokens
 
@@ -135,14 +152,7 @@ class SampleBuffer:
             raise ValueError("the sample buffer holds no sequence with a token to learn (add rollouts first)")
         if rows < 1 or seq_len < 3:
             raise ValueError(f"need rows >= 1 and seq_len >= 3, got {rows}, {seq_len}")
-        H = self.hidden_size
-        batch = PackedBatch(
-            tokens=np.zeros((rows, seq_len), np.int32),
-            hidden=np.zeros((rows, seq_len, H), np.float32),
-            loss_mask=np.zeros((rows, seq_len), bool),
-            positions=np.zeros((rows, seq_len), np.int32),
-            segments=np.zeros((rows, seq_len), np.int32),
-        )
+        batch = PackedBatch.zeros(rows, seq_len, self.hidden_size)
         order = rng.permutation(len(pool))
         drawn = 0
         for r in range(rows):
@@ -162,8 +172,10 @@ class SampleBuffer:
                 h = seq.hidden[lo : lo + m]  # the last token of an uncropped sequence has no hidden state
                 batch.hidden[r, at : at + len(h)] = h
                 batch.loss_mask[r, span] = seq.loss_mask[lo : lo + m]
-                batch.positions[r, span] = np.arange(m)
+                batch.positions[r, span] = np.arange(lo, lo + m)
                 batch.segments[r, span] = segment
+                batch.temperature[r, span] = seq.temperature
+                batch.seeds[r, span] = seq.seed
                 at, segment = at + m, segment + 1
         return batch
 
@@ -175,6 +187,8 @@ class SampleBuffer:
         arrays = dict(
             lengths=lengths,
             steps=np.array([s.step for s in seqs], np.int64),
+            temperatures=np.array([s.temperature for s in seqs], np.float32),
+            seeds=np.array([s.seed for s in seqs], np.uint32),
             tokens=np.concatenate([s.tokens for s in seqs]) if seqs else np.zeros(0, np.int32),
             loss_mask=np.concatenate([s.loss_mask for s in seqs]) if seqs else np.zeros(0, bool),
             hidden=np.concatenate([s.hidden for s in seqs]) if seqs else np.zeros((0, self.hidden_size), self.hidden_dtype),
@@ -184,19 +198,22 @@ class SampleBuffer:
         tmp.replace(path)
 
     def load(self, path: str | Path) -> None:
-        """Adds the sequences of a file written by save (in their order, with their steps)."""
+        """Adds the sequences of a file written by save (in their order, with their steps; a file from before
+        sampling settings were kept reads as greedy)."""
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"sample buffer file {path} not found")
         with np.load(path) as f:
             lengths, steps = f["lengths"], f["steps"]
             tokens, loss_mask, hidden = f["tokens"], f["loss_mask"], f["hidden"]
+            temperatures = f["temperatures"] if "temperatures" in f else np.zeros(len(lengths), np.float32)
+            seeds = f["seeds"] if "seeds" in f else np.zeros(len(lengths), np.uint32)
         if hidden.shape[1] != self.hidden_size:
             raise ValueError(f"{path} holds features {hidden.shape[1]} wide; this buffer takes {self.hidden_size} "
                              "(they were collected for another drafter kind or policy)")
         t = h = 0
-        for n, step in zip(lengths, steps):
-            self.add(tokens[t : t + n], hidden[h : h + n - 1], loss_mask[t : t + n], int(step))
+        for n, step, temperature, seed in zip(lengths, steps, temperatures, seeds):
+            self.add(tokens[t : t + n], hidden[h : h + n - 1], loss_mask[t : t + n], int(step), temperature, seed)
             t, h = t + n, h + n - 1
 
     def token_counts(self, vocab_size: int) -> np.ndarray:

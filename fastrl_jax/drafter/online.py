@@ -43,7 +43,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fastrl_jax.config import Config
-from fastrl_jax.drafter.buffer import SampleBuffer
+from fastrl_jax.drafter.buffer import PackedBatch, SampleBuffer
 from fastrl_jax.drafter.train import LossSettings, chain_acceptance, drafter_optimizer, make_train_step
 from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.rollout.engine import Completion, Request
@@ -158,11 +158,7 @@ class SpotTrainer:
             self._cv.wait_for(lambda: not self._compiling)
 
     def _compile(self, block: tuple[int, ...]):
-        c, H = self.cfg, self.buffer.hidden_size
-        shape = (c.batch_rows, c.seq_len_tokens)
-        batch = {"tokens": np.zeros(shape, np.int32), "hidden": np.zeros((*shape, H), np.float32),
-                 "loss_mask": np.zeros(shape, bool), "positions": np.zeros(shape, np.int32),
-                 "segments": np.zeros(shape, np.int32)}
+        batch = dataclasses.asdict(PackedBatch.zeros(self.cfg.batch_rows, self.cfg.seq_len_tokens, self.buffer.hidden_size))
         params, rest, opt_state, pstate, batch, key = self._inputs(block, batch)
         return self._step.lower(self.dgraphdef, params, rest, opt_state, self.pgraphdef, pstate, batch, key).compile()
 

@@ -10,7 +10,10 @@ restricted to it.
 EAGLE-3 (drafter.kind "eagle3") trains on cross-entropy alone, against the token the policy emitted,
 x_{t+2} (the buffer stores EAGLE-3's layer features, not the last hidden state the policy's own
 distribution would need; on the policy's own samples this is an unbiased estimate of that CE);
-entries whose target lies outside the draft vocabulary are not counted.
+entries whose target lies outside the draft vocabulary are not counted. A token sampled at
+temperature T came from softmax(logits / T), so the CE is of softmax(drafter logits / T): the drafter
+learns the policy's logits themselves, which is what drafting assumes (draft_tree's coupled_logp
+divides the drafter's log-probs by the row's T, as sampling divides the policy's).
 
 Unrolling (training-time test): drafting feeds the drafter its own predictions, so unroll step j
 re-runs the drafter at anchor a with entry (pred_{a+j-1}, x_{a+j+1}) at position a+j, attending to
@@ -30,6 +33,8 @@ from flax import nnx
 
 from fastrl_jax.models.decoder import Decoder, KVCache, head_logits
 from fastrl_jax.models.drafter import Drafter
+from fastrl_jax.rollout.sampling import SamplingParams
+from fastrl_jax.rollout.speculative import coupled_logp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +96,8 @@ def drafter_loss(drafter: Drafter, policy: Decoder, batch: dict, key: jax.Array,
     """Mean loss over the batch's valid entries, and metrics.
 
     batch (see buffer.PackedBatch): tokens [B, S] int32, hidden [B, S, H] policy hidden states (before
-    the final norm), loss_mask [B, S] bool, positions [B, S] int32, segments [B, S] int32 (0 = pad).
+    the final norm), loss_mask [B, S] bool, positions [B, S] int32, segments [B, S] int32 (0 = pad),
+    temperature [B, S] float32 (each token's sampling temperature, 0 greedy; read by EAGLE-3).
     batch["hidden"] holds the stored policy features ([B, S, 3H] for EAGLE-3).
     Returns (loss, {"loss", "hidden_l1_<j>" (EAGLE), "ce_<j>", "acc_<j>" per unroll step, "entries"}).
     """
@@ -102,12 +108,13 @@ def drafter_loss(drafter: Drafter, policy: Decoder, batch: dict, key: jax.Array,
     weight_sum = 0.0
     for j, logits, pred in _unrolled(drafter, policy, batch, feats + noise, head, settings.unroll_steps):
         w = _target_valid(batch, j).astype(jnp.float32)
-        logp = jax.nn.log_softmax(logits, -1)
         if drafter.kind == "eagle3":
             label = drafter.draft_index(_shift(batch["tokens"], j + 2))
             w = w * (label >= 0)
             n = jnp.maximum(w.sum(), 1.0)
-            ce = (-jnp.take_along_axis(logp, jnp.maximum(label, 0)[..., None], -1)[..., 0] * w).sum() / n
+            T = _shift(batch["temperature"], j + 2)
+            sampled = jax.nn.log_softmax(logits / jnp.where(T > 0, T, 1.0)[..., None], -1)
+            ce = (-jnp.take_along_axis(sampled, jnp.maximum(label, 0)[..., None], -1)[..., 0] * w).sum() / n
             acc = ((jnp.argmax(logits, -1) == label) * w).sum() / n
             step_loss, metrics[f"ce_{j}"] = ce, ce
         else:
@@ -116,7 +123,7 @@ def drafter_loss(drafter: Drafter, policy: Decoder, batch: dict, key: jax.Array,
             l1 = (smooth_l1(pred - target).mean(-1) * w).sum() / n
             target_logits = head_logits(target, head)
             p = jax.nn.softmax(target_logits, -1)
-            ce = (-(p * logp).sum(-1) * w).sum() / n
+            ce = (-(p * jax.nn.log_softmax(logits, -1)).sum(-1) * w).sum() / n
             acc = ((jnp.argmax(logits, -1) == jnp.argmax(target_logits, -1)) * w).sum() / n
             step_loss = l1 + settings.ce_weight * ce
             metrics |= {f"hidden_l1_{j}": l1, f"ce_{j}": ce}
@@ -132,14 +139,17 @@ def drafter_loss(drafter: Drafter, policy: Decoder, batch: dict, key: jax.Array,
 
 
 def chain_acceptance(drafter: Drafter, policy: Decoder, batch: dict, depth: int) -> tuple[jax.Array, jax.Array]:
-    """Teacher-forced acceptance of a greedy draft chain on recorded sequences: (accepted drafts summed
-    over anchors, number of anchors).
+    """Teacher-forced acceptance of a draft chain on recorded sequences: (accepted drafts summed over
+    anchors, number of anchors).
 
-    At each anchor a (x_{a+2} a token to learn) the drafter drafts `depth` tokens greedily from its
-    own predictions; the drafts accepted are the leading ones equal to the recorded tokens
-    x_{a+2}, x_{a+3}, ... That is what a chain of this depth accepts when the policy emits those
-    tokens (greedy decoding, or coupled sampling with the recorded seeds), so 1 + accepted / anchors
-    estimates tokens per speculative step without running the policy.
+    At each anchor a (x_{a+2} a token to learn) the drafter drafts `depth` tokens from its own
+    predictions, each the token the engine's draft_tree ranks first: the argmax for a greedy sequence
+    (batch "temperature" [B, S] 0), and for a sampled one (> 0, with "seeds" [B, S]) the drafter's
+    Gumbel-coupled guess of the token the policy samples there (speculative.coupled_logp). The drafts accepted
+    are the leading ones equal to the recorded tokens x_{a+2}, x_{a+3}, ... That is what a chain of
+    this depth accepts when the policy emits those tokens (they were decoded with those seeds), so
+    1 + accepted / anchors estimates tokens per speculative step without running the policy.
+    batch["positions"] must be the tokens' positions in their sequences (the noise's key).
     """
     feats = drafter.features(policy, batch["hidden"].astype(jnp.float32))
     head = drafter.head_weight(policy)
@@ -148,10 +158,21 @@ def chain_acceptance(drafter: Drafter, policy: Decoder, batch: dict, depth: int)
     anchors = alive.sum()
     accepted = jnp.zeros((), jnp.int32)
     for j, logits, _ in _unrolled(drafter, policy, batch, feats, head, depth):
-        draft = drafter.token_ids(jnp.argmax(logits, -1))
+        draft = _engine_draft(drafter, logits, batch, batch["positions"] + j + 2)
         alive = alive & _target_valid(batch, j) & (draft == _shift(tokens, j + 2))
         accepted = accepted + alive.sum()
     return accepted, anchors
+
+
+def _engine_draft(drafter: Drafter, logits: jax.Array, batch: dict, positions: jax.Array) -> jax.Array:
+    """[B, S] token ids draft_tree ranks first for logits [B, S, K] of the tokens at positions [B, S]."""
+    B, S, K = logits.shape
+    N = B * S  # one sampling row per entry: its own temperature, seed and position
+    params = SamplingParams(batch["temperature"].reshape(N), jnp.zeros(N, jnp.int32), jnp.ones(N, jnp.float32),
+                            batch["seeds"].reshape(N))
+    ids = drafter.token_ids(jnp.arange(K))
+    scores = coupled_logp(logits.reshape(N, K), params, positions.reshape(N), ids)
+    return drafter.token_ids(jnp.argmax(scores, -1)).reshape(B, S)
 
 
 def drafter_optimizer(learning_rate: float, warmup_steps: int, total_steps: int | None, weight_decay: float,
