@@ -217,7 +217,8 @@ def test_eagle3_learns_the_policys_logits_from_tokens_sampled_at_a_temperature(p
         params, state, _ = step(graphdef, params, rest, state, pg, ps, batch | {"tokens": jnp.asarray(tokens, jnp.int32)},
                                 jax.random.key(i))
     trained = nnx.merge(graphdef, params, rest)
-    d = trained(policy, context[:, 1:], feats[:, :2], jnp.arange(2)[None], trained.empty_cache(1, 2), jnp.zeros(1, jnp.int32))[0][0, 1]
+    d = trained(policy, context[:, 1:], feats[:, :2], jnp.arange(2)[None], trained.empty_cache(1, 2),
+                jnp.zeros(1, jnp.int32))[0][0, 1]
     kl = float(jnp.sum(p * (jnp.log(p) - jax.nn.log_softmax(d / T))))
     assert kl < 0.1, kl  # d = l / T: KL ~0.8 here
 
