@@ -304,6 +304,28 @@ def test_pool_compiles_in_the_background_when_asked_if_a_program_is_ready():
     assert "2 compiled in the background" in pool.report()
 
 
+def test_ctrl_c_cancels_the_compiles_queued_in_the_background():
+    """At exit Python runs a compile thread's whole queue before joining it; after Ctrl-C only the compile
+    already running finishes (cli.main calls cancel_background_compiles)."""
+    from fastrl_jax.rollout.pool import ProgramPool, cancel_background_compiles
+
+    built, started, release = [], threading.Event(), threading.Event()
+
+    def build(key):
+        built.append(key)
+        started.set()
+        release.wait(30)
+        return jax.jit(lambda x: x * key), (jax.ShapeDtypeStruct((4,), jnp.float32),)
+
+    pool = ProgramPool(build)
+    assert not any([pool.ready(1), pool.ready(2), pool.ready(3)])
+    started.wait(30)
+    cancel_background_compiles()
+    release.set()
+    pool._thread.shutdown(wait=True)
+    assert built == [1] and pool.ready(1) and [pool._pending[k].cancelled() for k in (2, 3)] == [True, True]
+
+
 def test_a_failed_background_compile_is_raised_for_its_own_program_and_ready_never_waits():
     """A drop near the memory-map limit collects the pending compiles first: one that failed is raised
     to the caller that asks for its program, not to the one whose compile set the drop off; ready()

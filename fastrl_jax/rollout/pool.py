@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import time
+import weakref
 from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -42,6 +43,18 @@ def enable_persistent_cache(directory: str | os.PathLike) -> Path:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     _count_cache_hits()
     return path
+
+
+_POOLS: weakref.WeakSet = weakref.WeakSet()  # every live ProgramPool, for cancel_background_compiles
+
+
+def cancel_background_compiles() -> None:
+    """Drops the compiles every pool has queued on its compile thread (Ctrl-C): at exit Python joins that
+    thread after it has run its whole queue, so the process would otherwise compile them all before it
+    ends. The compile already running finishes (XLA cannot be stopped midway)."""
+    for pool in list(_POOLS):
+        if pool._thread is not None:
+            pool._thread.shutdown(wait=False, cancel_futures=True)
 
 
 class _CacheHits:
@@ -124,6 +137,7 @@ class ProgramPool:
         self._failed: dict[Hashable, BaseException] = {}  # background compiles that failed, not asked for since
         self._thread: ThreadPoolExecutor | None = None
         self.dropped = 0  # programs dropped to stay under the memory-map limit
+        _POOLS.add(self)
         self._maps_after_drop = 0  # maps held right after the last drop: what dropping could not free
 
     def __len__(self) -> int:
