@@ -153,6 +153,23 @@ def replica_meshes(mesh: Mesh) -> list[Mesh]:
     return [Mesh(mesh.devices[i : i + 1], AXES, axis_types=mesh.axis_types) for i in range(mesh.shape["data"])]
 
 
+def to_replicated(tree: Any, mesh: Mesh) -> Any:
+    """Host-local arrays that every process holds alike (the drafter) as global arrays replicated over `mesh`:
+    what Orbax saves from several processes (it refuses host-local arrays there)."""
+    sharding = NamedSharding(mesh, PartitionSpec())
+
+    def one(x: jax.Array) -> jax.Array:
+        host = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(one, tree)
+
+
+def to_host_local(tree: Any) -> Any:
+    """The inverse of to_replicated: each array's copy on this process's first device it has (no copy)."""
+    return jax.tree.map(lambda x: x.addressable_data(0), tree)
+
+
 def reshard(tree: Any, shardings: Any) -> Any:
     """Each array of `tree` on the matching NamedSharding of `shardings` (same pytree).
 

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Multi-node GRPO under SLURM: one process per node, each calling jax.distributed.initialize()
-# (which reads SLURM's variables for the coordinator, process count and process id).
+# (which reads SLURM's variables for the coordinator, process count and process id; with one task per
+# node, fastrl_jax.rl.distributed keeps every GPU of the node visible to it).
 #
-#   sbatch --nodes=4 --gpus-per-node=8 scripts/launch_slurm.sh configs/qwen2.5_32b_multinode.yaml [key=value ...]
+#   sbatch --nodes=4 scripts/launch_slurm.sh configs/qwen2.5_32b_multinode.yaml [key=value ...]
 #
+# --exclusive alone grants no GPUs where SLURM constrains devices: the GPUs are asked for here
+# (override with sbatch --gpus-per-node=N).
 #SBATCH --job-name=fastrl-grpo
 #SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
 #SBATCH --exclusive
 #SBATCH --output=%x-%j.out
 set -euo pipefail

@@ -23,8 +23,10 @@ def free_port() -> int:
 
 
 def test_two_processes_one_mesh(tmp_path):
-    # mesh data=2 (one rollout replica per process) x fsdp=2 (two devices in each process)
-    overrides = [*tiny_overrides(tmp_path, steps=2), "mesh.data=2", "mesh.fsdp=2", "rl.checkpoint_every_steps=1"]
+    # mesh data=2 (one rollout replica per process) x fsdp=2 (two devices in each process); adaptive SD, so each
+    # checkpoint holds the drafter every process keeps on one local device (Orbax refused it from several processes)
+    overrides = [*tiny_overrides(tmp_path, steps=2), "mesh.data=2", "mesh.fsdp=2", "rl.checkpoint_every_steps=1",
+                 "sd.mode=adaptive"]
     port = free_port()
     procs = [
         subprocess.Popen(

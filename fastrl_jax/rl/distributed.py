@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+
 import jax
 
 
@@ -12,3 +15,16 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     """
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+    if coordinator is None and one_slurm_task_per_node(os.environ):
+        # JAX's SLURM detection assumes one process per GPU and shows each process only GPU number
+        # SLURM_LOCALID; a process per node drives every GPU SLURM gave the node. The backends start
+        # after this, so they see them all.
+        for flag in ("jax_cuda_visible_devices", "jax_rocm_visible_devices"):
+            jax.config.update(flag, "all")
+
+
+def one_slurm_task_per_node(env: Mapping[str, str]) -> bool:
+    """Whether this is a SLURM step with one task on each node (and JAX_LOCAL_DEVICE_IDS does not pick the GPUs)."""
+    tasks = env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS"))
+    nodes = env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES"))
+    return "SLURM_JOB_ID" in env and "JAX_LOCAL_DEVICE_IDS" not in env and tasks is not None and tasks == nodes

@@ -39,7 +39,7 @@ from fastrl_jax.rl.workers import RolloutWorkers, request_seed
 from fastrl_jax.rollout.engine import Completion, Request
 from fastrl_jax.rollout.history import HistoryStore
 from fastrl_jax.rollout.requests import draft_margin, sampling_problem
-from fastrl_jax.sharding import make_mesh, shardings_for
+from fastrl_jax.sharding import make_mesh, shardings_for, to_host_local, to_replicated
 
 log = logging.getLogger(__name__)
 
@@ -333,7 +333,9 @@ class Trainer:
         if self.ref_params is not None:
             arrays["reference"] = self.ref_params
         if self.drafter is not None:
-            arrays["drafter"] = nnx.to_pure_dict(nnx.state(self.drafter))  # weights and any draft vocabulary
+            drafter = nnx.to_pure_dict(nnx.state(self.drafter))  # weights and any draft vocabulary
+            # Each process holds it on one local device; Orbax saves only global arrays from several processes
+            arrays["drafter"] = to_replicated(drafter, self.mesh) if jax.process_count() > 1 else drafter
         if self.spot is not None:
             arrays["drafter_optimizer"] = self.spot.optimizer_state()
         return arrays
@@ -415,7 +417,8 @@ class Trainer:
         self.params, self.opt_state = arrays["policy"], arrays["optimizer"]
         self.ref_params = arrays.get("reference", self.ref_params)
         if "drafter" in arrays:
-            nnx.update(self.drafter, _state_from(self.drafter, arrays["drafter"]))
+            drafter = to_host_local(arrays["drafter"]) if jax.process_count() > 1 else arrays["drafter"]
+            nnx.update(self.drafter, _state_from(self.drafter, drafter))
         if self.spot is not None:
             self.spot.restore(self.drafter, arrays.get("drafter_optimizer"))
             self.spot.bank_s = float(meta["run"].get("drafter_bank_s", 0.0))  # checkpoints before 2026-11-26 have none
