@@ -65,7 +65,7 @@ def test_bf16_coupled_sampling_equals_bf16_plain_sampling(model, drafter):
     reqs = _requests(4, 1.0, seed=2)
     plain = RolloutEngine(model, SD_CFG, keep_hidden=True, progress=False).generate(reqs)
     sd = SpecConfig(mode="on", steps=3, topk=2, verify_tokens=6)
-    spec = RolloutEngine(model, SD_CFG, sd=sd, drafter=drafter, progress=False).generate(reqs)
+    spec = RolloutEngine(model, SD_CFG, sd=sd, drafter=drafter, keep_hidden=True, progress=False).generate(reqs)
     assert len({tuple(p.tokens) for p in plain}) > 1
     for a, b in zip(plain, spec):
         assert a.tokens == b.tokens and a.finish_reason == b.finish_reason

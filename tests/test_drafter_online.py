@@ -130,7 +130,7 @@ def test_idle_replicas_train_the_drafter_without_changing_the_rollout(tmp_path: 
     graphdef, state = nnx.split(model)
     params = nnx.to_pure_dict(state)
     drafter = Drafter(model.cfg, nnx.Rngs(0), kind=kind)
-    workers = RolloutWorkers(cfg, graphdef, params, mesh, drafter)
+    workers = RolloutWorkers(cfg, graphdef, params, mesh, drafter, keep_hidden=True)
     spot = SpotTrainer(cfg, drafter, graphdef, params, mesh, seed=0)
     assert spot.buffer.hidden_size == drafter.feature_size == model.cfg.hidden_size * (3 if kind == "eagle3" else 1)
 
@@ -217,7 +217,7 @@ def test_one_replica_spends_on_drafter_steps_only_what_speculation_saved(tmp_pat
     params = nnx.to_pure_dict(state)
     drafter = Drafter(model.cfg, nnx.Rngs(0))
     requests = [Request([1, 2, 3, 4 + i], 8, 1.0, seed=i) for i in range(4)]
-    completions, _ = RolloutWorkers(cfg, graphdef, params, mesh, drafter).generate(requests, 4)
+    completions, _ = RolloutWorkers(cfg, graphdef, params, mesh, drafter, keep_hidden=True).generate(requests, 4)
     spot = SpotTrainer(cfg, drafter, graphdef, params, mesh, seed=0)
     spot.add(requests, completions, step=1)
 

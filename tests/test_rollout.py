@@ -199,6 +199,17 @@ def test_hidden_states_returned(model):
     assert np.max(np.abs(out.hidden_states - ref)) < 1e-5 * np.max(np.abs(ref))
 
 
+def test_speculation_keeps_hidden_states_on_the_device_unless_asked(model):
+    """The table keeps them for the drafter; copying every completion's to the host (~84 MB each at 32B) is for
+    a caller that trains the drafter (keep_hidden), not for every engine with a drafter."""
+    sd = SpecConfig(mode="on", steps=2, topk=1, verify_tokens=3)
+    reqs = [Request(p, max_new_tokens=5) for p in prompts(2, seed=6)]
+    outs = [RolloutEngine(model, CFG, sd=sd, drafter=Drafter(TINY, nnx.Rngs(1)), keep_hidden=keep,
+                          progress=False).generate(reqs) for keep in (False, True)]
+    assert [o.tokens for o in outs[0]] == [o.tokens for o in outs[1]]
+    assert all(o.hidden_states is None for o in outs[0]) and all(o.hidden_states is not None for o in outs[1])
+
+
 def _cache(n):
     from fastrl_jax.models.decoder import KVCache
 

@@ -92,21 +92,21 @@ class Trainer:
         # Earlier steps' completions per prompt, drafted from when a prompt comes back (checkpointed).
         h = cfg.sd.history
         self.history = HistoryStore(h.corpus_tokens, h.store_prompts) if cfg.sd.uses_history() else None
+        online = self.drafter is not None and cfg.drafter_online.enabled
+        if online and jax.process_count() > 1:
+            log.warning("drafter_online: online drafter training runs in single-process runs only; "
+                        "this %d-process run keeps the drafter frozen", jax.process_count())
+            online = False
+        # Only the online drafter trainer reads the rollouts' hidden states: without it they stay on the device.
         self.workers = RolloutWorkers(cfg, self.graphdef, self.params, self.mesh, self.drafter, self.history,
-                                      drafter_accept=drafter_accept_prior(rl.drafter_path))
-        self.spot = None
+                                      drafter_accept=drafter_accept_prior(rl.drafter_path), keep_hidden=online)
         # Drafter steps done at its latest acceptance estimate; a random drafter's prior (~1 token per step)
         # stands for one at 0 steps, a checkpoint has none.
         self._estimated_at = None if rl.drafter_path else 0
         self._drafter_accept = math.nan  # that estimate (tokens per step), NaN while the prior stands
-        if self.drafter is not None and cfg.drafter_online.enabled:
-            if jax.process_count() > 1:
-                log.warning("drafter_online: online drafter training runs in single-process runs only; "
-                            "this %d-process run keeps the drafter frozen", jax.process_count())
-            else:
-                # It reads the policy's embedding, norm and head from the engines' copy (replicated along
-                # data, so placing it on lent replicas copies nothing).
-                self.spot = SpotTrainer(cfg, self.drafter, self.graphdef, self.workers.params, self.mesh, cfg.seed)
+        # It reads the policy's embedding, norm and head from the engines' copy (replicated along data, so
+        # placing it on lent replicas copies nothing).
+        self.spot = SpotTrainer(cfg, self.drafter, self.graphdef, self.workers.params, self.mesh, cfg.seed) if online else None
         self.stop_ids = stop_ids(model.cfg, tokenizer)
         self.reward_fn = rewards.combined(cfg.reward.functions, cfg.reward.weights)
 

@@ -56,8 +56,10 @@ class RolloutWorkers:
     """The local replicas' engines; `generate` runs this process's share and returns every completion."""
 
     def __init__(self, cfg: Config, graphdef, params: dict, mesh: Mesh, drafter: Drafter | None,
-                 history: HistoryStore | None = None, progress: bool = False, drafter_accept: float = math.inf):
-        """drafter_accept: the drafter's estimated tokens per step so far (RolloutEngine.set_drafter_accept)."""
+                 history: HistoryStore | None = None, progress: bool = False, drafter_accept: float = math.inf,
+                 keep_hidden: bool = False):
+        """drafter_accept: the drafter's estimated tokens per step so far (RolloutEngine.set_drafter_accept).
+        keep_hidden: local completions carry the policy's hidden states (the online drafter trainer's data)."""
         self.graphdef = graphdef
         self.dtype = DTYPES[cfg.model.engine_dtype]
         self.num_replicas = mesh.shape["data"]
@@ -86,7 +88,7 @@ class RolloutWorkers:
                 d_graph, d_state = nnx.split(drafter)
                 local_drafter = nnx.merge(d_graph, jax.device_put(d_state, shardings_for(d_state, sub)))
             engine = RolloutEngine(model, cfg.rollout, sd=cfg.sd, drafter=local_drafter, progress=progress, history=history,
-                                   drafter_accept=drafter_accept)
+                                   drafter_accept=drafter_accept, keep_hidden=keep_hidden)
             self.replicas.append(Replica(i, sub, shardings, engine))
 
     def update_weights(self, params: dict) -> None:

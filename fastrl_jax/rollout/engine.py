@@ -150,7 +150,9 @@ class RolloutEngine:
         feature_layers: tuple[int, ...] | None = None,
         drafter_accept: float = math.inf,
     ):
-        """history: earlier completions per prompt that history strategies draft from (the caller adds
+        """keep_hidden: completions carry the policy's hidden states (features) on the host, the drafter's
+        training data.
+        history: earlier completions per prompt that history strategies draft from (the caller adds
         to it, e.g. the trainer after each RL step); within a call, finished siblings count anyway.
         feature_layers: the policy features kept as hidden states (Decoder capture indices; () the
         last-layer hidden state); None: the drafter's (Drafter.feature_layers), () without one.
@@ -188,8 +190,10 @@ class RolloutEngine:
         if self.uses_drafter and tuple(feature_layers) != drafter.feature_layers:
             raise ValueError(f"feature_layers {feature_layers} differ from the drafter's {drafter.feature_layers}")
         self.feature_layers = tuple(feature_layers)
-        # Speculation restarts the drafter from stored policy hidden states, so it keeps them.
+        # Speculation restarts the drafter from stored policy hidden states, so the table keeps them; completions
+        # carry them to the host only when asked (the drafter's training data: up to ~84 MB a completion at 32B).
         self.keep_hidden = keep_hidden or self.uses_drafter
+        self.return_hidden = keep_hidden
         self.progress = progress
         self.max_len = cfg.length_buckets[-1]
         weights = jax.tree.leaves(self.state)[0].sharding
@@ -703,7 +707,7 @@ class RolloutEngine:
             (slots.n_out[idx], slots.out_tokens[idx], slots.out_logprobs[idx], slots.length[idx])
         )
         # float32 on the host whatever the engine's dtype: what the sample buffer and callers expect
-        hidden = np.asarray(jax.device_get(slots.hidden[idx]), np.float32) if self.keep_hidden else None
+        hidden = np.asarray(jax.device_get(slots.hidden[idx]), np.float32) if self.return_hidden else None
         out = []
         for j, req in enumerate(requests):
             n = int(n_out[j])
