@@ -3,7 +3,6 @@ stats, the bandit states and the drafter a checkpoint saves, and SLURM start-up.
 in for two hosts; their engines are stand-ins, so only the workers' bookkeeping runs."""
 
 import json
-import socket
 import subprocess
 import sys
 from collections import Counter
@@ -11,15 +10,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from helpers.cli import cpu_env
+from helpers.cli import cpu_env, free_port
 
 ROOT = Path(__file__).parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FakeEngine:

@@ -1,25 +1,18 @@
 """Two CPU processes (gloo collectives) run a GRPO step on one mesh spanning both, and agree with one
 process holding the same mesh."""
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers.cli import cpu_env
+from helpers.cli import cpu_env, free_port
 from helpers.tiny_run import tiny_overrides
 
 from fastrl_jax.metric_sink import read_metrics
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_processes_one_mesh(tmp_path):

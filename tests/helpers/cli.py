@@ -1,6 +1,7 @@
 """The `fastrl-jax` command in a subprocess, as a user runs it, and the environment of test subprocesses."""
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,3 +23,10 @@ def fastrl_jax(*args):
     without LLVM's optimizer as every test does (conftest.py)."""
     env = dict(os.environ, XLA_FLAGS=COMPILE_FLAGS)
     return subprocess.run([sys.executable, "-m", "fastrl_jax.cli", *args], capture_output=True, text=True, env=env)
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (a multi-process test's coordinator)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
