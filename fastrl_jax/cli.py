@@ -416,7 +416,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         print(f"[fastrl-jax] {note}", file=sys.stderr)
     source = args.prompts or cfg.data.eval_source
     if source != MATH_SOURCE and not Path(source).expanduser().is_file():
-        raise FileNotFoundError(f"{'--prompts' if args.prompts else 'data.eval_source'} {source}: no such file; give "
+        raise FileNotFoundError(f"{'--prompts' if args.prompts else 'data.eval_source'} {source} not found; give "
                                 f"'{MATH_SOURCE}' (the built-in held-out problems) or a .jsonl / .parquet file of records "
                                 "with an answer")
     records = held_out_records(cfg, num_prompts, source)

@@ -32,10 +32,19 @@ from helpers.precision import highest  # noqa: E402
 DEVICE_SUBSET = ("test_kernels.py", "test_accept.py", "test_speculative.py", "test_models.py", "test_bf16.py")
 
 
+# The longest files (CI log, 2-core Intel Xeon, 2026-11-27), run first: `-n 2 --dist loadfile` hands each worker
+# the next file in collection order, so a long file collected late leaves the other worker idle at the end.
+LONGEST_FIRST = ("test_gpu_check.py", "test_rl_trainer.py", "test_speculative.py", "test_rl_multiprocess.py",
+                 "test_rollout.py", "test_run_dir.py", "test_mixed_precision.py", "test_benchmarks.py",
+                 "test_export_policy.py")
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if item.path.name in DEVICE_SUBSET:
             item.add_marker(pytest.mark.device)
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order is kept
 
 
 @pytest.fixture(autouse=True)

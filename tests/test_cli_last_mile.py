@@ -110,9 +110,9 @@ def test_interrupt_is_one_line_and_exit_130(monkeypatch, capsys):
 
 def test_eval_names_the_setting_of_a_missing_prompt_set(tmp_path):
     run = fastrl_jax("eval", "--prompts", "chat", *NO_CACHE)
-    assert run.returncode == 2 and "--prompts chat: no such file; give 'math'" in run.stderr, run.stderr
+    assert run.returncode == 2 and "--prompts chat not found; give 'math'" in run.stderr, run.stderr
     run = fastrl_jax("eval", "--set", f"data.eval_source={tmp_path}/none.jsonl", "rollout.compile_cache_dir=")
-    assert run.returncode == 2 and f"data.eval_source {tmp_path}/none.jsonl: no such file" in run.stderr, run.stderr
+    assert run.returncode == 2 and f"data.eval_source {tmp_path}/none.jsonl not found" in run.stderr, run.stderr
 
 
 def test_late_failures_are_refused_before_the_model_loads(tiny_dir, tmp_path):

@@ -33,7 +33,8 @@ def test_two_processes_one_mesh(tmp_path):
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     single = subprocess.run(
-        [sys.executable, "-m", "fastrl_jax.cli", "train", *overrides, f"rl.out_dir={tmp_path / 'single'}"],
+        # SD off: the same rollouts (speculation is lossless), without compiling its programs again
+        [sys.executable, "-m", "fastrl_jax.cli", "train", *overrides, f"rl.out_dir={tmp_path / 'single'}", "sd.mode=off"],
         env=cpu_env(4), cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert single.returncode == 0, single.stderr[-3000:]

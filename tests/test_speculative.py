@@ -122,7 +122,7 @@ def test_coupled_sampling_equals_plain_sampling(model, kind, temperature):
     plain = RolloutEngine(model, SD_CFG, keep_hidden=True, progress=False,
                           feature_layers=drafter.feature_layers).generate(reqs)
     sd = SpecConfig(mode="on", steps=3, topk=2, verify_tokens=6)
-    spec = RolloutEngine(model, SD_CFG, sd=sd, drafter=drafter, progress=False).generate(reqs)
+    spec = RolloutEngine(model, SD_CFG, sd=sd, drafter=drafter, keep_hidden=True, progress=False).generate(reqs)
     for a, b in zip(plain, spec):
         assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
         np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-4, atol=1e-4)
