@@ -102,7 +102,6 @@ class ModelConfig:
         )
 
 
-
 # transformers' defaults where config.json leaves max_position_embeddings out (YaRN without an original length
 # scales from it)
 _MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768}

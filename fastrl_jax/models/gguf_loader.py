@@ -232,7 +232,6 @@ def _tokenizer_spec(reader: gguf.GGUFReader, path: Path) -> dict[str, Any]:
     return {"backend": backend.to_str(), "settings": settings | special_tokens}
 
 
-
 _SPECIAL_TOKEN_IDS = {
     "bos_token": "bos_token_id",
     "eos_token": "eos_token_id",
