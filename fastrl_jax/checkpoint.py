@@ -35,12 +35,18 @@ class RunCheckpointer:
     StandardSave (sharded arrays restore onto the shardings of the abstract target), plain
     JSON-able dicts (data iterator position, metrics, RNG seeds) with JsonSave. Orbax writes
     each step into a temporary directory and renames it when complete, so a crash or a full
-    disk mid-save leaves the previous checkpoint as the latest valid one.
+    disk mid-save leaves the previous checkpoint as the latest valid one; a writer removes the
+    temporary directories that crashed saves left (each as large as a checkpoint) when it opens.
     """
 
     def __init__(self, directory: str | Path, keep: int | None = 3, async_save: bool = True, read_only: bool = False):
         """keep: steps kept (None: all); read_only: for reading a run's checkpoints (nothing is created or deleted)."""
         self.directory = Path(directory).expanduser().resolve()
+        if not read_only and jax.process_index() == 0 and self.directory.is_dir():
+            # Not Orbax's cleanup_tmp_directories: one it cannot remove (another user's files) fails every save.
+            for path in self.directory.iterdir():
+                if ocp.utils.is_tmp_checkpoint(path):
+                    shutil.rmtree(path, ignore_errors=True)
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
@@ -70,7 +76,7 @@ class RunCheckpointer:
         as `step`; returns once the arrays are copied off device (the write continues behind)."""
         items = {name: ocp.args.StandardSave(tree) for name, tree in arrays.items()}
         items |= {name: ocp.args.JsonSave(value) for name, value in (meta or {}).items()}
-        with _disk_errors():
+        with self._failed_writes():
             self._manager.save(step, args=ocp.args.Composite(**items))
 
     def restore(
@@ -130,12 +136,25 @@ class RunCheckpointer:
 
     def wait(self) -> None:
         """Blocks until the last save is on disk."""
-        with _disk_errors():
+        with self._failed_writes():
             self._manager.wait_until_finished()
 
     def close(self) -> None:
         self.wait()
         self._manager.close()
+
+    @contextlib.contextmanager
+    def _failed_writes(self):
+        """A failed save (reported at the next save or wait) as _disk_errors says. Orbax has by then dropped
+        the failed step from its list of steps, and with it the older steps that save was to prune: those are
+        still on disk (the newest valid checkpoints) and would never be pruned, so the list is read again."""
+        try:
+            with _disk_errors():
+                yield
+        except Exception:
+            with contextlib.suppress(OSError):  # a directory that cannot be listed: the write's error says more
+                self._manager.reload()
+            raise
 
     def __enter__(self) -> "RunCheckpointer":
         return self

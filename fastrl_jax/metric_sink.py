@@ -31,7 +31,9 @@ class MetricsSink:
         """Keeps the file's lines up to `step`: a resume that fell back past a damaged checkpoint runs the later
         steps again (TensorBoard purges only where the sink opened, resume_after)."""
         lines = self.path.read_text().splitlines() if self.path.exists() else []
-        self.path.write_text("".join(ln + "\n" for ln in lines if ln.strip() and _step(ln) <= step))
+        tmp = self.path.with_name(self.path.name + ".tmp")  # a process killed mid-rewrite leaves the file whole
+        tmp.write_text("".join(ln + "\n" for ln in lines if ln.strip() and _step(ln) <= step))
+        tmp.replace(self.path)
 
     def write(self, metrics: dict[str, Any]) -> None:
         """metrics: JSON-able, with an int "step"; finite numbers also go to TensorBoard."""

@@ -1,6 +1,8 @@
 """RunCheckpointer: keeps the last k steps, restores the latest complete one, ignores a crashed save."""
 
 import errno
+import os
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -32,6 +34,47 @@ def test_an_unfinished_save_is_not_a_checkpoint(tmp_path):
         step, arrays, _ = ckpt.restore(None, {"policy": {"w": jnp.zeros(2)}})
     assert step == 1
     np.testing.assert_array_equal(arrays["policy"]["w"], np.ones(2))
+
+
+def test_a_writer_removes_what_a_killed_save_left(tmp_path):
+    """A killed save leaves a temporary directory as large as a checkpoint: the next writer removes it, a reader
+    (export, eval) leaves it alone (the run may still be writing it)."""
+    with RunCheckpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"policy": {"w": jnp.ones(2)}})
+    killed = tmp_path / "2.orbax-checkpoint-tmp-1234"
+    (killed / "policy").mkdir(parents=True)
+    (killed / "policy" / "d").write_bytes(bytes(4096))
+    with RunCheckpointer(tmp_path, read_only=True) as reader:
+        assert reader.latest_step() == 1
+    assert killed.is_dir()
+    with RunCheckpointer(tmp_path) as ckpt:
+        ckpt.save(2, {"policy": {"w": jnp.full(2, 2.0)}})
+    assert not killed.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["1", "2"]
+
+
+def test_a_failed_background_write_keeps_the_older_step_listed_and_prunes_it_later(tmp_path, monkeypatch):
+    """Step 2's write fails at its final rename (as a full disk fails any write of it). Orbax had already dropped
+    step 1, which that save was to prune, from its list of steps: step 1 is still the latest checkpoint (the
+    trainer's messages name it), and the next good save prunes it."""
+    rename = os.rename
+
+    def full_disk(src, dst, *args, **kwargs):
+        if Path(dst).name == "2":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return rename(src, dst, *args, **kwargs)
+
+    with RunCheckpointer(tmp_path, keep=1) as ckpt:
+        ckpt.save(1, {"policy": {"w": jnp.ones(2)}})
+        ckpt.wait()
+        monkeypatch.setattr(os, "rename", full_disk)
+        ckpt.save(2, {"policy": {"w": jnp.full(2, 2.0)}})
+        with pytest.raises(OSError) as raised:
+            ckpt.wait()
+        monkeypatch.undo()
+        assert raised.value.errno == errno.ENOSPC
+        assert ckpt.all_steps() == [1] and ckpt.latest_step() == 1
+        ckpt.save(3, {"policy": {"w": jnp.full(2, 3.0)}})
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit()) == ["3"]
 
 
 def test_a_full_disk_in_the_background_write_is_an_os_error(tmp_path, monkeypatch):

@@ -2,10 +2,11 @@
 
 import io
 import math
+from pathlib import Path
 
 import pytest
 
-from fastrl_jax.metric_sink import read_metrics
+from fastrl_jax.metric_sink import MetricsSink, read_metrics
 from fastrl_jax.rl.step_metrics import MetricsLog, rollout_summary, table_header, table_row
 from fastrl_jax.rollout.stats import RolloutStats
 
@@ -37,3 +38,22 @@ def test_table_and_sinks(tmp_path):
     MetricsLog(tmp_path, tensorboard=False, resume_after=2, stream=io.StringIO()).close()
     assert [m["step"] for m in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
     assert pytest.approx(read_metrics(tmp_path / "metrics.jsonl")[1]["reward_mean"]) == 0.2
+
+
+def test_a_kill_while_a_resume_rewrites_the_metrics_leaves_them_whole(tmp_path, monkeypatch):
+    sink = MetricsSink(tmp_path, tensorboard=False)
+    for step in (1, 2, 3):
+        sink.write({"step": step, "loss": step / 10})
+    write_text = Path.write_text
+
+    def killed(self, text, *args, **kwargs):  # the process dies half-way through writing the file
+        write_text(self, text[: len(text) // 2], *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_text", killed)
+    with pytest.raises(KeyboardInterrupt):
+        MetricsSink(tmp_path, tensorboard=False, resume_after=2)
+    monkeypatch.undo()
+    assert [m["step"] for m in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    MetricsSink(tmp_path, tensorboard=False, resume_after=2)  # the resume run again
+    assert [m["step"] for m in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]

@@ -168,6 +168,29 @@ def test_failed_checkpoint_write_keeps_previous(tmp_path, capsys):
     assert (tmp_path / "run" / "config.yaml").read_text() == saved
 
 
+def test_a_failed_final_checkpoint_fails_the_run(tmp_path):
+    """The last step's write fails behind the training: no later save keeps its weights, so the run ends with
+    an error that names the checkpoint left, not with 'training continues' and exit status 0."""
+    trainer = make_trainer(tmp_path, steps=2)
+    trainer.step = 1
+    trainer.save()
+    wait, failed = trainer.checkpointer.wait, []
+
+    def report():
+        wait()
+        if failed:  # Orbax reports a failed write once
+            failed.pop()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    trainer.checkpointer.save, trainer.checkpointer.wait = lambda step, *args, **kwargs: failed.append(step), report
+    trainer.step = 2
+    trainer.save()
+    with pytest.raises(OSError, match=r"the final checkpoint \(step 2\) failed \(the disk is full\); the previous "
+                                      r"checkpoint \(step 1\) stays valid: make room in .* and resume with --resume"):
+        trainer.close()
+    assert trainer.checkpointer is None and checkpoint_steps(tmp_path / "run") == [1]
+
+
 def test_a_resume_takes_what_the_checkpoint_has_and_names_a_setting_it_does_not_fit(tmp_path, capsys):
     """History drafting off for a step and back on: the resume starts its store fresh from the newest
     step instead of falling back past it (and dropping its metrics); a changed optimizer is named."""

@@ -341,7 +341,8 @@ class Trainer:
         return arrays
 
     def save(self) -> None:
-        """Starts an async checkpoint of step self.step; a failed write (disk full) keeps the previous one."""
+        """Starts an async checkpoint of step self.step; a failed write (disk full) keeps the previous one, and
+        training goes on unless it was the final step's (close() then raises)."""
         self._wait_checkpoint()  # the previous write's failure is its own step's, and this one still starts
         meta = {"data": self.data.state(),
                 "run": {"step": self.step, "updates": self.updates, "seed": self.cfg.seed, "config": to_dict(self.cfg),
@@ -372,6 +373,11 @@ class Trainer:
         why = "the disk is full" if e.errno == errno.ENOSPC else str(e)
         latest = max((s for s in self.checkpointer.all_steps() if s != step), default=None)
         kept = f"the previous checkpoint (step {latest}) stays valid" if latest is not None else "no earlier checkpoint exists"
+        if step == self.cfg.rl.steps:  # no later save keeps these weights: the run must not end as if it had
+            fix = "make room in" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "fix"
+            again = "resume with --resume" if latest is not None else "run it again"
+            raise OSError(e.errno, f"the final checkpoint (step {step}) failed ({why}); {kept}: {fix} "
+                                   f"{self.checkpointer.directory} and {again}") from e
         print(f"[fastrl-jax] checkpoint at step {step} failed ({why}); {kept}; training continues", file=sys.stderr)
 
     def _restore(self) -> None:
@@ -449,13 +455,16 @@ class Trainer:
         print(f"[fastrl-jax] resumed from step {step} in {ckpt.directory}", file=sys.stderr)
 
     def close(self) -> None:
-        if self.checkpointer is not None:
-            self._wait_checkpoint()
-            self.checkpointer.close()
-            self.checkpointer = None
-        if self.spot is not None:
-            self.spot.close()
-        self.metrics.close()
+        try:
+            if self.checkpointer is not None:
+                self._wait_checkpoint()  # raises when the final checkpoint failed
+        finally:
+            if self.checkpointer is not None:
+                self.checkpointer.close()
+                self.checkpointer = None
+            if self.spot is not None:
+                self.spot.close()
+            self.metrics.close()
 
 
 def _state_from(module: nnx.Module, pure: dict) -> nnx.State:
