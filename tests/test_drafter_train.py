@@ -292,6 +292,17 @@ def test_resume_continues_the_same_run(policy, tmp_path, monkeypatch):
     assert sorted(int(p.name) for p in (tmp_path / "damaged" / "checkpoints").iterdir() if p.name.isdigit()) == [3, 4]
 
 
+def test_a_finished_run_run_again_is_left_as_it_is(policy, tmp_path):
+    """Run again (resuming is the default), a finished warm-up neither evaluates again (a second final row in
+    metrics.jsonl) nor rewrites its summary without the data collection's figures, nor its drafter."""
+    cfg = run_config(tmp_path, "done", steps=2)
+    assert "collect" in warmup.train_drafter(cfg, policy, FakeTokenizer(), progress=False)
+    files = {p: p.read_bytes() for p in (tmp_path / "done").rglob("*") if p.is_file()}
+    again = warmup.train_drafter(cfg, policy, FakeTokenizer(), progress=False)
+    assert "collect" in again and again["steps"] == 2
+    assert {p: p.read_bytes() for p in (tmp_path / "done").rglob("*") if p.is_file()} == files
+
+
 def test_eagle3_warm_up_stores_layer_features_and_saves_its_kind(policy, tmp_path):
     cfg = run_config(tmp_path, "e3", steps=2)
     cfg = dataclasses.replace(cfg, drafter_train=dataclasses.replace(cfg.drafter_train, kind="eagle3"))

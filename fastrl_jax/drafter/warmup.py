@@ -9,7 +9,8 @@ One run lives in drafter_train.out_dir:
   summary.json      data, timing and final held-out acceptance lengths
   config.yaml       the resolved config of the latest start (fastrl-jax ... --config config.yaml reruns it)
 Resuming (the default when checkpoints exist) continues the same run: batches and noise are
-functions of (seed, step), so the steps after a restart are the steps the run would have taken.
+functions of (seed, step), so the steps after a restart are the steps the run would have taken;
+a finished run started again with the same settings is left as it is.
 """
 
 from __future__ import annotations
@@ -96,6 +97,15 @@ def train_drafter(cfg: Config, policy: Decoder, tokenizer, *, resume: bool = Tru
     check_restart(cfg, resume)
     t_start = time.perf_counter()
     out_dir = Path(dt.out_dir).expanduser().resolve()
+    done = out_dir / "summary.json"  # written last
+    if done.is_file() and (out_dir / "drafter").is_dir() and checkpoint_steps(out_dir)[-1:] == [dt.steps]:
+        finished, settings = json.loads(done.read_text()), json.loads(json.dumps(dataclasses.asdict(dt)))
+        # The same settings again would evaluate again (a second final row in metrics.jsonl) and write a summary
+        # without the data collection's figures.
+        if finished.get("seed") == cfg.seed and finished.get("config") == settings:
+            print(f"[train-drafter] {out_dir} holds this run, finished at step {dt.steps}: nothing to do (delete "
+                  f"{done} to evaluate it again, or raise drafter_train.steps to train on)", file=sys.stderr)
+            return finished
     out_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out_dir / "config.yaml")
     stop = stop_ids(policy.cfg, tokenizer)
