@@ -28,6 +28,7 @@ from fastrl_jax.rl import rewards
         ("a total of 1,000,000 grains", "1,000,000"),
         ("The answer is \u22123.", "-3"),  # a Unicode minus (U+2212) is a minus, not the positive 3
         ("so x = \u22127", "-7"),
+        ("The answer is \\$5. That is 2 more than before.", "5"),  # an escaped dollar before the stated answer
     ],
 )
 def test_extract_answer(text, expected):
@@ -56,6 +57,22 @@ def test_correctness_is_numeric():
     assert rewards.correctness_reward("nothing", "12") == 0.0
     assert rewards.correctness_reward("\\boxed{x+1}", "x + 1") == 0.0  # non-numeric: exact string match only
     assert rewards.correctness_reward("\\boxed{x+1}", "x+1") == 1.0
+
+
+def test_separators_only_between_thousands_groups():
+    """A comma or space joins digits only as a thousands separator: a boxed list of two numbers is no number."""
+    assert rewards.correctness_reward("\\boxed{2, 5}", "25") == 0.0
+    assert rewards.correctness_reward("\\boxed{3 4}", "34") == 0.0
+    assert rewards.normalize_number("2,5") is None and rewards.normalize_number("12,3456") is None
+    assert rewards.correctness_reward("\\boxed{1,234}", "1234") == 1.0
+    assert rewards.correctness_reward("\\boxed{1 234 567}", "1234567") == 1.0
+
+
+def test_gsm8k_ground_truth_is_the_number_after_its_last_marker():
+    solution = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips.\n#### 72"
+    assert rewards.correctness_reward("The answer is 72.", solution) == 1.0
+    assert rewards.correctness_reward("The answer is 24.", solution) == 0.0
+    assert rewards.correctness_reward("\\boxed{1,200}", "#### 1200") == 1.0
 
 
 def test_format_reward():

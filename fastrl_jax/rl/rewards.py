@@ -19,10 +19,11 @@ _REGISTRY: dict[str, RewardFn] = {}
 # A minus sign right after a digit is a range or a difference ("2-3 days"), not a negative number.
 # Commas only as thousands separators: "2,5" is two numbers.
 _NUMBER = r"(?<!\d)-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:/\d+)?|(?<!\d)-?\.\d+"
-# "The answer is: **12**", "answer is $\\(12\\)$": markdown emphasis and math delimiters may come before the
-# answer: a number, or LaTeX (\frac{3}{4}; \sqrt{2}, which no number equals, rather than the 2 inside it).
+# "The answer is: **12**", "answer is $\\(12\\)$", "answer is \\$12": markdown emphasis, math delimiters and an
+# escaped dollar may come before the answer: a number, or LaTeX (\frac{3}{4}; \sqrt{2}, which no number equals,
+# rather than the 2 inside it).
 _LATEX = r"-?\\[a-zA-Z]+(?:\{[^{}]*\}|\d)*"
-_ANSWER_IS = re.compile(r"answer is\s*:?(?:[\s*_$]|\\[(\[])*(" + _LATEX + "|" + _NUMBER + ")", re.IGNORECASE)
+_ANSWER_IS = re.compile(r"answer is\s*:?(?:[\s*_$]|\\[(\[$])*(" + _LATEX + "|" + _NUMBER + ")", re.IGNORECASE)
 _LAST_NUMBER = re.compile(_NUMBER)
 
 
@@ -88,7 +89,7 @@ def extract_answer(text: str) -> str | None:
 
 def normalize_number(text: str | None) -> Fraction | None:
     """'1,234', '$12.50', '\\$12.50', '3/4', '\\frac{3}{4}', '\\tfrac34', '50\\%', '\\text{7}', '-0.5', '\u22120.5', '7.',
-    'x = 7' -> an exact Fraction; None if not a number."""
+    'x = 7' -> an exact Fraction; None if not a number ('2,5' and '3 4' are two numbers, not one)."""
     if text is None:
         return None
     s = re.sub(r"\\[!,;: ]", "", text.strip().rstrip(".")).replace("{,}", "")  # LaTeX spacing: 1\,000, 1{,}000
@@ -100,7 +101,10 @@ def normalize_number(text: str | None) -> Fraction | None:
         return None if part is None or part < 0 else (-1 if sign else 1) * (int(whole) + part)
     if re.search(r"\d(?:\s+\d+/\d|\s*\\[dt]?frac)", s):  # a mixed number among other text
         return None
-    s = re.sub(r"\\([$%])", r"\1", s).replace(",", "").replace("$", "").replace(" ", "")  # \$12.50, 50\%
+    s = re.sub(r"\\([$%])", r"\1", s).replace("$", "")  # \$12.50, 50\%
+    # Commas and spaces only as thousands separators (1,234 and 1 234): "2,5" and "3 4" are two numbers, not 25 and 34.
+    s = re.sub(r"(?<=\d)[, ](?=\d{3}(?!\d))", "", re.sub(r"\s+", " ", s))
+    s = re.sub(r"(?<!\d) | (?!\d)", "", s)
     whole = re.fullmatch(r"\\(?:text|mathrm)\{([^}]*)\}", s)  # \text{7} is 7; 12\text{ cm} is 12
     s = whole.group(1) if whole else re.sub(r"\\(?:text|mathrm)\{[^}]*\}", "", s)
     frac = re.fullmatch(r"(-?)\\[dt]?frac(?:\{(-?\d+)\}\{(\d+)\}|(\d)(\d))", s)  # \frac{3}{4}, \tfrac34
@@ -118,13 +122,15 @@ def normalize_number(text: str | None) -> Fraction | None:
 
 
 def answers_match(predicted: str | None, truth: str) -> bool:
-    """Numerically equal when both parse as numbers, else equal as stripped strings."""
+    """Numerically equal when both parse as numbers, else equal as stripped strings. A ground truth holding
+    "####" is a GSM8K solution: its answer is what follows the last "####"."""
     if predicted is None:
         return False
-    a, b = normalize_number(predicted), normalize_number(str(truth))
+    truth = str(truth).rsplit("####", 1)[-1].strip()
+    a, b = normalize_number(predicted), normalize_number(truth)
     if a is not None and b is not None:
         return a == b
-    return predicted.strip() == str(truth).strip()
+    return predicted.strip() == truth
 
 
 @register("correct")
