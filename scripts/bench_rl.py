@@ -3,8 +3,9 @@
 Both runs must produce the same rollouts (token ids, by digest) and rewards at every step: lossless
 SD changes the time, not the training. Reports the time of each step split into rollout, policy
 update and drafter work (online training in the tail is part of the rollout's wall time on one
-device; the per-step acceptance estimate is drafter work), the step-time ratio over all steps and
-over steps 2.. (step 1 compiles), the median of --repeats runs, the machine's facts; JSON + PNG.
+device; the per-step acceptance estimate is drafter work), adaptive's speed-up (SD off's seconds /
+adaptive's: step_time_ratio and rollout_ratio, > 1 when adaptive is faster) over all steps and over
+steps 2.. (step 1 compiles), the median of --repeats runs, the machine's facts; JSON + PNG.
 
     python scripts/bench_rl.py --config configs/smollm2_cpu.yaml --steps 5 --repeats 3 --out bench_rl.json
 """
@@ -132,7 +133,8 @@ def main(argv=None) -> int:
         print(f"{a['step']:>4} {a['step_s']:>7.1f} {b['step_s']:>7.1f} {b['rollout_s']:>8.1f} {b['update_s']:>7.1f} "
               f"{b['drafter_s']:>7.1f} {b['sd_share']:>5.2f} {b['acceptance_length']:>6.2f} {str(a['digest'] == b['digest']):>5}")
     for label in ("all_steps", "steps_2_on")[: 1 + (args.steps > 1)]:
-        print(f"{label}: step time {s[label]['step_time_ratio']:.2f}x SD off, rollout {s[label]['rollout_ratio']:.2f}x")
+        print(f"{label}: adaptive speed-up over SD off (SD off s / adaptive s): step time "
+              f"{s[label]['step_time_ratio']:.2f}x, rollout {s[label]['rollout_ratio']:.2f}x")
     print(f"identical rollouts and rewards: {s['identical_rollouts_and_rewards']}; median of {args.repeats} "
           f"(step seconds off {[round(x, 1) for x in s['runs_step_s']['off']]}, adaptive {[round(x, 1) for x in s['runs_step_s']['adaptive']]})")
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

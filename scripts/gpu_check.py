@@ -583,8 +583,9 @@ def grpo(ctx: Ctx) -> dict:
     step = {m: sum(r["rollout_s"][later]) + sum(r["train_s"][later]) for m, r in runs.items()}
     rollout = {m: sum(r["rollout_s"][later]) for m, r in runs.items()}
     same = runs["off"]["tokens"] == runs["adaptive"]["tokens"]
-    return {"summary": f"step time adaptive {step['off'] / step['adaptive']:.2f}x SD off (rollout "
-                       f"{rollout['off'] / rollout['adaptive']:.2f}x); same token counts {same}",
+    return {"summary": f"adaptive speed-up over SD off (SD off s / adaptive s): step time "
+                       f"{step['off'] / step['adaptive']:.2f}x, rollout {rollout['off'] / rollout['adaptive']:.2f}x; "
+                       f"same token counts {same}",
             "step_speedup": step["off"] / step["adaptive"], "rollout_speedup": rollout["off"] / rollout["adaptive"],
             "same_token_counts": same, "runs": runs}
 
