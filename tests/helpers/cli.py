@@ -7,8 +7,9 @@ import sys
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
-# conftest.py's compile flag for the tests' own process, for the processes they start.
-COMPILE_FLAGS = "--xla_backend_optimization_level=0"
+# conftest.py's compile flags for the tests' own process (those this jaxlib knows), for the processes they start.
+COMPILE_FLAGS = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                         if not f.startswith("--xla_force_host_platform_device_count"))
 
 
 def cpu_env(devices: int = 1) -> dict:
@@ -20,7 +21,7 @@ def cpu_env(devices: int = 1) -> dict:
 
 def fastrl_jax(*args):
     """Runs the command in a fresh process on one CPU device (the tests' 8 fake devices stay here), compiling
-    without LLVM's optimizer as every test does (conftest.py)."""
+    as every test does (conftest.py)."""
     env = dict(os.environ, XLA_FLAGS=COMPILE_FLAGS)
     return subprocess.run([sys.executable, "-m", "fastrl_jax.cli", *args], capture_output=True, text=True, env=env)
 
