@@ -97,7 +97,7 @@ REDUCED = Sizes(
                        "drafter_train.batch_rows=2", "drafter_train.seq_len_tokens=16", "drafter_train.eval_prompts=0",
                        "drafter_train.checkpoint_every_steps=2", "drafter_train.draft_vocab_size=32",
                        "drafter_train.warmup_steps=1", "drafter_train.tensorboard=false"),
-    longtail_args=("--problems", "1", "--samples", "2", "--max-new-tokens", "8", "--repeats", "1"), grpo_steps=1,
+    longtail_args=("--problems", "1", "--samples", "1", "--max-new-tokens", "8", "--repeats", "1"), grpo_steps=1,
     pytest_kernels=("tests/test_kernels.py", "-k", "matches_numpy and B3T1"),
     pytest_device=("tests/test_kernels.py", "-k", "tree_mask_builder or select_backend"),
     copy_bytes=1 << 24, reduced=True,
