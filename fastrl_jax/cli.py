@@ -403,6 +403,7 @@ def _eval_requests(cfg, path: Path, records, samples: int, temperature: float, m
 
 def cmd_eval(args: argparse.Namespace) -> None:
     from fastrl_jax.data.pipeline import MATH_SOURCE
+    from fastrl_jax.data.prompt_files import checked_file
     from fastrl_jax.models.drafter_io import drafter_accept_prior, drafter_dir, make_drafter
     from fastrl_jax.rl.evaluate import evaluate, format_table, held_out_records, model_workers
 
@@ -415,10 +416,12 @@ def cmd_eval(args: argparse.Namespace) -> None:
     if note := untrained_drafter_note(cfg.sd, args.drafter, "eval"):
         print(f"[fastrl-jax] {note}", file=sys.stderr)
     source = args.prompts or cfg.data.eval_source
-    if source != MATH_SOURCE and not Path(source).expanduser().is_file():
-        raise FileNotFoundError(f"{'--prompts' if args.prompts else 'data.eval_source'} {source} not found; give "
-                                f"'{MATH_SOURCE}' (the built-in held-out problems) or a .jsonl / .parquet file of records "
-                                "with an answer")
+    if source != MATH_SOURCE:
+        try:
+            checked_file(source, "--prompts" if args.prompts else "data.eval_source")
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"{e}; give '{MATH_SOURCE}' (the built-in held-out problems) or a .jsonl / .parquet "
+                                    "file of records with an answer") from None
     records = held_out_records(cfg, num_prompts, source)
     if len(records) < num_prompts:
         print(f"[fastrl-jax] {source} holds {len(records)} records; evaluating all of them", file=sys.stderr)
