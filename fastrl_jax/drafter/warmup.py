@@ -98,18 +98,18 @@ def train_drafter(cfg: Config, policy: Decoder, tokenizer, *, resume: bool = Tru
     t_start = time.perf_counter()
     out_dir = Path(dt.out_dir).expanduser().resolve()
     done = out_dir / "summary.json"  # written last
+    summary: dict = {"config": dataclasses.asdict(dt), "seed": cfg.seed}
     if done.is_file() and (out_dir / "drafter").is_dir() and checkpoint_steps(out_dir)[-1:] == [dt.steps]:
-        finished, settings = json.loads(done.read_text()), json.loads(json.dumps(dataclasses.asdict(dt)))
+        finished = json.loads(done.read_text())
         # The same settings again would evaluate again (a second final row in metrics.jsonl) and write a summary
         # without the data collection's figures.
-        if finished.get("seed") == cfg.seed and finished.get("config") == settings:
+        if {k: finished.get(k) for k in summary} == json.loads(json.dumps(summary)):
             print(f"[train-drafter] {out_dir} holds this run, finished at step {dt.steps}: nothing to do (delete "
                   f"{done} to evaluate it again, or raise drafter_train.steps to train on)", file=sys.stderr)
             return finished
     out_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out_dir / "config.yaml")
     stop = stop_ids(policy.cfg, tokenizer)
-    summary: dict = {"config": dataclasses.asdict(dt), "seed": cfg.seed}
     buffer = collect_data(cfg, policy, tokenizer, out_dir / "data.npz", stop, summary, progress)
     counts = buffer.token_counts(policy.cfg.vocab_size)
     # A size covering the policy's whole vocabulary drafts over all of it, as an untrained drafter does (fresh_draft_vocab)
@@ -140,7 +140,7 @@ def train_drafter(cfg: Config, policy: Decoder, tokenizer, *, resume: bool = Tru
     sink.close()
     summary["wall_seconds"] = time.perf_counter() - t_start
     summary["drafter"] = str(final_dir)
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    done.write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
