@@ -250,3 +250,31 @@ def test_a_failed_step_compile_with_one_replica_is_raised(tmp_path: Path, monkey
     monkeypatch.setattr(SpotTrainer, "_compile", fail)
     with pytest.raises(RuntimeError, match="compile failed"):
         SpotTrainer(cfg, Drafter(model.cfg, nnx.Rngs(0)), graphdef, nnx.to_pure_dict(state), mesh, seed=0)
+
+
+def test_the_sample_buffer_saved_with_a_checkpoint_comes_back_and_a_damaged_one_starts_empty(tmp_path: Path, monkeypatch,
+                                                                                              capsys):
+    cfg = load_config(None, [*tiny_overrides(tmp_path), "mesh.fsdp=-1"])
+    mesh = make_mesh(cfg.mesh)
+    model, _ = load_model(cfg.model.path, mesh, cfg.model.dtype)
+    graphdef, state = nnx.split(model)
+    monkeypatch.setattr(SpotTrainer, "_compile", lambda self, block: None)  # no drafter step runs here
+    spot = SpotTrainer(cfg, Drafter(model.cfg, nnx.Rngs(0)), graphdef, nnx.to_pure_dict(state), mesh, seed=0)
+    H, rng, where = spot.buffer.hidden_size, np.random.default_rng(0), tmp_path / "drafter_buffer"
+    for step in (1, 2, 3):
+        spot.buffer.add(rng.integers(0, 50, 9), rng.normal(size=(8, H)), np.arange(9) >= 3, step, 0.7, 11 + step)
+        spot.save_buffer(where, step, keep=[step - 1])  # the checkpoints on disk: the previous step's
+    spot.buffer.add(rng.integers(0, 50, 9), rng.normal(size=(8, H)), np.arange(9) >= 3, 4)  # after the last save
+    spot.close()
+    assert sorted(f.name for f in where.iterdir()) == ["2.npz", "3.npz"]  # step 1's went with its checkpoint
+
+    again = SpotTrainer(cfg, Drafter(model.cfg, nnx.Rngs(0)), graphdef, nnx.to_pure_dict(state), mesh, seed=0)
+    again.restore_buffer(where, 3)
+    saved, back = spot.buffer.arrays(), again.buffer.arrays()
+    assert back["steps"].tolist() == [1, 2, 3] and back["seeds"].tolist() == [12, 13, 14]
+    for key in saved:  # all but the sequence added after the save
+        np.testing.assert_array_equal(back[key], saved[key][: len(back[key])], err_msg=key)
+    (where / "2.npz").write_bytes((where / "2.npz").read_bytes()[:100])  # cut short
+    for step, why in ((2, "2.npz is unreadable"), (5, "none was saved with it")):
+        again.restore_buffer(where, step)
+        assert again.buffer.num_tokens == 0 and why in capsys.readouterr().err

@@ -93,6 +93,11 @@ def test_lossless_sd_adaptive_matches_plain_decoding(tmp_path):
                  nnx.to_pure_dict(nnx.state(trainer.drafter)))
     jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(resumed.spot.params),
                  nnx.to_pure_dict(trainer.spot.params))
+    # Its sample buffer too (DESIGN.md: preemption never loses buffered data), the same sequences of the same steps.
+    saved, back = trainer.spot.buffer.arrays(), resumed.spot.buffer.arrays()
+    assert saved["lengths"].size and saved.keys() == back.keys()
+    for key in saved:
+        np.testing.assert_array_equal(back[key], saved[key], err_msg=key)
     for a, b in zip(off[1], adaptive[1]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6), off[2], adaptive[2])

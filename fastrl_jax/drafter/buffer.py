@@ -181,11 +181,13 @@ class SampleBuffer:
 
     def save(self, path: str | Path) -> None:
         """Writes every held sequence to one .npz file (atomically: a temporary file, then a rename)."""
-        path = Path(path)
+        write_arrays(path, self.arrays())
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """What save writes: the held sequences concatenated (a snapshot: later adds leave it as it is)."""
         seqs = list(self._seqs)
-        lengths = np.array([len(s.tokens) for s in seqs], np.int64)
-        arrays = dict(
-            lengths=lengths,
+        return dict(
+            lengths=np.array([len(s.tokens) for s in seqs], np.int64),
             steps=np.array([s.step for s in seqs], np.int64),
             temperatures=np.array([s.temperature for s in seqs], np.float32),
             seeds=np.array([s.seed for s in seqs], np.uint32),
@@ -193,9 +195,6 @@ class SampleBuffer:
             loss_mask=np.concatenate([s.loss_mask for s in seqs]) if seqs else np.zeros(0, bool),
             hidden=np.concatenate([s.hidden for s in seqs]) if seqs else np.zeros((0, self.hidden_size), self.hidden_dtype),
         )
-        tmp = path.with_name(path.name + ".tmp.npz")
-        np.savez(tmp, **arrays)
-        tmp.replace(path)
 
     def load(self, path: str | Path) -> None:
         """Adds the sequences of a file written by save (in their order, with their steps; a file from before
@@ -222,3 +221,11 @@ class SampleBuffer:
         for s in self._seqs:
             np.add.at(counts, s.tokens[s.loss_mask], 1)
         return counts
+
+
+def write_arrays(path: str | Path, arrays: dict[str, np.ndarray]) -> None:
+    """SampleBuffer.arrays() into one .npz file, atomically (a temporary file, then a rename)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez(tmp, **arrays)
+    tmp.replace(path)

@@ -31,8 +31,10 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+import zipfile
+from collections.abc import Collection, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -43,7 +45,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fastrl_jax.config import Config
-from fastrl_jax.drafter.buffer import PackedBatch, SampleBuffer
+from fastrl_jax.drafter.buffer import PackedBatch, SampleBuffer, write_arrays
 from fastrl_jax.drafter.train import LossSettings, chain_acceptance, drafter_optimizer, make_train_step
 from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.rollout.engine import Completion, Request
@@ -109,6 +111,8 @@ class SpotTrainer:
         self._programs: dict[tuple[int, ...], Any] = {}
         self._compiling: set[tuple[int, ...]] = set()
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="spot-compile")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="buffer-write")
+        self._writing: tuple[int, Future] | None = None  # the step whose sample buffer is being written
         self.compile_seconds = 0.0
         if self.num_replicas == 1:
             self._compile_into((0,))
@@ -284,8 +288,11 @@ class SpotTrainer:
         ph["trace"].append((t0, t1, block))
 
     def close(self) -> None:
-        """Stops the compile thread (a compilation under way is dropped: the run is over)."""
+        """Stops the compile thread (a compilation under way is dropped: the run is over) after the sample
+        buffer's last write."""
         self._compiler.shutdown(wait=False, cancel_futures=True)
+        self.wait_buffer()
+        self._writer.shutdown()
 
     # ---- drift tracking ---------------------------------------------------------------------------
     @staticmethod
@@ -318,6 +325,49 @@ class SpotTrainer:
         """What a checkpoint needs besides the drafter itself: optimizer state and step count."""
         return {"optimizer": jax.device_put(self.opt_state, NamedSharding(self.mesh, P())),
                 "steps": jnp.asarray(self.steps_done, jnp.int32)}
+
+    def save_buffer(self, directory: Path, step: int, keep: Collection[int]) -> None:
+        """Writes the sample buffer as it is now to DIR/STEP.npz on a background thread (beside the checkpoint of
+        `step`, so a resume trains on what an uninterrupted run would), and removes the files of steps neither
+        `step` nor in `keep` (the checkpoints on disk)."""
+        self.wait_buffer()
+        arrays = self.buffer.arrays()
+        self._writing = step, self._writer.submit(self._write_buffer, Path(directory), step, arrays, {step, *keep})
+
+    @staticmethod
+    def _write_buffer(directory: Path, step: int, arrays: dict, keep: set[int]) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        write_arrays(directory / f"{step}.npz", arrays)
+        for f in directory.glob("*.npz"):
+            if f.stem.isdigit() and int(f.stem) not in keep:
+                f.unlink(missing_ok=True)
+
+    def wait_buffer(self) -> None:
+        """Waits for the sample buffer's write; a failed one is reported, never raised (the checkpoint holds the
+        drafter: only a resume from that step would start the buffer empty)."""
+        if self._writing is None:
+            return
+        (step, future), self._writing = self._writing, None
+        try:
+            future.result()
+        except OSError as e:
+            print(f"[fastrl-jax] the online drafter's sample buffer of step {step} was not saved ({e}); a resume from "
+                  "that step starts it empty", file=sys.stderr)
+
+    def restore_buffer(self, directory: Path, step: int) -> None:
+        """Takes the sample buffer saved with checkpoint `step`; without a readable one it starts empty (rollouts
+        are lossless whatever the drafter: only the drafter's next steps differ from an uninterrupted run)."""
+        path = Path(directory) / f"{step}.npz"
+        try:
+            self.buffer.load(path)
+            return
+        except FileNotFoundError:
+            why = "none was saved with it"
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:  # damaged, or another drafter's features
+            why = f"{path} is unreadable: {e}"
+        self.buffer = SampleBuffer(self.buffer.max_tokens, self.buffer.hidden_size, keep_steps=self.buffer.keep_steps)
+        print(f"[fastrl-jax] the online drafter's sample buffer starts empty ({why}); it refills from this step's "
+              "rollouts", file=sys.stderr)
 
     def restore(self, drafter: Drafter, state: dict | None) -> None:
         """Continues from a checkpoint: its drafter and optimizer_state(), or with None (a checkpoint from

@@ -361,6 +361,8 @@ class Trainer:
             self.checkpointer.save(self.step, self._arrays(), meta)
         except OSError as e:
             self._checkpoint_failed(e)
+        if self.spot is not None:
+            self.spot.save_buffer(self.out_dir / "drafter_buffer", self.step, self.checkpointer.all_steps())
 
     def _wait_checkpoint(self) -> None:
         try:
@@ -433,10 +435,7 @@ class Trainer:
                 estimate = {"steps": None if self.spot.steps_done else self._estimated_at, "accept": None}
             self._estimated_at = estimate["steps"]
             self._drafter_accept = math.nan if estimate["accept"] is None else float(estimate["accept"])
-            # Its samples are not checkpointed (GBs at scale: tokens x features in float16): rollouts are lossless
-            # whatever the drafter, so only the drafter's next steps differ from an uninterrupted run.
-            print("[fastrl-jax] the online drafter's sample buffer starts empty; it refills from this step's rollouts",
-                  file=sys.stderr)
+            self.spot.restore_buffer(self.out_dir / "drafter_buffer", step)
         if "drafter" in arrays:
             self.workers.update_drafter(self.drafter, self._drafter_accept)  # NaN: the prior until this run estimates it
         self.workers.update_weights(self.params)
