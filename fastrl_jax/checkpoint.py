@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import logging
 import shutil
 import sys
@@ -114,9 +115,10 @@ class RunCheckpointer:
         return {n: restored[n] for n in arrays}, {n: restored[n] for n in meta}
 
     def set_aside(self, steps: Sequence[int]) -> Path | None:
-        """Moves the given step directories (unreadable ones) out of the way, into DIR.unreadable/, so
-        later saves of those step numbers are written afresh; returns where they went. Every process
-        calls it (process 0 moves, all re-read the step list)."""
+        """Moves the given step directories (unreadable ones) out of the way, into DIR.unreadable/ (as STEP, or
+        STEP.N when an earlier copy of that step is there: none is deleted), so later saves of those step numbers
+        are written afresh; returns where they went. Every process calls it (process 0 moves, all re-read the step
+        list)."""
         if not steps:
             return None
         where = self.directory.parent / f"{self.directory.name}.unreadable"
@@ -124,8 +126,10 @@ class RunCheckpointer:
             where.mkdir(exist_ok=True)
             for step in steps:
                 target = where / str(step)
-                if target.exists():
-                    shutil.rmtree(target)
+                for n in itertools.count(1):
+                    if not target.exists():
+                        break
+                    target = where / f"{step}.{n}"
                 (self.directory / str(step)).rename(target)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils

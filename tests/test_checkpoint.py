@@ -120,8 +120,10 @@ def test_a_damaged_latest_step_falls_back_to_the_previous_one_and_says_so(tmp_pa
         ckpt.save(2, {"policy": {"w": jnp.full((256, 256), 5.0)}})  # the step number is free again
         ckpt.wait()
         step, arrays, _ = ckpt.restore(None, {"policy": {"w": jnp.zeros((256, 256))}})
-    assert step == 2 and float(arrays["policy"]["w"][0, 0]) == 5.0
-    assert (tmp_path.parent / f"{tmp_path.name}.unreadable" / "2").is_dir()  # set aside, not deleted
+        assert step == 2 and float(arrays["policy"]["w"][0, 0]) == 5.0
+        ckpt.set_aside([2])  # a second copy of step 2 set aside keeps the first
+    aside = tmp_path.parent / f"{tmp_path.name}.unreadable"
+    assert sorted(p.name for p in aside.iterdir()) == ["2", "2.1"]  # set aside, not deleted
 
 
 def test_no_readable_step_is_one_clear_error(tmp_path):
