@@ -745,6 +745,10 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    """Writes the resolved config (file plus overrides) as YAML that `load_config` reads back."""
+    """Writes the resolved config (file plus overrides) as YAML that `load_config` reads back; atomically (a
+    temporary file, then a rename), so a kill mid-write leaves the run's previous config.yaml whole."""
     plain = json.loads(json.dumps(to_dict(cfg)))  # tuples -> lists: YAML's safe dumper has no tuples
-    Path(path).write_text(yaml.safe_dump(plain, sort_keys=False))
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(yaml.safe_dump(plain, sort_keys=False))
+    tmp.replace(path)
