@@ -2,6 +2,7 @@
 checkpoint failure, start-up errors, and the dry-run memory plan against a hand calculation."""
 
 import errno
+import json
 import math
 import os
 import re
@@ -211,6 +212,20 @@ def test_a_resume_takes_what_the_checkpoint_has_and_names_a_setting_it_does_not_
         make_trainer(tmp_path, *common, "optim.max_grad_norm=0", steps=3, resume=True)
     assert checkpoint_steps(tmp_path / "run") == [1, 2] and not (tmp_path / "run" / "checkpoints.unreadable").exists()
     assert [m["step"] for m in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
+
+
+def test_a_resume_refuses_a_prompt_file_that_changed_length(tmp_path):
+    """A prompt file that gained records since the run started reshuffles the stream its saved position counts in."""
+    prompts = tmp_path / "mine.jsonl"  # not tiny_overrides' prompts.jsonl, which each make_trainer writes again
+    prompts.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(8)))
+    trainer = make_trainer(tmp_path, f"data.source={prompts}", "sd.mode='off'")
+    trainer.save()  # step 0's checkpoint: the data position and the record count
+    trainer.close()
+    make_trainer(tmp_path, f"data.source={prompts}", "sd.mode='off'", resume=True).close()  # the same file resumes
+    with prompts.open("a") as f:
+        f.write(json.dumps({"prompt": "What is 9 + 1?", "answer": "10"}) + "\n")
+    with pytest.raises(ConfigError, match="holds 9 records, 8 when the run started"):
+        make_trainer(tmp_path, f"data.source={prompts}", "sd.mode='off'", resume=True)
 
 
 def test_startup_errors_are_clear(tmp_path):

@@ -114,6 +114,7 @@ class Trainer:
         fields = dict(prompt_field=d.prompt_field, messages_field=d.messages_field, answer_field=d.answer_field)
         train_src = pipeline.source(d.source, cfg.seed, d.math_levels, **fields)
         self.data = pipeline.PromptIterator(pipeline.prompt_batches(train_src, rl.prompts_per_step, cfg.seed, d.shuffle))
+        self.num_records = len(train_src)  # the stream's order depends on it: a resume checks it
         self.eval_records = held_out_records(cfg, rl.eval_prompts) if rl.eval_every_steps else []
 
         self.out_dir = Path(rl.out_dir).expanduser()
@@ -346,6 +347,7 @@ class Trainer:
         self._wait_checkpoint()  # the previous write's failure is its own step's, and this one still starts
         meta = {"data": self.data.state(),
                 "run": {"step": self.step, "updates": self.updates, "seed": self.cfg.seed, "config": to_dict(self.cfg),
+                        "prompt_records": self.num_records,
                         "rng": "request seeds derive from (seed, step, request index)"}}
         if self.history is not None:
             meta["history"] = self.history.state()
@@ -415,6 +417,12 @@ class Trainer:
             raise ConfigError(f"--resume: {', '.join(stream)} changed since the run started; its saved data position "
                               "counts batches of that prompt stream, so prompts would be skipped or repeated. Set them "
                               f"back (the run's {self.out_dir / 'config.yaml'} has them), or start a new run")
+        records = meta["run"].get("prompt_records", self.num_records)  # checkpoints before 2026-11-27 have none
+        if records != self.num_records:
+            raise ConfigError(f"--resume: data.source ({self.cfg.data.source}) holds {self.num_records} records, "
+                              f"{records} when the run started; its saved data position counts batches of that "
+                              "shuffled stream, so prompts would be skipped or repeated. Put the file back as it was, "
+                              "or start a new run")
         unreadable = [s for s in ckpt.all_steps() if s > step]
         if unreadable:
             where = ckpt.set_aside(unreadable)
