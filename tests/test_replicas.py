@@ -127,12 +127,16 @@ def test_slurm_one_task_per_node_sees_every_gpu_of_the_node():
     assert not one_slurm_task_per_node({"SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_NUM_NODES": "4"})
 
 
-def test_slurm_start_up_leaves_every_gpu_visible():
+@pytest.mark.parametrize("explicit", [False, True], ids=["detected", "explicit-coordinator"])
+def test_slurm_start_up_leaves_every_gpu_visible(explicit):
     # A one-node, one-task SLURM step as srun sets it up; JAX's detection alone would show the process GPU 0 only.
+    # With --coordinator (and --num-processes, --process-id) JAX still detects SLURM for the local devices.
+    port = str(free_port())
     env = cpu_env(1) | {"SLURM_JOB_ID": "77", "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "1",
                         "SLURM_STEP_NUM_TASKS": "1", "SLURM_STEP_NUM_NODES": "1", "SLURM_PROCID": "0",
-                        "SLURM_LOCALID": "0", "JAX_COORDINATOR_PORT": str(free_port())}
-    code = ("import jax; from fastrl_jax.rl.distributed import initialize; initialize(); "
+                        "SLURM_LOCALID": "0", "JAX_COORDINATOR_PORT": port}
+    args = f"'127.0.0.1:{port}', 1, 0" if explicit else ""
+    code = (f"import jax; from fastrl_jax.rl.distributed import initialize; initialize({args}); "
             "v = jax.config.values; print(jax.process_count(), v['jax_cuda_visible_devices'], v['jax_rocm_visible_devices'])")
     out = subprocess.run([sys.executable, "-c", code], check=False, env=env, cwd=ROOT, capture_output=True, text=True,
                          timeout=120)

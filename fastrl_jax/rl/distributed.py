@@ -15,10 +15,11 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     """
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
-    if coordinator is None and one_slurm_task_per_node(os.environ):
+    if one_slurm_task_per_node(os.environ):
         # JAX's SLURM detection assumes one process per GPU and shows each process only GPU number
-        # SLURM_LOCALID; a process per node drives every GPU SLURM gave the node. The backends start
-        # after this, so they see them all.
+        # SLURM_LOCALID, even with an explicit coordinator (it fills in any unset parameter, the local
+        # devices included); a process per node drives every GPU SLURM gave the node. The backends
+        # start after this, so they see them all.
         for flag in ("jax_cuda_visible_devices", "jax_rocm_visible_devices"):
             jax.config.update(flag, "all")
 
