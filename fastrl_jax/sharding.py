@@ -90,8 +90,9 @@ def logical_to_spec(
     """The PartitionSpec of an array of `shape` whose dims are named `logical_axes`.
 
     A mesh axis is dropped (that dim stays replicated along it) when the dim size is not
-    divisible by it, e.g. SmolLM2's 3 KV heads on tensor=2, and when an earlier dim of the
-    same array already uses it: a mesh axis may appear only once in a spec.
+    divisible by it, e.g. SmolLM2's 3 KV heads on tensor=2 (a warning, once: every device along
+    that axis then holds the whole dim), and when an earlier dim of the same array already uses
+    it: a mesh axis may appear only once in a spec.
     """
     if len(logical_axes) != len(shape):
         raise ValueError(
@@ -119,8 +120,10 @@ def logical_to_spec(
 
 @functools.cache
 def _log_replicated(name: str, size: int, axis: str, axis_size: int) -> None:
-    log.info("logical axis %r of size %d is not divisible by mesh axis %r (size %d): replicated along it",
-             name, size, axis, axis_size)
+    # A warning: the CLI shows warnings only, and a dim the mesh was sized to split costs memory on every device.
+    log.warning("logical axis %r of size %d is not divisible by mesh axis %r (size %d): replicated along it, so "
+                "each device along %r holds all of it; choose mesh sizes that divide it to split it",
+                name, size, axis, axis_size, axis)
 
 
 def named_sharding(

@@ -81,6 +81,14 @@ def test_indivisible_dims_are_replicated_and_logged(caplog):
     assert len(replicated) == 1  # logged once per (name, size, axis), not per call
 
 
+def test_a_replicated_dim_is_a_warning_the_cli_shows(caplog):
+    # The CLI logs at WARNING: a user who set mesh.tensor=2 for a model of 7 heads must learn the heads are not split.
+    mesh = make_mesh(MeshConfig(fsdp=4, tensor=2))
+    with caplog.at_level(logging.WARNING, logger="fastrl_jax.sharding"):
+        assert logical_to_spec(("embed", "heads", "head_dim"), (64, 7, 16), mesh) == P("fsdp", None, None)
+    assert [r.levelno for r in caplog.records if "'heads' of size 7" in r.getMessage()] == [logging.WARNING]
+
+
 def test_multi_axis_rule_keeps_the_axes_that_divide():
     mesh = make_mesh(MeshConfig(data=2, fsdp=4))
     assert logical_to_spec(("batch",), (16,), mesh) == P(("data", "fsdp"))
