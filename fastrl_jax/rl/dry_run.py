@@ -27,10 +27,11 @@ from fastrl_jax.models.known_configs import KNOWN, known_config
 from fastrl_jax.models.loading import read_model_config
 from fastrl_jax.rl.update import TRAIN_LENGTH_QUANTUM, master_rules
 from fastrl_jax.rollout.engine import RolloutEngine
+from fastrl_jax.rollout.speculative import Strategy
 from fastrl_jax.sharding import AXES, mesh_sizes, shardings_for
 
 GiB = 2**30
-MEMORY_PARTS = ("params", "grads", "optimizer", "reference", "rollout_params", "unrolled_layers", "kv_cache",
+MEMORY_PARTS = ("params", "grads", "optimizer", "new_params", "reference", "rollout_params", "unrolled_layers", "kv_cache",
                 "hidden_states", "drafter_kv_cache", "drafter", "drafter_training", "train_logits")
 
 
@@ -90,9 +91,10 @@ def _drafter_plan(cfg: Config, mcfg: ModelConfig, mesh: AbstractMesh) -> dict[st
 
 
 def memory_plan(cfg: Config, devices: int | None = None) -> dict[str, float]:
-    """Bytes per device of each part of a training run (master parameters, gradients, AdamW moments,
-    reference, the engines' copy of the policy in model.rollout_dtype, a rollout replica's KV cache and
-    hidden states, the drafter and its online training, and the largest micro-batch's logits)."""
+    """Bytes per device of each part of a training run (master parameters, gradients, AdamW moments, the
+    update's new parameters, reference, the engines' copy of the policy in model.rollout_dtype, a rollout
+    replica's KV cache and hidden states, the drafter and its online training, and the largest micro-batch's
+    logits)."""
     mcfg = model_config(cfg.model.path)
     sizes = mesh_shape(cfg, devices)
     mesh = AbstractMesh(tuple(sizes.values()), AXES)
@@ -109,17 +111,25 @@ def memory_plan(cfg: Config, devices: int | None = None) -> dict[str, float]:
     B, S = cfg.rollout.batch_buckets[-1], cfg.rollout.length_buckets[-1]
     # The engine keeps its row table (KV cache included) replicated on the replica's devices.
     kv = 2 * mcfg.num_layers * B * mcfg.num_kv_heads * S * mcfg.head_dim * itemsize
-    sd = cfg.sd.mode != "off"
+    # Only EAGLE strategies keep hidden states and a drafter cache (history drafting needs neither); the
+    # drafter's cache has the tree steps' scratch slots beyond the longest length bucket (RolloutEngine._empty).
+    drafting = cfg.sd.uses_drafter()
     width = mcfg.hidden_size * max(len(feature_layers(cfg.drafter_train.kind, mcfg.num_layers)), 1)
-    hidden = B * S * width * itemsize if sd else 0  # stored in the engine's dtype
-    drafter_kv = kv // mcfg.num_layers if sd else 0
+    hidden = B * S * width * itemsize if drafting else 0  # stored in the engine's dtype
+    scratch = max((Strategy(*s.parts()).scratch_slots for s in cfg.sd.strategy_list() if s.parts()[0]), default=0)
+    drafter_kv = 2 * B * mcfg.num_kv_heads * (S + scratch) * mcfg.head_dim * itemsize if drafting else 0
     rows = max(cfg.rl.micro_batch_size // (sizes["data"] * sizes["fsdp"]), 1)
     vocab = mcfg.vocab_size // (sizes["tensor"] if mcfg.vocab_size % sizes["tensor"] == 0 else 1)  # head split on tensor
-    logits = 3 * rows * S * vocab * 4  # logits, log-softmax and their gradient, float32
+    # Only the completion slots go through the head (update.sequence_logprobs), at most rl.max_new_tokens
+    # rounded up as Trainer.build_batch rounds them.
+    completion = math.ceil(cfg.rl.max_new_tokens / TRAIN_LENGTH_QUANTUM) * TRAIN_LENGTH_QUANTUM
+    logits = 3 * rows * completion * vocab * 4  # logits, log-softmax and their gradient, float32
     plan = {
         "devices": math.prod(sizes.values()), **{f"mesh_{k}": v for k, v in sizes.items()},
         "param_count": sum(math.prod(v.shape) for v in jax.tree.leaves(state)),
-        "params": params, "grads": params, "optimizer": 2 * params,
+        # The update step returns new parameters beside the old (only the optimizer state is donated: the
+        # engines may hold the old buffers), so both are live at its end.
+        "params": params, "grads": params, "optimizer": 2 * params, "new_params": params,
         "reference": params if cfg.rl.kl_coef > 0 else 0,
         "rollout_params": rollout_params, "unrolled_layers": unrolled,
         "kv_cache": kv, "hidden_states": hidden, "drafter_kv_cache": drafter_kv, **_drafter_plan(cfg, mcfg, mesh),
@@ -171,15 +181,16 @@ def plan(cfg: Config, devices: int | None = None) -> str:
                   + (" x data" if cfg.model.engine_dtype != cfg.model.dtype else ""),
         "grads": "accumulated over micro-batches",
         "optimizer": "AdamW first and second moments",
+        "new_params": "the update step's output parameters, beside the old until it returns",
         "reference": "frozen reference policy (rl.kl_coef > 0)",
         "rollout_params": f"the engines' {cfg.model.engine_dtype} copy (model.rollout_dtype)",
         "unrolled_layers": "the engines' per-layer copy of the layer weights (rollout.layer_loop unrolled, or auto on GPUs)",
         "kv_cache": f"rollout KV cache, {cfg.rollout.batch_buckets[-1]} rows x {cfg.rollout.length_buckets[-1]} slots",
-        "hidden_states": "last-layer hidden states kept for the drafter (sd on)",
-        "drafter_kv_cache": "drafter's one-layer KV cache (sd on)",
+        "hidden_states": "last-layer hidden states kept for the drafter (EAGLE strategies)",
+        "drafter_kv_cache": "drafter's one-layer KV cache (EAGLE strategies)",
         "drafter": f"the engines' {cfg.model.engine_dtype} drafter (its layer and fc; embedding and head are the policy's)",
         "drafter_training": "online drafter training: master weights, gradients, starting copy, AdamW moments (whole)",
-        "train_logits": f"logits of a micro-batch at the longest length bucket (estimate), {rows_note}",
+        "train_logits": f"logits of a micro-batch's completion slots (rl.max_new_tokens; estimate), {rows_note}",
     }
     for key, note in notes.items():
         lines.append(f"  {key:<17} {m[key] / GiB:9.3f}  {note}")

@@ -1,0 +1,68 @@
+"""`train --dry-run`'s memory plan against what the engines and the trainer allocate (shapes only, no devices)."""
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from helpers.tiny_run import tiny_overrides
+
+from fastrl_jax.config import load_config
+from fastrl_jax.models.decoder import DTYPES, abstract_decoder
+from fastrl_jax.rl import dry_run, update
+from fastrl_jax.sharding import make_mesh, shardings_for
+
+QWEN7B = Path(__file__).parent.parent / "configs" / "qwen2.5_7b_1node.yaml"
+
+
+def test_history_drafting_keeps_no_hidden_states_or_drafter_cache():
+    # EAGLE strategies 8/4/48, 6/4/16, 5/4/8: the table keeps bfloat16 hidden states and a one-layer drafter cache
+    # of 64 rows x 4 KV heads x 128, whose slots are the longest length bucket plus the 8/4/48 tree's 7 x 4 scratch
+    eagle = dry_run.memory_plan(load_config(QWEN7B))
+    assert eagle["hidden_states"] == 64 * 4096 * 3584 * 2
+    assert eagle["drafter_kv_cache"] == 2 * 64 * 4 * (4096 + 28) * 128 * 2
+    # History chains only (RolloutEngine: no drafter, so neither): the plan must not count 2.25 GiB the run never holds
+    history = dry_run.memory_plan(load_config(QWEN7B, ["sd.strategies=['h8']", "sd.group_live_batch_ranges=[]"]))
+    assert history["hidden_states"] == history["drafter_kv_cache"] == history["drafter"] == 0
+    assert history["total"] == sum(history[k] for k in dry_run.MEMORY_PARTS)
+
+
+def test_train_logits_cover_the_completion_slots():
+    # update.sequence_logprobs sends only the completion's C slots through the head, C = rl.max_new_tokens (3000)
+    # rounded up to 3008, not the 4096-slot length bucket: 4 rows per device (8 over data x fsdp = 2), vocabulary
+    # split over tensor = 4, logits, log-softmax and gradient in float32
+    plan = dry_run.memory_plan(load_config(QWEN7B))
+    assert plan["train_logits"] == 3 * 4 * 3008 * (152064 // 4) * 4
+
+
+def test_training_parts_cover_what_the_update_step_holds(tmp_path):
+    # The trainer's jitted step on one device holds the parameters, the AdamW moments (donated: updated in place),
+    # the batch, and returns new parameters beside the old; the plan must count all of them but the batch (the
+    # gradients are among the step's temporaries).
+    cfg = load_config(None, [*tiny_overrides(tmp_path), "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"])
+    plan = dry_run.memory_plan(cfg)
+    mesh = make_mesh(cfg.mesh, jax.devices()[:1])
+    graphdef, state = nnx.split(abstract_decoder(dry_run.model_config(cfg.model.path), DTYPES[cfg.model.dtype]))
+    shardings = nnx.to_pure_dict(shardings_for(state, mesh, update.master_rules(cfg.model)))
+
+    def place(tree, sh):
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)
+
+    params = place(nnx.to_pure_dict(state), shardings)
+    tx = update.policy_optimizer(cfg.optim, 10)
+    opt_shardings = update.optimizer_shardings(tx, params, shardings, mesh)
+    opt_state = place(jax.eval_shape(tx.init, params), opt_shardings)
+    M, P, C = cfg.rl.micro_batch_size, 32, 32
+    i32, f32 = jnp.int32, jnp.float32
+    batch = update.GRPOBatch(tokens=jax.ShapeDtypeStruct((1, M, P + C), i32), pad=jax.ShapeDtypeStruct((1, M), i32),
+                             mask=jax.ShapeDtypeStruct((1, M, C), f32), advantages=jax.ShapeDtypeStruct((1, M), f32),
+                             old_logp=jax.ShapeDtypeStruct((1, M, C), f32))
+    step = update.jit_train_step(graphdef, tx, update.StepOptions.from_config(cfg.rl), shardings, opt_shardings, mesh,
+                                 False, M)
+    memory = step.lower(params, opt_state, None, batch).compile().memory_analysis()
+    batch_bytes = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(batch))
+    # in: parameters, moments (donated) and the batch (less what the step never reads); out: the same moments,
+    # the new parameters and the metrics
+    assert 0 <= memory.argument_size_in_bytes - plan["params"] - plan["optimizer"] <= batch_bytes
+    assert 0 <= memory.output_size_in_bytes - memory.alias_size_in_bytes - plan.get("new_params", 0) <= 1024
