@@ -1,7 +1,12 @@
 """Masked (tree) attention: every CPU backend against a float64 numpy attention, and the backend choice."""
 
+import functools
+import importlib.util
 import logging
 import os
+import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -331,8 +336,6 @@ def test_shape_and_argument_errors():
 
 def test_triton_kernel_in_triton_interpreter(monkeypatch):
     """The Triton kernel's arithmetic on CPU; skipped unless triton (and torch) are installed."""
-    import sys
-
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("triton was imported before TRITON_INTERPRET could be set")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # read when @triton.jit runs, i.e. at module import
@@ -352,3 +355,51 @@ def test_triton_kernel_in_triton_interpreter(monkeypatch):
         args = [torch.from_numpy(x) for x in (q, k, v, mask.astype(np.int8))]
         attention_triton.masked_attention_kernel[grid](*args, out, F32=dtype == np.float32, **params)
         np.testing.assert_allclose(out.float().numpy(), naive_attention(q, k, v, mask), atol=tol, rtol=tol)
+
+
+def test_pallas_gpu_kernel_takes_64_bit_offsets_into_a_mask_past_int32(monkeypatch, capsys):
+    """A mask of 2**32 slots (64 rows x 4096 new tokens x 16384, a long prefill batch): Pallas's Triton
+    lowering picks 64-bit offsets by byte size, so a one-byte mask this long got int32 offsets that wrap.
+    Cross-lowered for CUDA with the Triton IR printed (pallas_call(debug=True)); nothing is allocated."""
+    monkeypatch.setattr(pallas.pl, "pallas_call", functools.partial(pallas.pl.pallas_call, debug=True))
+    B, T, S, D = 64, 4096, 16384, 64
+    args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in
+            [((B, T, 1, 1, D), jnp.bfloat16), ((B, 1, S, D), jnp.bfloat16), ((B, 1, S, D), jnp.bfloat16), ((B, T, S), bool)]]
+    jax.jit(lambda *a: pallas.masked_attention(*a, platform="gpu")).trace(*args).lower(lowering_platforms=("cuda",))
+    mask_offsets = re.findall(r"tt\.addptr .*!tt\.ptr<i(?:8|16)>>, tensor<[0-9x]*x(i\d+)>", capsys.readouterr().out)
+    assert mask_offsets and set(mask_offsets) == {"i64"}, mask_offsets
+
+
+# Compiles the Triton kernel for an H100 from this CPU (triton.compile with a target needs no GPU) and prints
+# its Triton IR. A child process: the triton 3.6 interpreter leaves triton.language.core patched after a run.
+TRITON_TTIR = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fastrl_jax.kernels.tree_attention import triton_kernel
+
+params = triton_kernel.launch_params((128, 4, 8, 4, 128), (128, 8, 32768, 128))
+del params["grid"]
+signature = {name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")} | {"mask_ptr": "*i8"}
+constexprs = dict(params, F32=False)
+signature |= dict.fromkeys(constexprs, "constexpr")
+source = ASTSource(triton_kernel.masked_attention_kernel, signature, constexprs)
+print(triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ttir"])
+"""
+
+
+def test_triton_kernel_offsets_from_the_batch_index_are_64_bit():
+    """The first offset added to each pointer argument (the program's (row, kv head) base, which grows with
+    the batch) is int64: in int32, a window of 128 rows x 8 KV heads x 32768 slots x 128 (2**32 elements)
+    wrapped. Skipped unless triton is installed."""
+    if importlib.util.find_spec("triton") is None:  # not imported here: the interpreter test needs it unimported
+        pytest.skip("triton is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", TRITON_TTIR], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ttir = run.stdout
+    pointers = {f"%{name}" for name in ("q_ptr", "k_ptr", "v_ptr", "mask_ptr", "o_ptr")}
+    pointers |= set(re.findall(r"(%\w+) = tt\.splat (?:%q_ptr|%k_ptr|%v_ptr|%mask_ptr|%o_ptr)\b", ttir))
+    bases = [off_type for ptr, off_type in re.findall(r"tt\.addptr (%\w+), %\w+ : [^,]+, (?:tensor<[0-9x]*x)?(i\d+)", ttir)
+             if ptr in pointers]
+    assert len(bases) >= 5 and set(bases) == {"i64"}, bases

@@ -98,6 +98,11 @@ def masked_attention(q, k, v, mask, interpret: bool = False, platform: str | Non
         k, v = jnp.pad(k, pad), jnp.pad(v, pad)
         m = jnp.pad(m, ((0, 0), (0, 0), (0, cfg.min_block_s - S)))
         S = cfg.min_block_s
+    if m.dtype.itemsize == 1 and m.size > 2**31:
+        # Pallas's Triton lowering takes 64-bit offsets only for arrays over 2**32 bytes, but
+        # offsets count elements and are signed: a one-byte mask of 2**31 to 2**32 elements
+        # would wrap. Two bytes a slot put such a mask over 2**32 bytes.
+        m = m.astype(jnp.int16)
     block_s = cfg.block_s
     while block_s > S:
         block_s //= 2

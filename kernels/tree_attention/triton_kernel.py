@@ -51,7 +51,9 @@ def masked_attention_kernel(
     F32: tl.constexpr,
 ):
     """One program per (b, kv head, block of BLOCK_M packed (token, head) rows)."""
-    b = tl.program_id(0)
+    # Offsets in int64 from the batch index on: a cache window of batch 128 x 8 KV heads x 32768
+    # slots x head dim 128 is 2**32 elements, past int32; offsets within one row stay int32.
+    b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     r = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     t = r // G
