@@ -64,8 +64,9 @@ def test_the_corpus_holds_earlier_completions_behind_the_prompt_tail():
     corpus = build_corpus(prompt, [[50, 51, 52, 53], [60, 61, 62, 63]], size=16, prompt_tail=2)
     assert corpus.tolist() == [41, 42, 50, 51, 52, 53, -1, 41, 42, 60, 61, 62, 63, -1, -1, -1]
     assert build_corpus(prompt, [[50] * 5, [60] * 6], size=10, prompt_tail=2).tolist()[:8] == [41, 42] + [60] * 6
-    # A newest completion too long for the row does not hide the older ones that fit.
-    assert build_corpus(prompt, [[50] * 3, [60] * 20], size=10, prompt_tail=2).tolist() == [41, 42, 50, 50, 50] + [-1] * 5
+    # A newest completion too long for the row does not hide the older ones that fit (its start takes the room left).
+    assert build_corpus(prompt, [[50] * 3, [60] * 20], size=10, prompt_tail=2).tolist() == [41, 42, 50, 50, 50, -1,
+                                                                                             41, 42, 60, -1]
     # A row that has just read its prompt and sampled 60 drafts the newest earlier completion's next tokens.
     drafts, _ = table([[40, 41, 42, 60]], groups=[0], corpora=[corpus])
     assert drafts[0] == [61, 62, 63]  # "41 42 60" matched: up to 6 drafts, the entry ends after 3
@@ -94,6 +95,26 @@ def test_store_bounds_tokens_per_prompt_and_prompts_and_round_trips():
     # A completion longer than the bound keeps its start: the corpus puts it right behind the prompt's tail
     store.add([4], list(range(100, 115)))
     assert store.completions([4]) == [list(range(100, 110))]
+    # Token arrays (a data pipeline's numpy ids) are sequences too; an empty completion adds nothing.
+    store.add(np.array([4]), np.array([7, 8], np.int32))
+    store.add([4], np.zeros(0, np.int32))
+    assert store.completions([4]) == [[7, 8]]  # the 10-token start before it leaves: 12 tokens > 10
+
+
+def test_a_completion_as_long_as_the_store_bound_still_feeds_the_corpus():
+    """The store keeps a long completion's start (and drops the older ones for it); the corpus, as large as the
+    store's bound, must put that start behind the prompt's tail rather than leave the prompt's corpus empty."""
+    prompt = [40, 41, 42]
+    store = HistoryStore(tokens_per_prompt=16, max_prompts=4)
+    store.add(prompt, [70, 71, 72])
+    store.add(prompt, list(range(100, 130)))  # a long-tail completion: its first 16 tokens stay, alone
+    corpus = build_corpus(prompt, store.completions(prompt), size=16, prompt_tail=2)
+    assert corpus.tolist() == [41, 42, *range(100, 113), SEPARATOR]
+    drafts, _ = table([[40, 41, 42, 100]], groups=[0], corpora=[corpus])
+    assert drafts[0] == [101, 102, 103, 104, 105, 106]  # "41 42 100" matched: 3 x 2 drafts
+    # Room left behind whole entries takes the start of the newest one that did not fit, in its place in time.
+    assert build_corpus(prompt, [[50] * 3, [60] * 20, [80]], size=14, prompt_tail=2).tolist() == \
+        [41, 42, 50, 50, 50, -1, 41, 42, 60, -1, 41, 42, 80, -1]
 
 
 def test_group_corpus_collects_finished_siblings():

@@ -132,7 +132,7 @@ class HistoryStore:
         return list(self._entries[key])
 
     def add(self, prompt_ids: Sequence[int], completion: Sequence[int]) -> None:
-        if not completion:
+        if len(completion) == 0:  # not `not completion`: numpy token arrays have no truth value
             return
         key = prompt_key(prompt_ids)
         kept = self._entries.setdefault(key, deque())
@@ -171,14 +171,21 @@ class HistoryStore:
 
 def build_corpus(prompt_ids: Sequence[int], completions: Sequence[Sequence[int]], size: int, prompt_tail: int) -> np.ndarray:
     """A row's corpus [size] int32: each completion behind the prompt's last `prompt_tail` tokens (so a
-    row that has just read its prompt matches the start of earlier answers), SEPARATOR-delimited; the
-    newest entries that fit when they do not all (one too long for what is left does not hide older ones)."""
-    tail = list(prompt_ids[-prompt_tail:])
-    out: list[int] = []
-    for completion in reversed(completions):
-        entry = [*tail, *completion, SEPARATOR]
-        if len(out) + len(entry) <= size:
-            out = entry + out
+    row that has just read its prompt matches the start of earlier answers), SEPARATOR-delimited, oldest
+    first; the newest entries that fit when they do not all (one too long for what is left does not hide
+    older ones), and in the room left, the start of the newest one that did not fit (a completion as long
+    as the corpus, which a HistoryStore of this size keeps the start of, would otherwise never appear)."""
+    tail = list(prompt_ids[-prompt_tail:]) if prompt_tail > 0 else []
+    entries = [[*tail, *completion, SEPARATOR] for completion in completions]
+    kept, room, cut = [False] * len(entries), size, None
+    for i in reversed(range(len(entries))):
+        if len(entries[i]) <= room:
+            kept[i], room = True, room - len(entries[i])
+        elif cut is None:
+            cut = i
+    if cut is not None and room - 1 > len(tail):  # at least one token of the completion fits
+        entries[cut], kept[cut] = entries[cut][: room - 1] + [SEPARATOR], True
+    out = [t for entry, keep in zip(entries, kept) if keep for t in entry]
     return np.asarray(out + [SEPARATOR] * (size - len(out)), np.int32)
 
 
