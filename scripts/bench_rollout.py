@@ -167,6 +167,15 @@ def longtail_rollout_config(cfg, requests, margin: int):
     )
 
 
+def check_completions(name: str, completions: list) -> list:
+    """The completions, or a ValueError naming the first request the engine refused (its 'error' completion
+    has no tokens: a timing with it would measure less work than asked for)."""
+    for i, c in enumerate(completions):
+        if c.finish_reason == "error":
+            raise ValueError(f"[{name}] request {i} cannot run: {c.error}")
+    return completions
+
+
 def time_at_or_below(timeline, live_batch: int) -> float:
     """Seconds of a rollout spent in program calls that started at live batch <= live_batch."""
     t_prev, total = 0.0, 0.0
@@ -184,18 +193,20 @@ def run_longtail(name, model, drafter, rollout_cfg, sd, requests, repeats: int, 
 
     engine = RolloutEngine(model, rollout_cfg, sd=sd, drafter=drafter if sd.mode != "off" else None, progress=False,
                            drafter_accept=drafter_accept)
-    # Every program the rollout can reach: all requests fit in the first table, which only shrinks.
+    # Every program the rollout can reach: all requests fit in the first table, which only shrinks; prefills
+    # skip the prompts' shared prefix (a chat template's), prefilled once by its own program.
     buckets = rollout_cfg.batch_buckets
     first = bucket_for(min(len(requests), buckets[-1]), buckets)
-    keys = [k for k in engine.warm_up_keys() if k[1] <= first and (k[0] != "prefill" or k[1] == first)]
+    shared = engine.shared_prefix_len(requests)
+    keys = [k for k in engine.warm_up_keys(shared) if k[1] <= first and (k[0] != "prefill" or k[1] == first)]
     t0 = time.perf_counter()
-    engine.pool.warm_up(keys, progress=False)
+    engine.pool.warm_up(keys + [("prefix", 1, shared)] * bool(shared), progress=False)
     compile_s = time.perf_counter() - t0
     print(f"[{name}] {engine.pool_report()}; {compile_s:.0f}s", file=sys.stderr)
     runs = []
     for _ in range(repeats):
         engine.reset_controller()
-        out = engine.generate(requests)
+        out = check_completions(name, engine.generate(requests))
         s = engine.stats
         runs.append({
             "seconds": s.seconds["total"], "tokens": s.tokens, "stats": s.as_dict(),
@@ -294,8 +305,9 @@ def bench_stream(args) -> int:
         engine.reset_controller()
         t0 = time.perf_counter()
         out = engine.generate(requests)
-        runs.append(stream_metrics(engine, time.perf_counter() - t0, args.batch))
-        runs[-1]["outputs"] = [o.tokens for o in out]
+        seconds = time.perf_counter() - t0
+        outputs = [o.tokens for o in check_completions("stream", out)]
+        runs.append(stream_metrics(engine, seconds, args.batch) | {"outputs": outputs})
         print(f"[stream] run {r + 1}: {runs[-1]['tok_s']:.1f} tok/s, {runs[-1]['stream_vs_full_batch']:.2f} of full batch",
               file=sys.stderr)
     median = sorted(runs, key=lambda m: m["seconds"])[len(runs) // 2]
@@ -518,6 +530,11 @@ def main(argv=None) -> int:
     stream.add_argument("--prompt-step", type=int, default=32, help="prompt (pack) buckets every this many tokens")
     stream.add_argument("--batch-buckets", type=int, nargs="+", help="table sizes (default: powers of two up to --batch)")
     args = parser.parse_args(argv)
+    for flag in ("--batch-sizes", "--new-tokens", "--problems", "--samples", "--max-new-tokens", "--requests", "--batch",
+                 "--prompt-step", "--batch-buckets"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and min(value if isinstance(value, list) else [value]) < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
     if args.repeats is None:
         args.repeats = 2 if args.workload == "throughput" else 3
     if args.repeats < 1 or args.workload != "throughput" and args.repeats % 2 == 0:

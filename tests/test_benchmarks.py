@@ -68,3 +68,47 @@ def test_stream_bucket_grids():
     assert default.length_buckets == (128, 256, 384, 512)  # 60 + 300 tokens, and room past the largest pack
     fine = stream_rollout_config(cfg, requests, 64, prompt_step=16, batch_buckets=[48, 1, 16, 24, 128])
     assert fine.prompt_buckets == tuple(range(16, 385, 16)) and fine.batch_buckets == (1, 16, 24, 48, 64)
+
+
+
+def _tiny_longtail(requests):
+    """bench_rollout's longtail runner, plain decoding, one run, on the tiny model and a one-bucket table."""
+    import dataclasses
+
+    from helpers.tiny import CFG, tiny_model
+
+    from fastrl_jax.config import SpecConfig
+
+    cfg = dataclasses.replace(CFG, batch_buckets=(4,), length_buckets=(64,), prompt_buckets=(16,))
+    return load_script("bench_rollout").run_longtail("plain", tiny_model(), None, cfg, SpecConfig(), requests, 1, 1.0)
+
+
+def test_longtail_runs_compile_nothing_on_the_clock():
+    """bench_rollout --workload longtail times rollouts "compiled before the clock starts": the warm-up must
+    cover the programs of the prompts' shared prefix (chat prompts share their template's), or the first
+    timed run compiles them (and with --repeats 1 the reported seconds count the compile)."""
+    from fastrl_jax.rollout.engine import Request
+
+    result = _tiny_longtail([Request(list(range(10, 22)) + [30 + i, 40 + i], max_new_tokens=8) for i in range(4)])
+    assert result["tokens"] == 32 and result["stats"]["calls"]["prefix"] == 1  # the shared prefix ran once
+    assert result["stats"]["seconds"]["compile"] == 0
+
+
+def test_longtail_refuses_requests_that_cannot_run():
+    """A request the engine refuses (here a negative temperature) comes back as an 'error' completion with no
+    tokens: timing such runs would report 0 tok/s, identical outputs and exit 0, as if it had measured something."""
+    from fastrl_jax.rollout.engine import Request
+
+    with pytest.raises(ValueError, match=r"\[plain\] request 0 cannot run: .*temperature"):
+        _tiny_longtail([Request([5, 6, 7], max_new_tokens=8, temperature=-1.0)])
+
+
+@pytest.mark.parametrize("flag,argv", [("--requests", ["--workload", "stream", "--requests", "0"]),
+                                       ("--samples", ["--workload", "longtail", "--samples", "0"]),
+                                       ("--batch-sizes", ["--batch-sizes", "16", "0"]),
+                                       ("--batch", ["--workload", "stream", "--batch", "-4"])])
+def test_bench_rollout_refuses_counts_below_one_before_loading_anything(flag, argv, capsys):
+    """A count below 1 would load the model, then fail deep inside (max() of no requests, a table of no rows)."""
+    with pytest.raises(SystemExit):
+        load_script("bench_rollout").main(argv)
+    assert f"{flag} must be >= 1" in capsys.readouterr().err
