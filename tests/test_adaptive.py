@@ -186,8 +186,9 @@ def test_adaptive_greedy_equals_plain_and_never_reruns_the_policy(adaptive_engin
         assert o.tokens == greedy_generate(model, r.prompt_ids, r.max_new_tokens)
     phases = [k[0] for k in keys]
     # Plain steps while the batch is large, then the drafter starts from stored hidden states:
-    # one admission (a prefill per pack of prompts) only, and a draft_prefill before the first speculative step.
-    assert phases[0] == "prefill" and "prefill" not in phases[phases.index("decode"):]
+    # one admission (a prefill per pack of prompts into the new empty table) only, and a draft_prefill before the
+    # first speculative step.
+    assert phases[:2] == ["empty", "prefill"] and "prefill" not in phases[phases.index("decode"):]
     first_sd = phases.index("sd")
     assert "decode" in phases[:first_sd] and phases[first_sd - 1] == "draft_prefill"
     assert "decode" not in phases[first_sd:]  # the batch never grows back: no flapping

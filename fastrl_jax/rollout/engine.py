@@ -246,6 +246,7 @@ class RolloutEngine:
             keys += [("decode_admit", b, kv, n, prefix_len) for b in c.batch_buckets for kv in c.length_buckets
                      for n in c.prompt_buckets]
         keys += [("resize", b, s) for b in c.batch_buckets for s in c.batch_buckets if s < b]
+        keys += [("empty", b) for b in c.batch_buckets]
         return keys
 
     def pool_report(self) -> str:
@@ -309,6 +310,8 @@ class RolloutEngine:
         if phase == "resize":
             index = jax.ShapeDtypeStruct((key[2],), jnp.int32, sharding=self._replicated)
             return jax.jit(programs.resize, out_shardings=out), (slots, index)
+        if phase == "empty":
+            return jax.jit(lambda: self._empty(batch), out_shardings=out), ()
         raise KeyError(key)
 
     def _prefix_shapes(self, length: int) -> programs.Prefix:
@@ -516,7 +519,10 @@ class RolloutEngine:
 
     # ---- the steps of one host visit ------------------------------------------------------------
     def _placed_empty(self, batch: int) -> programs.Slots:
-        return jax.device_put(self._empty(batch), self._replicated)
+        """An empty row table, made in place on the replica's devices by a compiled program: made op by op, it would
+        pass whole through the default device (a KV cache of GBs, on another replica's device) and compile each op
+        for every new size during the rollout."""
+        return self.pool.get(("empty", batch))()
 
     def _run(self, rec: Recorder, key: tuple, *args):
         """Runs program `key` to completion (compiling it first, outside the timing, if it is not
@@ -702,12 +708,15 @@ class RolloutEngine:
         return seconds
 
     def _harvest(self, slots, rows: list[int], requests: list[Request]) -> list[Completion]:
+        # The per-row outputs whole (a few hundred KB): indexed on the device, each number of rows would compile a gather
         idx = np.asarray(rows)
-        n_out, tokens, logprobs, length = jax.device_get(
-            (slots.n_out[idx], slots.out_tokens[idx], slots.out_logprobs[idx], slots.length[idx])
-        )
-        # float32 on the host whatever the engine's dtype: what the sample buffer and callers expect
-        hidden = np.asarray(jax.device_get(slots.hidden[idx]), np.float32) if self.return_hidden else None
+        n_out, tokens, logprobs, length = (x[idx] for x in jax.device_get(
+            (slots.n_out, slots.out_tokens, slots.out_logprobs, slots.length)))
+        hidden = None
+        if self.return_hidden:  # GBs whole: gathered on the device, rows padded to a power of two (few programs)
+            padded = np.pad(idx, (0, (1 << (len(idx) - 1).bit_length()) - len(idx)), mode="edge")
+            # float32 on the host whatever the engine's dtype: what the sample buffer and callers expect
+            hidden = np.asarray(jax.device_get(_take_rows(slots.hidden, padded)), np.float32)[: len(idx)]
         out = []
         for j, req in enumerate(requests):
             n = int(n_out[j])
@@ -716,6 +725,11 @@ class RolloutEngine:
             h = hidden[j, : int(length[j])] if hidden is not None else None
             out.append(Completion(toks, logprobs[j, :n].tolist(), reason, hidden_states=h))
         return out
+
+
+@jax.jit
+def _take_rows(x: jax.Array, rows: jax.Array) -> jax.Array:
+    return x[rows]
 
 
 @dataclasses.dataclass
