@@ -43,10 +43,10 @@ def test_reduced_gpu_check_runs_every_section(tmp_path):
     greedy = results["greedy_vs_hf"]
     assert greedy["identical"] == greedy["prompts"] == 4, greedy  # the tiny model's logits are far from ties
     rows = results["sd_lossless"]["rows"]
-    assert {(r["dtype"], r["temperature"]) for r in rows} == {(d, t) for d in ("float32", "bfloat16") for t in (0.0, 0.7)}
+    assert {(r["dtype"], r["temperature"]) for r in rows} == {("bfloat16", 0.0), ("bfloat16", 0.7)}  # float32: the suite's
     assert all(r["same_tokens"] == r["requests"] for r in rows), rows
     decode = results["plain_decode"]["rows"]
-    assert [(r["layer_loop"], r["batch"]) for r in decode] == [("scan", 1), ("scan", 4), ("unrolled", 1), ("unrolled", 4)]
+    assert [(r["layer_loop"], r["batch"]) for r in decode] == [("scan", 1), ("unrolled", 1)]
     assert all(r["tok_s"] > 0 and r["hf_tok_s"] > 0 for r in decode)
     assert results["plain_decode"]["copy_bandwidth_gbs"] > 0 and all(0 < r["floor_fraction"] for r in decode)
     prof = results["sd_step_profile"]["rows"][0]
@@ -56,7 +56,7 @@ def test_reduced_gpu_check_runs_every_section(tmp_path):
                                                       for r in traced.values()), traced
     drafted = results["trained_drafter"]
     assert drafted["train_drafter_wall_s"] > 0 and (Path(drafted["drafter"]) / "_CHECKPOINT_METADATA").exists()
-    assert [r["same_tokens"] == r["requests"] for r in drafted["rows"]] == [True, True]
+    assert [(r["strategy"], r["same_tokens"] == r["requests"]) for r in drafted["rows"]] == [("3/1/4", True)]
     assert results["longtail"]["drafter"] == drafted["drafter"] and results["longtail"]["adaptive_vs_plain"] > 0
     assert results["grpo"]["same_token_counts"] and results["grpo"]["runs"]["adaptive"]["sd_share"][0] > 0
     md = (out / "gpu_check.md").read_text()
