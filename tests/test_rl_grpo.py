@@ -8,11 +8,13 @@ import optax
 import pytest
 from flax import nnx
 from helpers.tiny import CFG, TINY, prompts, tiny_model
+from jax.sharding import NamedSharding, PartitionSpec
 
-from fastrl_jax.config import OptimConfig, RLConfig
-from fastrl_jax.models.decoder import Decoder
+from fastrl_jax.config import MeshConfig, OptimConfig
+from fastrl_jax.models.decoder import Decoder, KVCache
 from fastrl_jax.rl import grpo, update
 from fastrl_jax.rollout.engine import Request, RolloutEngine
+from fastrl_jax.sharding import make_mesh
 
 RNG = np.random.default_rng(0)
 
@@ -97,13 +99,14 @@ def verl_policy_loss(logp, old, adv, lo, hi, c):
 def test_dual_clip_matches_verl_and_bounds_negative_advantage_tokens():
     """Off-policy, a token the policy has made far likelier under a negative advantage loses at most c x |A|,
     with no gradient (verl's clip_ratio_c); a log-ratio of 100 stays finite."""
-    old = jnp.asarray(RNG.normal(size=(4, 6)), jnp.float32)
-    logp = old + jnp.asarray(RNG.normal(scale=1.5, size=(4, 6)), jnp.float32).at[0, 0].set(100.0)
+    rng = np.random.default_rng(2)  # its own: with the module's, the draws (and dual.sum()) depend on the tests run before
+    old = jnp.asarray(rng.normal(size=(4, 6)), jnp.float32)
+    logp = old + jnp.asarray(rng.normal(scale=1.5, size=(4, 6)), jnp.float32).at[0, 0].set(100.0)
     adv = jnp.asarray([-1.5, -0.3, 0.8, 2.0])
     loss, clipped, dual = grpo.clipped_surrogate(logp, old, adv, 0.2, 0.28, clip_ratio_c=3.0)
     want = verl_policy_loss(np.asarray(logp), np.asarray(old), np.asarray(adv)[:, None], 0.2, 0.28, 3.0)
     np.testing.assert_allclose(loss, want, rtol=1e-5)
-    ratio = np.exp(np.asarray(logp - old))
+    ratio = np.exp(np.asarray(logp - old, np.float64))  # e**100 overflows float32
     np.testing.assert_array_equal(dual, (np.asarray(adv)[:, None] < 0) & (ratio > 3.0))
     assert dual[0, 0] and dual.sum() >= 2 and np.isfinite(np.asarray(loss)).all()
     grad = jax.grad(lambda lp: grpo.clipped_surrogate(lp, old, adv, 0.2, 0.28, 3.0)[0].sum())(logp)
@@ -174,36 +177,6 @@ def test_recomputed_logprobs_match_the_engine():
     np.testing.assert_allclose(remat[0], logp, atol=1e-6)
 
 
-def test_grad_accumulation_equals_one_batch():
-    model = Decoder(TINY, nnx.Rngs(0))  # unscaled: tiny_model's sharp logits amplify float rounding
-    graphdef, state = nnx.split(model)
-    params = nnx.to_pure_dict(state)
-    N, S, C = 8, 24, 16
-    tokens = RNG.integers(0, TINY.vocab_size, (N, S)).astype(np.int32)
-    pad = RNG.integers(0, S - C, N).astype(np.int32)
-    mask = (RNG.random((N, C)) < 0.5).astype(np.float32)
-    adv = RNG.normal(size=N).astype(np.float32)
-    results = []
-    for agg in ("token", "sequence"):
-        rl = RLConfig(loss_aggregation=agg, micro_batch_size=2, remat=True)
-        opts = update.StepOptions.from_config(rl)
-        tx = optax.sgd(1.0)  # new params = params - gradient: compares the accumulated gradients
-        outs = []
-        for K in (1, 4):
-            batch = update.GRPOBatch(tokens.reshape(K, N // K, S), pad.reshape(K, N // K), mask.reshape(K, N // K, C),
-                                 adv.reshape(K, N // K), np.zeros((K, N // K, C), np.float32))
-            step = jax.jit(update.train_step, static_argnums=(0, 1, 2))
-            new, _, metrics = step(graphdef, tx, opts, params, tx.init(params), None, batch)
-            outs.append((new, metrics))
-        (a, ma), (b, mb) = outs
-        jax.tree.map(lambda x, y, p: np.testing.assert_allclose(x - p, y - p, atol=1e-4 * float(jnp.abs(y - p).max())), a, b, params)
-        assert float(ma["loss"]) == pytest.approx(float(mb["loss"]), rel=1e-4, abs=1e-6)
-        assert float(ma["grad_norm"]) == pytest.approx(float(mb["grad_norm"]), rel=1e-4) and float(ma["grad_norm"]) > 0
-        results.append(a)
-    moved = jax.tree.map(lambda x, y: float(jnp.abs(x - y).max()), results[0], params)
-    assert max(jax.tree.leaves(moved)) > 0
-
-
 def test_schedules():
     cfg = OptimConfig(learning_rate=1.0, schedule="cosine", warmup_steps=2)
     tx_lr = [update.learning_rate(cfg, 10, i) for i in range(10)]
@@ -220,3 +193,155 @@ def test_schedules():
     want = [update.learning_rate(OptimConfig(learning_rate=1.0, schedule="linear"), 4, i) for i in range(4)]
     np.testing.assert_allclose(deltas, want, rtol=1e-3, atol=1e-6)
     assert isinstance(tx, optax.GradientTransformation)
+
+
+def verl_kl_penalty(logp, ref, estimator):
+    """verl's kl_penalty in numpy: "kl"/"k1" and "low_var_kl"/"k3" (log-ratio clamped to +-20, value to +-10)."""
+    if estimator == "k1":
+        return logp - ref
+    kl = np.clip(ref - logp, -20.0, 20.0)
+    return np.clip(np.exp(kl) - kl - 1.0, -10.0, 10.0)
+
+
+def test_kl_matches_verl_and_stays_finite():
+    """Off-policy a sampled token can drift far from the reference: verl's low_var_kl clamps the log-ratio (no
+    overflow to inf) and the estimate (a bounded penalty, no gradient past it); ours is the same function."""
+    logp = jnp.asarray([[-0.5, -1.0, -3.0, -120.0, -0.1, -2.0]])
+    ref = jnp.asarray([[-0.6, -4.0, -0.2, -1.0, -30.0, -2.0]])
+    for est in ("k1", "k3"):
+        np.testing.assert_allclose(grpo.kl_penalty(logp, ref, est), verl_kl_penalty(np.asarray(logp), np.asarray(ref), est),
+                                   rtol=1e-4, atol=1e-6)
+    value, grad = jax.value_and_grad(lambda lp: grpo.grpo_loss(
+        lp, lp, jnp.asarray([1.0]), jnp.ones_like(lp), clip_low=0.2, clip_high=0.28, aggregation="token",
+        normalizer=6.0, ref_logp=ref, kl_coef=0.1)[0])(logp)
+    assert np.isfinite(float(value)) and np.isfinite(np.asarray(grad)).all()
+
+
+def _reference_logp(graphdef, params, rows, width, temperature):
+    """log p(completion) [N, width] (0 past each completion's end) by the engine's prefill: each row's prompt and
+    completion from slot 0 (no left padding), positions = slots, causal attention."""
+    model = nnx.merge(graphdef, params)
+    N, L = len(rows), max(len(p) + len(c) for p, c in rows)
+    seq = np.zeros((N, L), np.int32)
+    first = np.zeros((N, width), np.int32)  # slot whose logits predict completion token t: len(prompt) - 1 + t
+    target = np.zeros((N, width), np.int32)
+    for i, (prompt, completion) in enumerate(rows):
+        seq[i, : len(prompt) + len(completion)] = prompt + completion
+        first[i] = len(prompt) - 1 + np.arange(width)
+        target[i, : len(completion)] = completion
+    first = np.minimum(first, L - 1)
+    logits, _, _ = model(jnp.asarray(seq), jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (N, L)),
+                         KVCache.zeros(model.cfg, N, L, jnp.float32), jnp.zeros(N, jnp.int32))
+    logp = jax.nn.log_softmax(jnp.take_along_axis(logits, jnp.asarray(first)[..., None], axis=1) / temperature, axis=-1)
+    live = np.arange(width)[None] < np.asarray([len(c) for _, c in rows])[:, None]
+    return jnp.where(live, jnp.take_along_axis(logp, jnp.asarray(target)[..., None], axis=-1)[..., 0], 0.0)
+
+
+def _reference_loss(params, graphdef, ref_params, rows, old, adv, aggregation, lo, hi, c, kl_coef, temperature):
+    """The whole mini-batch's GRPO loss written out from verl's definitions (compute_policy_loss_vanilla,
+    kl_penalty low_var_kl, agg_loss token-mean / seq-mean-token-mean)."""
+    width = old.shape[1]
+    mask = jnp.asarray(np.arange(width)[None] < np.asarray([len(c) for _, c in rows])[:, None], jnp.float32)
+    lp = _reference_logp(graphdef, params, rows, width, temperature)
+    ref = jax.lax.stop_gradient(_reference_logp(graphdef, ref_params, rows, width, temperature))
+    ratio = jnp.exp(jnp.clip(lp - old, -20.0, 20.0))
+    a = adv[:, None]
+    loss1 = jnp.maximum(-a * ratio, -a * jnp.clip(ratio, 1 - lo, 1 + hi))
+    pg = jnp.where(a < 0, jnp.minimum(-a * c, loss1), loss1)
+    d = jnp.clip(ref - lp, -20.0, 20.0)
+    kl = jnp.clip(jnp.exp(d) - d - 1.0, -10.0, 10.0)
+
+    def agg(x):
+        if aggregation == "token":
+            return jnp.sum(x * mask) / jnp.sum(mask)
+        return jnp.mean(jnp.sum(x * mask, axis=1) / jnp.sum(mask, axis=1))
+
+    return agg(pg) + kl_coef * agg(kl)
+
+
+@pytest.mark.parametrize("aggregation", ["token", "sequence"])
+def test_accumulated_off_policy_step_matches_verl_loss_on_the_whole_minibatch(aggregation):
+    """4 micro-batches of left-padded prompts and right-padded completions, off-policy old log-probs (PPO clip
+    and dual clip both active), a reference policy with k3 KL: the accumulated gradient is the gradient of verl's
+    loss over the whole mini-batch (normalised over all its tokens / sequences, not per micro-batch), with the
+    layers rematerialised as training runs them."""
+    rng = np.random.default_rng(1)
+    model = Decoder(TINY, nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(state)
+    ref_params = jax.tree.map(lambda p: p * 0.9, params)
+    N, P, C, T = 8, 8, 12, 0.7
+    rows = [(rng.integers(0, TINY.vocab_size, rng.integers(2, P + 1)).tolist(),
+             rng.integers(0, TINY.vocab_size, n).tolist()) for n in (1, 12, 3, 7, 12, 2, 5, 9)]
+    tokens = np.zeros((N, P + C), np.int32)
+    pad, mask = np.zeros(N, np.int32), np.zeros((N, C), np.float32)
+    for i, (prompt, completion) in enumerate(rows):  # as Trainer.build_batch lays a batch out
+        pad[i] = P - len(prompt)
+        tokens[i, pad[i] : P], tokens[i, P : P + len(completion)] = prompt, completion
+        mask[i, : len(completion)] = 1.0
+    true = np.asarray(_reference_logp(graphdef, params, rows, C, T))
+    old = (true + rng.normal(scale=0.8, size=(N, C)) * mask).astype(np.float32)  # padding slots: garbage ratios
+    old[mask == 0] = 50.0
+    adv = rng.normal(size=N).astype(np.float32)
+    opts = update.StepOptions(T, 0.2, 0.28, 3.0, aggregation, 0.05, "k3", remat=True, on_policy=False)
+    tx = optax.sgd(1.0)  # new params = params - gradient
+    K = 4
+    batch = update.GRPOBatch(tokens.reshape(K, N // K, -1), pad.reshape(K, -1), mask.reshape(K, N // K, -1),
+                             adv.reshape(K, -1), old.reshape(K, N // K, -1))
+    step = jax.jit(update.train_step, static_argnums=(0, 1, 2))
+    new, _, metrics = step(graphdef, tx, opts, params, tx.init(params), ref_params, batch)
+    assert 0 < float(metrics["clip_fraction"]) < 1 and 0 < float(metrics["dual_clip_fraction"]) < 1
+
+    value, grad = jax.jit(jax.value_and_grad(_reference_loss), static_argnums=(1, 3, 6, 7, 8, 9, 10, 11))(
+        params, graphdef, ref_params, tuple((tuple(p), tuple(c)) for p, c in rows), jnp.asarray(old), jnp.asarray(adv),
+        aggregation, 0.2, 0.28, 3.0, 0.05, T)
+    assert float(metrics["loss"]) == pytest.approx(float(value), rel=1e-4)
+    scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grad))
+    jax.tree.map(lambda g, p, n: np.testing.assert_allclose(p - n, g, atol=2e-4 * scale), grad, params, new)
+
+
+def test_first_off_policy_minibatch_has_ratio_one():
+    """minibatches_per_step > 1: the old log-probs the trainer recomputes (jit_logprobs, before any update) make
+    the first mini-batch's importance ratio 1: no token clipped, and the same update as the on-policy step."""
+    rng = np.random.default_rng(2)
+    model = Decoder(TINY, nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(state)
+    mesh = make_mesh(MeshConfig(), jax.devices()[:1])
+    shardings = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), params)
+    K, M, P, C, T = 2, 4, 8, 16, 0.6
+    tokens = rng.integers(0, TINY.vocab_size, (K * M, P + C)).astype(np.int32)
+    pad = rng.integers(0, P - 1, K * M).astype(np.int32)
+    mask = (np.arange(C)[None] < rng.integers(1, C + 1, K * M)[:, None]).astype(np.float32)
+    adv = rng.normal(size=K * M).astype(np.float32)
+    logp_fn = update.jit_logprobs(graphdef, T, shardings, mesh, M)
+    old = np.concatenate([np.asarray(logp_fn(params, tokens[i : i + M], pad[i : i + M], mask[i : i + M]))
+                          for i in range(0, K * M, M)])
+    batch = update.GRPOBatch(tokens.reshape(K, M, -1), pad.reshape(K, M), mask.reshape(K, M, -1), adv.reshape(K, M),
+                             old.reshape(K, M, -1))
+    tx = optax.sgd(1.0)
+    step = jax.jit(update.train_step, static_argnums=(0, 1, 2))
+    outs = []
+    for on_policy in (False, True):
+        opts = update.StepOptions(T, 0.2, 0.28, 3.0, "token", 0.0, "k3", remat=True, on_policy=on_policy)
+        outs.append(step(graphdef, tx, opts, params, tx.init(params), None, batch))
+    (off, _, m_off), (on, _, m_on) = outs
+    assert float(m_off["clip_fraction"]) == 0.0 and float(m_off["dual_clip_fraction"]) == 0.0
+    want = -float(np.sum(adv[:, None] * mask) / mask.sum())  # ratio 1: the loss is -mean advantage over tokens
+    assert float(m_off["loss"]) == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert float(m_off["grad_norm"]) == pytest.approx(float(m_on["grad_norm"]), rel=1e-4)
+    scale = max(float(jnp.abs(p - n).max()) for p, n in zip(jax.tree.leaves(params), jax.tree.leaves(on)))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4 * scale), off, on)
+
+
+def test_gradient_clipping_is_global_norm_before_adamw():
+    """optim.max_grad_norm clips the whole (accumulated) gradient by its global norm before AdamW, as verl's
+    clip_grad_norm_: every leaf scaled by the same max_norm / norm, not leaf by leaf, not the update."""
+    # A huge Adam eps makes the first update -lr x g / eps: linear in the gradient AdamW receives.
+    cfg = OptimConfig(learning_rate=1.0, max_grad_norm=1.0, eps=1e6)
+    tx = update.policy_optimizer(cfg, 10)
+    params = {"a": jnp.zeros(3), "b": jnp.zeros(2)}
+    grads = {"a": jnp.asarray([3.0, 0.0, 0.0]), "b": jnp.asarray([0.0, 4.0])}  # global norm 5, leaf norms 3 and 4
+    upd, _ = tx.update(grads, tx.init(params), params)
+    for k in grads:
+        np.testing.assert_allclose(-np.asarray(upd[k]) * cfg.eps, np.asarray(grads[k]) / 5.0, rtol=1e-5)

@@ -73,18 +73,21 @@ def kl_penalty(logp: jax.Array, ref_logp: jax.Array, estimator: str) -> jax.Arra
 
     k1 = log p - log q (an unbiased estimate of the KL's value, can be negative; as a loss term its gradient is
     zero in expectation on-policy, as with verl's "kl" loss type); k3 = q/p - log(q/p) - 1 (unbiased, >= 0, lower
-    variance; Schulman's estimator, GRPO's choice).
+    variance; Schulman's estimator, GRPO's choice), clamped as verl's "low_var_kl": log(q/p) to [-20, 20] and the
+    estimate to at most 10, so a token the policy has drifted far from cannot overflow exp() or, with a gradient
+    of ~q/p, swamp the batch's gradient (past the bound it gets none).
     """
     if estimator == "k1":
         return logp - ref_logp
     if estimator == "k3":
-        log_ratio = ref_logp - logp
-        return jnp.exp(log_ratio) - log_ratio - 1.0
+        log_ratio = jnp.clip(ref_logp - logp, -20.0, 20.0)
+        return jnp.minimum(jnp.exp(log_ratio) - log_ratio - 1.0, 10.0)
     raise ValueError(f"unknown KL estimator {estimator!r}; use one of {', '.join(KL_ESTIMATORS)}")
 
 
 def aggregate(per_token: jax.Array, mask: jax.Array, mode: str, normalizer: jax.Array | float) -> jax.Array:
-    """Sums per-token values [B, T] over the mask [B, T] into one scalar.
+    """Sums per-token values [B, T] over the mask [B, T] into one scalar: verl's loss_agg_mode token-mean and
+    seq-mean-token-mean, but normalised over the whole mini-batch, never per micro-batch.
 
     token: sum over tokens / normalizer (= completion tokens of the mini-batch): every token weighs
       the same, so long responses are not diluted (DAPO).
