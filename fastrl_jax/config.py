@@ -416,10 +416,10 @@ class RLConfig:
     clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high] (DAPO's clip-higher)
     clip_high: float = 0.28
     clip_ratio_c: float = 3.0  # dual-clip PPO: a negative-advantage token loses at most clip_ratio_c x |A| (verl's); 0 = off
-    loss_aggregation: str = "token"  # token (DAPO) | sequence (GRPO)
+    loss_aggregation: str = "token"  # token (DAPO; verl token-mean) | sequence (GRPO; verl seq-mean-token-mean)
     advantage_std_normalize: bool = True
     kl_coef: float = 0.0  # > 0 keeps a frozen reference policy
-    kl_estimator: str = "k3"  # k1 | k3
+    kl_estimator: str = "k3"  # k1 (verl kl) | k3 (verl low_var_kl, clamped as it)
     remat: bool = False  # recompute layer activations in the backward pass
     drafter_path: str = ""  # drafter checkpoint for sd.mode != off; '' = randomly initialised (lossless, slow)
     out_dir: str = "runs/grpo"  # checkpoints, metrics.jsonl, tensorboard/
