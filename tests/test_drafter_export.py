@@ -1,7 +1,11 @@
-"""Drafter export: EAGLE safetensors layout and round trips; reduced draft vocabulary stays lossless."""
+"""Drafter export: EAGLE / EAGLE-3 safetensors layout, what SGLang computes from it, round trips and refusals;
+reduced draft vocabulary stays lossless."""
 
 import dataclasses
 import json
+import logging
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +19,7 @@ from fastrl_jax.config import SpecConfig
 from fastrl_jax.drafter.export import eagle_config, export_eagle, export_eagle3, load_eagle
 from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.models.drafter_io import load_drafter, save_drafter
+from fastrl_jax.models.export import export_into
 from fastrl_jax.rollout import speculative
 from fastrl_jax.rollout.engine import Request, RolloutEngine
 
@@ -180,3 +185,151 @@ def test_reduced_vocab_greedy_and_sampling_equal_plain_decoding(model, kind):
     plain = RolloutEngine(model, SD_CFG, progress=False).generate(sampled)
     for a, b in zip(plain, engine.generate(sampled)):
         assert a.tokens == b.tokens
+
+
+def sglang_forward(path, policy, tokens, hidden):
+    """What SGLang computes from an exported directory, rebuilt with transformers' torch Llama modules and
+    read by SGLang's tensor names (llama_eagle.py / llama_eagle3.py), independent of our loader: a prefill
+    of entries (tokens [B, T], hidden [B, T, F]) at positions 0..T-1. Returns (logits over the draft
+    vocabulary [B, T, K], their target token ids [K], the next step's hidden input [B, T, H])."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig
+    from transformers.models.llama import modeling_llama as hf
+
+    t = load_file(str(path / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    eagle3 = config["architectures"] == ["LlamaForCausalLMEagle3"]
+    cfg = LlamaConfig(**config)
+    cfg._attn_implementation = "eager"
+    H = cfg.hidden_size
+    layer = hf.LlamaDecoderLayer(cfg, 0)
+    prefix = "midlayer." if eagle3 else "layers.0."
+    if eagle3:  # the midlayer's q/k/v read concat(embeds, hidden): 2H wide
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(layer.self_attn, name, torch.nn.Linear(2 * H, t[f"{prefix}self_attn.{name}.weight"].shape[0], bias=False))
+        hidden_norm = hf.LlamaRMSNorm(H, cfg.rms_norm_eps)
+        hidden_norm.weight.data = t[f"{prefix}hidden_norm.weight"]
+    else:  # layer 0 of an EAGLE drafter has no input_layernorm
+        layer.input_layernorm = torch.nn.Identity()
+    missing, unexpected = layer.load_state_dict(
+        {k.removeprefix(prefix): v for k, v in t.items() if k.startswith(prefix) and "hidden_norm" not in k}, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    B, T = tokens.shape
+    embeds = torch.tensor(np.asarray(policy.embed[...]))[torch.tensor(np.asarray(tokens))]
+    hidden = torch.tensor(np.asarray(hidden))
+    cos_sin = hf.LlamaRotaryEmbedding(cfg)(embeds, torch.arange(T)[None].expand(B, T))
+    mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+    head = torch.tensor(np.asarray(policy.head_weight()))
+    with torch.no_grad():
+        if eagle3:
+            h = hidden @ t["fc.weight"].T if hidden.shape[-1] != H else hidden
+            attn, _ = layer.self_attn(torch.cat([layer.input_layernorm(embeds), hidden_norm(h)], -1), cos_sin, mask)
+            h = h + attn
+            out = h + layer.mlp(layer.post_attention_layernorm(h))
+            norm = hf.LlamaRMSNorm(H, cfg.rms_norm_eps)
+            norm.weight.data = t["norm.weight"]
+            logits = norm(out) @ t["lm_head.weight"].T
+            ids = t["d2t"] + torch.arange(len(t["d2t"])) if "d2t" in t else torch.arange(cfg.vocab_size)
+        else:
+            x = torch.cat([embeds, hidden], -1) @ t["fc.weight"].T + t["fc.bias"]
+            out = layer(x, attention_mask=mask, position_embeddings=cos_sin)
+            # SGLang's EAGLE drafts over --speculative-token-map's ids: the target head's rows of them
+            token_map = path / "token_map.pt"
+            ids = torch.tensor(torch.load(token_map)) if token_map.is_file() else torch.arange(cfg.vocab_size)
+            logits = out @ head[ids].T
+    return logits.numpy(), ids.numpy(), out.numpy()
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("vocab", [None, VOCAB])
+def test_export_drafts_in_sglang_as_it_drafts_here(model, tmp_path, kind, vocab):
+    """The exported tensors, read by SGLang's names into transformers' torch Llama modules (transposes,
+    norm placement, the EAGLE-3 concat, d2t offsets / token map, RoPE from config.json), give our logits
+    over the same target ids and our next hidden input."""
+    drafter = random_drafter(vocab, seed=5, kind=kind)
+    if kind == "eagle3":
+        export_eagle3(drafter, model, tmp_path / kind)
+    else:
+        export_eagle(drafter, TINY, tmp_path / kind)
+    rng = np.random.default_rng(1)
+    tokens = jnp.asarray(rng.integers(0, 128, (2, 7)), jnp.int32)
+    hidden = jnp.asarray(rng.normal(size=(2, 7, drafter.feature_size)), jnp.float32)
+    logits, pred, _ = drafter(model, tokens, hidden, jnp.broadcast_to(jnp.arange(7), (2, 7)), drafter.empty_cache(2, 8),
+                              jnp.zeros(2, jnp.int32))
+    theirs, ids, out = sglang_forward(tmp_path / kind, model, tokens, hidden)
+    np.testing.assert_array_equal(ids, np.asarray(drafter.token_ids(jnp.arange(drafter.draft_vocab_size))))
+    np.testing.assert_allclose(theirs, logits, rtol=1e-4, atol=1e-4 * np.abs(theirs).max())
+    np.testing.assert_allclose(out, pred, rtol=1e-4, atol=1e-4 * np.abs(out).max())
+
+
+def export(drafter, model, out):
+    return export_eagle3(drafter, model, out) if drafter.kind == "eagle3" else export_eagle(drafter, TINY, out)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_export_into_a_non_empty_directory_is_refused_and_changes_nothing(model, tmp_path, kind):
+    """Exporting over an earlier export mixed the two (a full-vocabulary drafter kept the first one's
+    token_map.pt, which SGLang's --speculative-token-map then restricts it to): refused, files untouched."""
+    out = tmp_path / "e"
+    export(random_drafter(VOCAB, kind=kind), model, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(ValueError, match="exists and is not empty"):
+        export(random_drafter(None, seed=1, kind=kind), model, out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["e"]  # no partial export left beside it
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_export_files_are_readable_as_the_umask_allows(model, tmp_path, kind):
+    """safetensors creates model.safetensors owner-only (0600): an SGLang server running as another user
+    could not read the drafter. Every exported file gets the mode the umask gives."""
+    umask = os.umask(0o022)
+    try:
+        out = export(random_drafter(VOCAB, kind=kind), model, tmp_path / "e")
+    finally:
+        os.umask(umask)
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {
+        p.name: oct(0o644) for p in out.iterdir()}
+
+
+def test_a_drafter_of_another_policy_shape_is_refused_with_the_fix(tmp_path):
+    """Orbax's own message for a shape mismatch advises disabling its check (`strict=False`), which would load
+    a truncated / zero-padded drafter: the refusal names the tensors and the fix instead."""
+    save_drafter(tmp_path / "d", random_drafter())
+    for other, tensor in ((dataclasses.replace(TINY, hidden_size=32, head_dim=8), "fc"),
+                          (dataclasses.replace(TINY, intermediate_size=64), "w_down")):
+        with pytest.raises(ValueError, match=rf"is a drafter of another policy: .*{tensor}.*give the policy it was trained"
+                           ) as refused:
+            load_drafter(tmp_path / "d", other)
+        assert "strict" not in str(refused.value)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_exporting_with_another_policy_is_refused_and_writes_nothing(tmp_path, kind):
+    """config.json describes the policy given, the tensors the drafter: a drafter of another policy (here one
+    twice as wide) made an export SGLang cannot load, or one with another policy's head rows (EAGLE-3)."""
+    wide = dataclasses.replace(TINY, hidden_size=128, intermediate_size=256, head_dim=32)
+    drafter = Drafter(wide, nnx.Rngs(0), draft_vocab=VOCAB, kind=kind)
+    with pytest.raises(ValueError, match=r"of another policy: its hidden_size 128 \(policy: 64\)"):
+        export(drafter, tiny_model(), tmp_path / "e")
+    assert not any(tmp_path.iterdir())
+
+
+def test_without_torch_the_token_map_note_names_no_partial_directory(tmp_path, monkeypatch, caplog):
+    """export-drafter writes into a partial directory renamed when complete: a note naming the path the
+    token map went to sent the user to a directory that no longer exists."""
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
+    with caplog.at_level(logging.WARNING), export_into(tmp_path / "export") as partial:  # as cmd_export_drafter
+        export_eagle(random_drafter(VOCAB), TINY, partial / "eagle")
+    assert json.loads((tmp_path / "export" / "eagle" / "token_map.json").read_text()) == VOCAB.tolist()
+    assert "token_map.json" in caplog.text and "partial" not in caplog.text
+
+
+def test_loading_an_eagle3_export_for_a_shallower_policy_is_refused(model, tmp_path):
+    """Its feature layers come from its config.json: a policy of the same width but fewer layers has no
+    such layers to capture (SGLang captures layers 0 .. L-1)."""
+    drafter = random_drafter(kind="eagle3")
+    export_eagle3(drafter, model, tmp_path / "e3")
+    with pytest.raises(ValueError, match=r"of another policy: its feature layers \[1, 1, 0\] \(policy: 1 layers\)"):
+        load_eagle(tmp_path / "e3", dataclasses.replace(TINY, num_layers=1))

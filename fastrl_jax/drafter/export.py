@@ -12,6 +12,8 @@ Layout (as SafeAILab EAGLE checkpoints; no embedding, no head: SGLang takes both
   token_map.pt       (torch.save of the K ids; token_map.json where torch is not installed) too.
 Weights are in torch nn.Linear layout [out, in]; q/k use HF's half-split RoPE layout, as ours do.
 Features are the target's last hidden state after its final norm, as SGLang captures them.
+An export goes to a new or empty directory, written whole or not at all (models.export.export_into), and
+only for the policy the drafter was made for (same widths, and layers for its EAGLE-3 features).
 
 EAGLE-3 (export_eagle3; SGLang python/sglang/srt/models/llama_eagle3.py):
   config.json        architectures ["LlamaForCausalLMEagle3"], draft_vocab_size K, target_hidden_size,
@@ -37,6 +39,7 @@ from flax import nnx
 from fastrl_jax.models.config import ModelConfig
 from fastrl_jax.models.decoder import Decoder
 from fastrl_jax.models.drafter import Drafter
+from fastrl_jax.models.export import export_into, readable_as_umask_allows
 from fastrl_jax.models.loading import HFTensor, hf_layer_tensors
 
 _FILE = "model.safetensors"
@@ -50,6 +53,18 @@ def _eagle_layer_names(cfg: ModelConfig) -> dict[str, HFTensor]:
         raise ValueError(f"EAGLE export supports Llama-style layers only (family {cfg.family} has q/k/v bias or q/k norm)")
     return {ours: hf._replace(template=hf.template.format(0).removeprefix("model."))
             for ours, hf in hf_layer_tensors(cfg).items() if ours != "attn_norm"}
+
+
+def _check_policy(drafter: Drafter, cfg: ModelConfig) -> None:
+    """Refuses a drafter of another policy than `cfg`: config.json would describe `cfg`, the tensors the drafter."""
+    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim")
+    wrong = [f"{f} {getattr(drafter.cfg, f)} (policy: {getattr(cfg, f)})" for f in fields
+             if getattr(drafter.cfg, f) != getattr(cfg, f)]
+    if drafter.feature_layers and max(drafter.feature_layers) >= cfg.num_layers:
+        wrong.append(f"feature layers {list(drafter.feature_layers)} (policy: {cfg.num_layers} layers)")
+    if wrong:
+        raise ValueError(f"the drafter is of another policy: its {', '.join(wrong)}; export it with the policy it "
+                         "was trained for")
 
 
 def _layer_tensors(drafter: Drafter) -> dict[str, np.ndarray]:
@@ -102,42 +117,50 @@ def _vocab_tensors(drafter: Drafter, vocab_size: int) -> dict[str, np.ndarray]:
     return {"d2t": ids - np.arange(len(ids)), "t2d": t2d}
 
 
-def _write(out_dir: str | Path, tensors: dict[str, np.ndarray], config: dict) -> Path:
+def _write(out_dir: str | Path, tensors: dict[str, np.ndarray], config: dict, token_ids: np.ndarray | None = None
+           ) -> Path:
+    """Writes the export to out_dir, a new or empty directory (its parents are created), whole or not at all:
+    over an earlier export it would mix the two (e.g. keep that one's token_map.pt)."""
     from safetensors.numpy import save_file
 
-    out = Path(out_dir).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(out / _FILE), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    out = Path(out_dir).expanduser().absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with export_into(out, flag="out_dir") as partial:
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(partial / _FILE), metadata={"format": "pt"})
+        readable_as_umask_allows(partial / _FILE)  # SGLang may run as another user
+        (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if token_ids is not None:
+            write_token_map(token_ids, partial)
     return out
 
 
 def export_eagle(drafter: Drafter, policy_cfg: ModelConfig, out_dir: str | Path) -> Path:
-    """Writes config.json and model.safetensors to out_dir (created; existing files are replaced)."""
+    """Writes config.json and model.safetensors (and token_map.pt with a draft vocabulary) to out_dir, a new or
+    empty directory."""
     if drafter.kind != "eagle":
         raise ValueError(f"export_eagle writes EAGLE drafters; this one is {drafter.kind} (use export_eagle3)")
+    _check_policy(drafter, policy_cfg)
     fc = np.asarray(drafter.fc[...])  # [2H, H]
     tensors = {"fc.weight": fc.T, "fc.bias": np.zeros(fc.shape[1], fc.dtype), **_layer_tensors(drafter),
                **_vocab_tensors(drafter, policy_cfg.vocab_size)}
     vocab = None if drafter.draft_vocab is None else drafter.draft_vocab_size
-    out = _write(out_dir, tensors, eagle_config(policy_cfg, vocab, str(fc.dtype)))
-    if drafter.draft_vocab is not None:
-        write_token_map(np.asarray(drafter.draft_vocab[...]), out)
-    return out
+    token_ids = None if drafter.draft_vocab is None else np.asarray(drafter.draft_vocab[...])
+    return _write(out_dir, tensors, eagle_config(policy_cfg, vocab, str(fc.dtype)), token_ids)
 
 
 def write_token_map(ids: np.ndarray, out_dir: Path) -> Path:
     """The draft vocabulary as SGLang's --speculative-token-map reads it (torch.load of the hot token ids):
-    out_dir/token_map.pt, or, without torch here, out_dir/token_map.json and a note on converting it."""
+    out_dir/token_map.pt, or, without torch here, out_dir/token_map.json and a note on converting it (naming
+    no directory: out_dir is a partial export, renamed when complete)."""
     ids = [int(i) for i in ids]
     try:
         import torch
     except ImportError:
         path = out_dir / "token_map.json"
         path.write_text(json.dumps(ids) + "\n")
-        log.warning("torch is not installed: wrote the draft vocabulary as %s; SGLang's --speculative-token-map needs "
-                    "it as .pt: python -c \"import json, torch; torch.save(json.load(open('%s')), '%s')\"",
-                    path, path, path.with_suffix(".pt"))
+        log.warning("torch is not installed: wrote the draft vocabulary as token_map.json beside the drafter's "
+                    "model.safetensors; SGLang's --speculative-token-map needs it as .pt: in that directory, run python -c "
+                    "\"import json, torch; torch.save(json.load(open('token_map.json')), 'token_map.pt')\"")
         return path
     path = out_dir / "token_map.pt"
     torch.save(ids, path)
@@ -161,10 +184,12 @@ def _eagle3_layer_names(cfg: ModelConfig) -> dict[str, tuple]:
 
 def export_eagle3(drafter: Drafter, policy: Decoder, out_dir: str | Path) -> Path:
     """Writes an EAGLE-3 drafter as SGLang's LlamaForCausalLMEagle3 checkpoint (config.json and
-    model.safetensors) to out_dir; the policy gives the draft vocabulary's head rows (lm_head.weight)."""
+    model.safetensors) to out_dir, a new or empty directory; the policy gives the draft vocabulary's head
+    rows (lm_head.weight)."""
     if drafter.kind != "eagle3":
         raise ValueError(f"export_eagle3 writes EAGLE-3 drafters; this one is {drafter.kind} (use export_eagle)")
     cfg = policy.cfg
+    _check_policy(drafter, cfg)
     layers = list(drafter.feature_layers)
     if layers != sorted(set(layers)) or layers[0] < 1:
         # SGLang captures each layer once, in ascending order, and layer 0's input not at all in some versions
@@ -194,6 +219,7 @@ def _load_eagle3(path: Path, t: dict, config: dict, policy_cfg: ModelConfig) -> 
     layers = None if ids is None else tuple(i + 1 for i in ids)
     vocab = t["d2t"] + np.arange(len(t["d2t"])) if "d2t" in t else None
     drafter = Drafter(policy_cfg, nnx.Rngs(0), t["fc.weight"].dtype, draft_vocab=vocab, kind="eagle3", layers=layers)
+    _check_policy(drafter, policy_cfg)
     names = _eagle3_layer_names(drafter.cfg)
     _set_layer(drafter, path, {ours: (name, to_ours(t[name])) for ours, (name, to_ours, _) in names.items()})
     drafter.fc.set_value(np.ascontiguousarray(t["fc.weight"].T))

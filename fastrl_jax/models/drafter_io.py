@@ -76,15 +76,32 @@ def load_drafter(path: str | Path, cfg: ModelConfig, dtype="float32") -> Drafter
             abstract = abstract_drafter(cfg, dtype, vocab.shape[0] if vocab is not None else 0, kind)
             graphdef, state = nnx.split(abstract)
             target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(state))
-            restored = ckptr.restore(path, target)
+            wrong = _shape_mismatches(saved, target)
+            restored = None if wrong else ckptr.restore(path, target)
         except (ValueError, KeyError, AttributeError) as e:
             raise ValueError(f"{path} is not a drafter checkpoint for this policy ({e})") from e
+    if wrong:  # Orbax's own message would advise strict=False: a truncated / zero-padded drafter
+        more = f" and {len(wrong) - 2} more" if len(wrong) > 2 else ""
+        raise ValueError(f"{path} is a drafter of another policy: {'; '.join(wrong[:2])}{more} (this policy: hidden size "
+                         f"{cfg.hidden_size}, intermediate size {cfg.intermediate_size}, {cfg.num_heads} heads and "
+                         f"{cfg.num_kv_heads} KV heads of {cfg.head_dim}); give the policy it was trained with (--model "
+                         "or model.path)")
     ids = restored.get("draft_vocab")
     if ids is not None and (len(np.unique(ids)) != len(ids) or ids.min() < 0 or ids.max() >= cfg.vocab_size):
         raise ValueError(f"{path}: its draft vocabulary is not distinct ids of this policy's {cfg.vocab_size}-token "
                          f"vocabulary (ids {int(ids.min())} .. {int(ids.max())}): it was trained for another policy")
     nnx.replace_by_pure_dict(state, restored)
     return nnx.merge(graphdef, state)
+
+
+def _shape_mismatches(saved, target) -> list[str]:
+    """'NAME is SHAPE there, SHAPE here' for each parameter whose shape in Orbax metadata `saved` differs from `target`'s."""
+    def flat(tree):
+        leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
+        return {jax.tree_util.keystr(p, simple=True, separator="/"): tuple(v.shape) for p, v in leaves}
+
+    here = flat(target)
+    return [f"{k} is {shape} there, {here[k]} here" for k, shape in flat(saved).items() if k in here and here[k] != shape]
 
 
 def make_drafter(cfg: Config, model_cfg: ModelConfig, path: str | Path | None, dtype: str | None = None) -> Drafter:

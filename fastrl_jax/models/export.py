@@ -142,7 +142,7 @@ def write_weights(plan: list[PlannedTensor], out: Path, dtype, max_shard_bytes: 
         tensors = {t.name: t.fetch() for t in shard}
         if writer:
             save_file(tensors, str(out / name), metadata={"format": "pt"})
-            _readable_as_umask_allows(out / name)
+            readable_as_umask_allows(out / name)
         del tensors
         on_file(name)
     if len(shards) > 1 and writer:
@@ -166,7 +166,7 @@ def save_tokenizer(tokenizer, out: Path) -> None:
     config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
-def _readable_as_umask_allows(path: Path) -> None:
+def readable_as_umask_allows(path: Path) -> None:
     """safetensors creates its files owner-only (0600); give them the mode every other file gets here."""
     umask = os.umask(0)
     os.umask(umask)
@@ -187,12 +187,12 @@ def check_export_dir(out: str | Path, flag: str = "--out") -> Path:
 
 
 @contextlib.contextmanager
-def export_into(out: str | Path, writer: bool = True) -> Iterator[Path]:
+def export_into(out: str | Path, writer: bool = True, flag: str = "--out") -> Iterator[Path]:
     """A hidden sibling directory of the export directory `out` (check_export_dir's rules) to write into: it
     becomes `out` when the block completes and is removed when the block fails, so a failed or interrupted
     export leaves nothing that looks like one, nor anything a rerun would refuse. writer: whether this
-    process creates and renames it (process 0 of a multi-process export)."""
-    out = check_export_dir(out)
+    process creates and renames it (process 0 of a multi-process export). flag: how errors name `out`."""
+    out = check_export_dir(out, flag)
     partial = out.parent / f".{out.name}.partial"
     if writer:
         shutil.rmtree(partial, ignore_errors=True)  # a killed export's leftovers
