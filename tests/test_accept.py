@@ -303,6 +303,26 @@ def test_rejection_sampling_is_exact(tree, settings):
     assert pvalue > 1e-3
 
 
+def test_rejection_sampling_is_exact_with_mixed_rows():
+    """Greedy rows and rows of other temperatures, top-k and top-p share one batch: each row's tokens
+    follow its own parameters (greedy rows: exactly the argmax chain)."""
+    groups = [dict(temperature=0.0), SETTINGS[1][1], SETTINGS[2][1]]
+    per_group = [params_for(N_SEEDS, **g, seed0=k * N_SEEDS) for k, g in enumerate(groups)]
+    params = jax.tree.map(lambda *a: jnp.stack(a, 1).reshape(-1), *per_group)  # rows cycle through the groups
+    B = len(groups) * N_SEEDS
+    run = jax.jit(functools.partial(first_tokens, TREES["topk2_depth3"]))
+    samples, _ = run(params, jnp.full(B, ROOT_TOKEN, jnp.int32), jnp.full(B, ROOT_POS, jnp.int32), POLICY, DRAFTER)
+    samples = np.asarray(samples).reshape(N_SEEDS, len(groups), N_EMITTED)
+    greedy = [ROOT_TOKEN]
+    for _ in range(N_EMITTED):
+        greedy.append(int(jnp.argmax(POLICY[greedy[-1]])))
+    assert (samples[:, 0] == greedy[1:]).all()
+    for k in (1, 2):
+        stat, pvalue, impossible, dof = chi_square(samples[:, k], exact_sequence_probs(per_group[k]))
+        print(f"{groups[k]}: chi2={stat:.1f} dof={dof} p={pvalue:.3g}")
+        assert impossible == 0 and pvalue > 1e-3
+
+
 EXACT_ACCEPT_PROB = accept._child_accept_prob
 
 

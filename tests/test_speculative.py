@@ -15,6 +15,7 @@ from fastrl_jax.models.decoder import KVCache
 from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.rollout import speculative
 from fastrl_jax.rollout.engine import Request, RolloutEngine
+from fastrl_jax.rollout.sampling import sample
 
 SD_CFG = dataclasses.replace(CFG, length_buckets=(48, 96))
 
@@ -154,7 +155,8 @@ def test_unrolled_layer_loop_decodes_what_the_scan_decodes(model, eagle):
 
 
 def oracle_draft_tree(policy, drafter, ds, root_token, root_pos, strategy, kv_len, params=None):
-    """A perfect drafter behind a decoy: node 1 is a wrong token, nodes 2.. the policy's greedy chain.
+    """A perfect drafter behind a decoy: node 1 is a wrong token, nodes 2.. the chain the policy will
+    emit (its position-keyed samples; greedy rows: its argmax chain).
 
     Accepting the chain moves its cache entries one slot down, which the real drafter rarely
     exercises while untrained.
@@ -165,7 +167,7 @@ def oracle_draft_tree(policy, drafter, ds, root_token, root_pos, strategy, kv_le
     for d in range(n - 2):
         pos = (root_pos + d)[:, None]
         logits, _, cache = policy(token[:, None], pos, cache, root_pos + d, kv_len=kv_len)
-        token = jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
+        token = sample(logits[:, 0], ds.params, root_pos + d + 1)[0]
         chain.append(token)
     chain = jnp.stack(chain, 1)
     decoy = (chain[:, :1] + 1) % policy.cfg.vocab_size
@@ -180,34 +182,64 @@ def oracle_draft_tree(policy, drafter, ds, root_token, root_pos, strategy, kv_le
 
 
 def test_accepted_paths_move_the_cache(model, eagle, monkeypatch):
-    """With an oracle drafter nearly every draft is accepted, and outputs still equal plain decoding."""
+    """With an oracle drafter nearly every draft is accepted, and outputs still equal plain decoding:
+    greedy and sampled rows (per-row temperature, top-k, top-p) in one batch, budgets that end inside
+    an accepted chain, several stop ids, and prompts up to the largest prompt bucket with budgets up
+    to the cache's end (the largest length bucket less the tree's slots)."""
     real_step = speculative.sd_step
 
     def step_with_oracle(policy, drafter_, s, ds, strategy, kv_len, mode, match):
         monkeypatch.setattr(speculative, "draft_tree", lambda *a: oracle_draft_tree(*a))
-        return real_step(policy, drafter_, s, _WithPolicyCache(ds, s.cache), strategy, kv_len, mode, match)
+        return real_step(policy, drafter_, s, _WithPolicyCache(ds, s.cache, s.params), strategy, kv_len, mode, match)
 
     monkeypatch.setattr(speculative, "sd_step", step_with_oracle)
     sd = SpecConfig(mode="on", steps=4, topk=1, verify_tokens=5)
-    engine = RolloutEngine(model, SD_CFG, sd=sd, drafter=eagle, progress=False)
     reqs = [Request(p, max_new_tokens=10 + 3 * i) for i, p in enumerate(prompts(5, seed=3))]
+    rng = np.random.default_rng(4)
+    room = SD_CFG.length_buckets[-1] - (sd.verify_tokens - 1)  # prompt + budget the engine admits
+    for i, p in enumerate(prompts(6, seed=13, lo=8)):  # lengths 16, 16, 15, 11, 8, 8: prompt bucket edges
+        budget = room - len(p) if i % 3 == 0 else 5 + 4 * i  # the cache's end; or ends mid-chain
+        reqs.append(Request(p, max_new_tokens=budget, temperature=[0.0, 0.7, 1.3][i % 3], top_k=[0, 5, 0][i % 3],
+                            top_p=[1.0, 0.9, 0.8][i % 3], seed=100 + i, stop_ids=tuple(rng.integers(0, 128, 3).tolist())))
+    engine = RolloutEngine(model, SD_CFG, sd=sd, drafter=eagle, progress=False)
     out = engine.generate(reqs)
-    for r, o in zip(reqs, out):
+    plain = RolloutEngine(model, SD_CFG, progress=False).generate(reqs[5:])
+    for r, o in zip(reqs[:5], out):
         assert o.tokens == greedy_generate(model, r.prompt_ids, r.max_new_tokens)
+    for a, b in zip(plain, out[5:]):
+        assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-4, atol=1e-4)
+    assert {o.finish_reason for o in plain} == {"stop", "length"}
     assert engine.stats.acceptance_length() > 3.0  # up to 4 per step: 3 chain drafts + bonus
 
 
 class _WithPolicyCache:
-    """DraftState plus the policy cache, so the oracle can run the policy."""
+    """DraftState plus the policy cache and the rows' sampling parameters, so the oracle can run the policy."""
 
-    def __init__(self, ds, policy_cache):
-        self._ds, self.policy_cache = ds, policy_cache
+    def __init__(self, ds, policy_cache, params):
+        self._ds, self.policy_cache, self.params = ds, policy_cache, params
 
     def __getattr__(self, name):
         return getattr(self._ds, name)
 
     def replace(self, **kw):
         return self._ds.replace(**kw)
+
+
+def test_a_padding_row_drafts_without_nan(model, eagle):
+    """A padding row of the table (length 0; drafter_prefill leaves it one pending entry) drafts finite
+    scores and keeps a finite drafter cache: its pending entry had no slot before the root to attend
+    to, and an attention row that sees nothing is NaN (0 / 0), which then reached its cache."""
+    B, P, H = 2, 3, TINY.hidden_size
+    ds = speculative.DraftState(
+        cache=eagle.empty_cache(B, 40), pending_tok=jnp.ones((B, P), jnp.int32),
+        pending_h=jax.random.normal(jax.random.key(0), (B, P, H)), n_pending=jnp.ones(B, jnp.int32),
+    )
+    strategy = speculative.Strategy(steps=3, topk=2, verify_tokens=6)
+    draft = nnx.jit(speculative.draft_tree, static_argnums=(5, 6))  # one compile: op by op it took 12 s
+    tree, cache = draft(model, eagle, ds, jnp.array([0, 5]), jnp.array([0, 9]), strategy, 32)
+    assert tree.valid.all()  # NaN scores made every node of the padding row invalid
+    assert jnp.isfinite(cache.k).all() and jnp.isfinite(cache.v).all()
 
 
 def test_sd_needs_a_drafter_and_room_for_the_tree(model, eagle):
@@ -258,7 +290,7 @@ def test_smollm2_speculative_greedy_equals_plain(smollm2):
 def test_coupled_drafting_guesses_the_token_the_policy_will_sample():
     """A drafter whose logits were the policy's would, perturbed with the position-keyed noise, draft
     exactly the tokens coupled sampling emits; ranked by probability alone it drafts the mode."""
-    from fastrl_jax.rollout.sampling import SamplingParams, sample
+    from fastrl_jax.rollout.sampling import SamplingParams
 
     B, V = 256, 50
     logits = 2.0 * jax.random.normal(jax.random.key(0), (B, V))

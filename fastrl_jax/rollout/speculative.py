@@ -226,7 +226,9 @@ def draft_tree(policy, drafter, ds: DraftState, root_token, root_pos, strategy: 
     k, steps = strategy.topk, strategy.steps
     B, P = ds.pending_tok.shape
     window = kv_len + strategy.scratch_slots
-    first = root_pos - ds.n_pending  # slot (= entry index) of the first pending entry
+    # Slot (= entry index) of the first pending entry. A padding row (length 0) has its one pending entry
+    # at slot -1: clamped to 0 it sees itself, where it saw nothing and came out NaN into its drafter cache.
+    first = jnp.maximum(root_pos - ds.n_pending, 0)
     head = drafter.head_weight(policy)  # gathered once: a reduced draft vocabulary's head rows
     logits, h_out, cache = drafter(
         policy, ds.pending_tok, ds.pending_h, first[:, None] + jnp.arange(P), ds.cache, first, kv_len=window, head=head
