@@ -104,4 +104,5 @@ def test_plain_decode_cut_by_the_budget_keeps_its_rows(monkeypatch):
     ctx = gpu_check.Ctx(args, gpu_check.REDUCED, Path("."), time.monotonic() + 100, {})
     got = gpu_check.plain_decode(ctx)
     assert got["status"] == "cut" and calls == ["scan", "unrolled"] and "(cut: gpu_check budget" in got["summary"]
-    assert [(r["layer_loop"], r["batch"], r["tok_s"]) for r in got["rows"]] == [("scan", 1, 100.0), ("scan", 4, 400.0)]
+    assert [(r["layer_loop"], r["batch"], r["tok_s"]) for r in got["rows"]] == [
+        ("scan", b, 100.0 * b) for b in gpu_check.REDUCED.decode_batches]
