@@ -70,7 +70,6 @@ def test_stream_bucket_grids():
     assert fine.prompt_buckets == tuple(range(16, 385, 16)) and fine.batch_buckets == (1, 16, 24, 48, 64)
 
 
-
 def _tiny_longtail(requests):
     """bench_rollout's longtail runner, plain decoding, one run, on the tiny model and a one-bucket table."""
     import dataclasses
