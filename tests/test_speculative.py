@@ -245,6 +245,10 @@ def test_a_padding_row_drafts_without_nan(model, eagle):
 def test_sd_needs_a_drafter_and_room_for_the_tree(model, eagle):
     with pytest.raises(ValueError, match="needs a drafter"):
         RolloutEngine(model, SD_CFG, sd=SpecConfig(mode="on"), progress=False)
+    narrow = Drafter(TINY, nnx.Rngs(0), draft_vocab=np.arange(3))
+    with pytest.raises(ValueError, match=r"branch wider than the drafter's 3-token draft vocabulary"):
+        RolloutEngine(model, SD_CFG, sd=SpecConfig(mode="on", steps=2, topk=4, verify_tokens=6), drafter=narrow,
+                      progress=False)
     engine = RolloutEngine(model, SD_CFG, sd=SpecConfig(mode="on", steps=3, topk=2, verify_tokens=6),
                            drafter=eagle, progress=False)
     out = engine.generate([Request([1, 2], max_new_tokens=92)])[0]

@@ -189,6 +189,10 @@ class RolloutEngine:
             feature_layers = drafter.feature_layers if drafter is not None else ()
         if self.uses_drafter and tuple(feature_layers) != drafter.feature_layers:
             raise ValueError(f"feature_layers {feature_layers} differ from the drafter's {drafter.feature_layers}")
+        wide = [s.label for s in self.strategies if s.uses_drafter and s.topk > drafter.draft_vocab_size]
+        if wide:  # else lax.top_k fails inside the first speculative program's compile
+            raise ValueError(f"strategies {wide} branch wider than the drafter's {drafter.draft_vocab_size}-token draft "
+                             "vocabulary: lower their top-k (S/K/V) or train a drafter with a larger draft_vocab_size")
         self.feature_layers = tuple(feature_layers)
         # Speculation restarts the drafter from stored policy hidden states, so the table keeps them; completions
         # carry them to the host only when asked (the drafter's training data: up to ~84 MB a completion at 32B).
