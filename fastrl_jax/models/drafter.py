@@ -83,7 +83,7 @@ class Drafter(nnx.Module):
 
     @property
     def draft_vocab_size(self) -> int:
-        return self.cfg.vocab_size if self.draft_vocab is None else self.draft_vocab[...].shape[0]
+        return self.cfg.vocab_size if self.draft_vocab is None else self.draft_vocab.get_value().shape[0]  # abstract too
 
     @property
     def feature_size(self) -> int:
