@@ -1,17 +1,23 @@
 """Mesh construction, logical-axis rules, nnx state placement, and a sharded forward equal to the unsharded one."""
 
+import dataclasses
 import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from fastrl_jax.kernels.tree_attention import api, reference
 from flax import nnx
+from helpers.tiny import CFG, TINY, prompts, tiny_model
 from jax.sharding import PartitionSpec as P
 
 from fastrl_jax.config import ConfigError, MeshConfig
 from fastrl_jax.models.config import ModelConfig
 from fastrl_jax.models.decoder import Decoder, KVCache
+from fastrl_jax.rl import update
+from fastrl_jax.rollout.engine import Request, RolloutEngine
 from fastrl_jax.sharding import logical_to_spec, make_mesh, mesh_sizes, named_sharding, replica_meshes, shardings_for
 
 
@@ -201,3 +207,82 @@ def test_sharded_decoder_forward_equals_unsharded():
     assert sharded_model.layers.wq.get_value().sharding.spec == P(None, "fsdp", "tensor", None)
     assert cache.k.sharding.spec == P(None, ("data", "fsdp"), "tensor", None, None)
     np.testing.assert_allclose(sharded, single, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_kernels_run_per_shard_under_a_mesh():
+    """Under jax.set_mesh a kernel sees its own rows (data x fsdp) and KV heads (tensor) only, and the result
+    equals the reference's; axes that do not divide a dim leave it whole. A kernel's custom call has no
+    partitioning rule, so without shard_map XLA gathers every operand whole onto every device."""
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((4, 3, 4, 2, 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((4, 4, 24, 16)), jnp.float32) for _ in range(2))
+    mask = jnp.asarray(rng.random((4, 3, 24)) < 0.7).at[..., 0].set(True)
+    seen = []
+
+    def kernel(q, k, v, mask):
+        seen.append((q.shape, k.shape, mask.shape))
+        return reference.masked_attention(q, k, v, mask)
+
+    mesh = make_mesh(MeshConfig(data=2, fsdp=1, tensor=4))
+    with jax.set_mesh(mesh):
+        out = jax.jit(api.sharded(kernel))(q, k, v, mask)
+        interpreted = jax.jit(lambda *a: api.masked_attention(*a, backend="pallas_interpret"))(q, k, v, mask)
+    assert seen == [((2, 3, 1, 2, 16), (2, 1, 24, 16), (2, 3, 24))]
+    expected = reference.masked_attention(q, k, v, mask)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(interpreted, expected, rtol=1e-5, atol=1e-5)
+    jax.jit(api.sharded(kernel))(q, k, v, mask)  # no mesh: whole
+    assert seen[-1] == (q.shape, k.shape, mask.shape)
+
+    assert api.shard_specs(mesh.abstract_mesh, 1, 3) is None  # one row, 3 heads on tensor=4
+    assert api.shard_specs(mesh.abstract_mesh, 1, 4) == (P(None, None, "tensor"), P(None, "tensor"), P(None))
+    both = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2)).abstract_mesh
+    assert api.shard_specs(both, 4, 3)[0] == P(("data", "fsdp"), None, None)
+    assert api.shard_specs(both, 2, 2)[1] == P("data", "tensor")
+
+
+def test_a_tensor_parallel_engine_holds_its_own_heads_of_the_cache():
+    """On tensor=2 each device of a replica holds the KV cache of its own KV heads (the weights' split), not
+    the whole cache, with the attention kernel run per shard; greedy outputs equal a one-device engine's."""
+    reqs = [Request(p, max_new_tokens=6) for p in prompts(3, seed=5)]
+    expected = RolloutEngine(tiny_model(), CFG, progress=False).generate(reqs)
+    model = tiny_model()
+    model.cfg = dataclasses.replace(TINY, attention_backend="pallas_interpret")
+    graphdef, state = nnx.split(model)
+    mesh = make_mesh(MeshConfig(tensor=2), jax.devices()[:2])
+    engine = RolloutEngine(nnx.merge(graphdef, jax.device_put(state, shardings_for(state, mesh))), CFG, progress=False)
+
+    out = engine.generate(reqs)
+    assert [o.tokens for o in out] == [e.tokens for e in expected]
+    table = engine.pool.get(("empty", 4))()
+    assert table.cache.k.sharding.spec == P(None, None, "tensor", None, None)
+    assert {s.data.shape for s in table.cache.k.addressable_shards} == {(TINY.num_layers, 4, 1, engine.max_len, 16)}
+    assert table.token.sharding.spec == P()
+
+
+def test_training_programs_run_the_kernels_per_shard():
+    """The update step and the old log-probs trace under the trainer's mesh, so a kernel backend runs per shard
+    there too (rows over data x fsdp, heads over tensor), with the reference's log-probs."""
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    rng = np.random.default_rng(1)
+    M, P, C = 4, 8, 8
+    tokens = rng.integers(0, TINY.vocab_size, (M, P + C)).astype(np.int32)
+    pad = np.asarray([0, 3, 1, 5], np.int32)
+    mask = np.ones((M, C), np.float32)
+    logps = []
+    for backend in ("reference", "pallas_interpret"):
+        graphdef, state = nnx.split(Decoder(dataclasses.replace(TINY, attention_backend=backend), nnx.Rngs(0)))
+        shardings = nnx.to_pure_dict(shardings_for(state, mesh))
+        params = jax.device_put(nnx.to_pure_dict(state), shardings)
+        fn = update.jit_logprobs(graphdef, 0.7, shardings, mesh, M)
+        per_shard = "manual_computation" in fn.lower(params, tokens, pad, mask).as_text()
+        assert per_shard == (backend != "reference")
+        logps.append(np.asarray(fn(params, tokens, pad, mask)))
+        tx = optax.sgd(1.0)
+        step = update.jit_train_step(graphdef, tx, update.StepOptions(0.7, 0.2, 0.28, 3.0, "token", 0.0, "k3", True, True),
+                                     shardings, update.optimizer_shardings(tx, params, shardings, mesh), mesh, False, M)
+        batch = update.GRPOBatch(tokens[None], pad[None], mask[None], np.ones((1, M), np.float32),
+                                 np.zeros((1, M, C), np.float32))
+        per_shard = "manual_computation" in step.lower(params, tx.init(params), None, batch).as_text()
+        assert per_shard == (backend != "reference")
+    np.testing.assert_allclose(logps[1], logps[0], rtol=1e-5, atol=1e-5)

@@ -164,7 +164,9 @@ class SpotTrainer:
     def _compile(self, block: tuple[int, ...]):
         batch = dataclasses.asdict(PackedBatch.zeros(self.cfg.batch_rows, self.cfg.seq_len_tokens, self.buffer.hidden_size))
         params, rest, opt_state, pstate, batch, key = self._inputs(block, batch)
-        return self._step.lower(self.dgraphdef, params, rest, opt_state, self.pgraphdef, pstate, batch, key).compile()
+        with jax.set_mesh(self._placement(block).mesh):  # the attention kernels run per shard (update.traced_under)
+            lowered = self._step.lower(self.dgraphdef, params, rest, opt_state, self.pgraphdef, pstate, batch, key)
+        return lowered.compile()
 
     def _policy_on(self, place: _Placement) -> dict:
         return reshard(self._policy_params, place.policy)  # zero-copy: the policy is replicated along data
@@ -310,9 +312,10 @@ class SpotTrainer:
         place = self._placement(self.blocks[-1])  # one replica's devices
         batch = place.rows(dataclasses.asdict(host))
         params = self.frozen if frozen else self.params
-        accepted, anchors = self._accept(self.dgraphdef, jax.device_put(params, place.drafter),
-                                         jax.device_put(self.rest, place.replicated),
-                                         self.cfg.eval_depth, self.pgraphdef, self._policy_on(place), batch)
+        with jax.set_mesh(place.mesh):
+            accepted, anchors = self._accept(self.dgraphdef, jax.device_put(params, place.drafter),
+                                             jax.device_put(self.rest, place.replicated),
+                                             self.cfg.eval_depth, self.pgraphdef, self._policy_on(place), batch)
         anchors = int(anchors)
         return 1.0 + int(accepted) / anchors if anchors else float("nan")
 

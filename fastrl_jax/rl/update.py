@@ -197,7 +197,7 @@ def jit_train_step(graphdef, tx, opts: StepOptions, param_shardings, opt_shardin
     """The jitted step with explicit shardings; the optimizer state is donated."""
     replicated = NamedSharding(mesh, PartitionSpec())
     ref_shardings = param_shardings if with_ref else None
-    step = functools.partial(train_step, graphdef, tx, opts)
+    step = traced_under(mesh, functools.partial(train_step, graphdef, tx, opts))
     return jax.jit(
         step,
         in_shardings=(param_shardings, opt_shardings, ref_shardings, batch_shardings(mesh, micro_batch_size)),
@@ -215,7 +215,19 @@ def jit_logprobs(graphdef, temperature: float, param_shardings, mesh: Mesh, micr
     def logp(params, tokens, pad, mask):
         return sequence_logprobs(graphdef, params, tokens, pad, mask.shape[-1], temperature)[0]
 
-    return jax.jit(logp, in_shardings=(param_shardings, rows, pads, rows))
+    return jax.jit(traced_under(mesh, logp), in_shardings=(param_shardings, rows, pads, rows))
+
+
+def traced_under(mesh: Mesh, fn):
+    """fn traced with `mesh` as the context mesh, where the attention kernels find it to run per shard (each
+    device its own rows and heads; kernels/tree_attention/api.py) instead of on operands gathered whole."""
+
+    @functools.wraps(fn)
+    def run(*args):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args)
+
+    return run
 
 
 def to_global(host: np.ndarray, sharding: NamedSharding) -> jax.Array:

@@ -37,6 +37,10 @@ from fastrl_jax.rollout.pool import ProgramPool
 from fastrl_jax.rollout.requests import draft_margin, request_problem
 from fastrl_jax.rollout.sampling import SamplingParams
 from fastrl_jax.rollout.stats import Call, Recorder, RolloutStats
+from fastrl_jax.sharding import DEFAULT_RULES, logical_to_spec
+
+# A row table's KV caches: heads split like the weights', rows and slots whole on every device of a replica.
+TABLE_RULES = tuple((name, None if name == "batch" else axes) for name, axes in DEFAULT_RULES)
 
 log = logging.getLogger(__name__)
 
@@ -201,11 +205,10 @@ class RolloutEngine:
         self.progress = progress
         self.max_len = cfg.length_buckets[-1]
         weights = jax.tree.leaves(self.state)[0].sharding
-        # Row tables live replicated on the model's devices.
-        self._replicated = (
-            NamedSharding(weights.mesh, PartitionSpec()) if isinstance(weights, NamedSharding) else weights
-        )
-        self.pool = ProgramPool(self._build, compiler_options)
+        # Row tables live on the model's devices (_placed); programs trace under its mesh (kernels run per shard).
+        self.mesh = weights.mesh if isinstance(weights, NamedSharding) else None
+        self._replicated = NamedSharding(self.mesh, PartitionSpec()) if self.mesh is not None else weights
+        self.pool = ProgramPool(self._build, compiler_options, mesh=self.mesh)
         self._plain_step_s: dict[tuple[int, int], float] = {}  # (batch, kv_len): the latest plain call's seconds per step
         self.stats = RolloutStats()  # the last rollout's
         self.timeline: list[Call] = []  # the last rollout's program calls
@@ -277,13 +280,31 @@ class RolloutEngine:
         )
         return slots.replace(draft=draft)
 
+    def _placed(self, tree):
+        """The shardings of a row table or prefix (arrays or shapes): every KV cache's heads split as the
+        weights' are (TABLE_RULES: each device holds the keys and values of its own KV heads, not the whole
+        cache, and the attention kernels run per shard), every other field replicated."""
+        def one(x):
+            if not isinstance(x, KVCache):
+                return self._replicated
+            if self.mesh is None:
+                return KVCache(k=self._replicated, v=self._replicated)
+            split = NamedSharding(self.mesh, logical_to_spec(KVCache.LOGICAL_AXES, x.k.shape, self.mesh, TABLE_RULES))
+            return KVCache(k=split, v=split)
+
+        return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, KVCache))
+
+    def _shapes(self, make: Callable):
+        """The shapes of make()'s arrays, each with its _placed sharding."""
+        tree = jax.eval_shape(make)
+        return jax.tree.map(lambda s, where: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where), tree, self._placed(tree))
+
     def _build(self, key: tuple):
         phase, batch = key[0], key[1]
-        slots = jax.eval_shape(lambda: self._empty(batch))
-        slots = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self._replicated), slots)
+        slots = self._shapes(lambda: self._empty(batch))
         # Outputs pinned to the row table's sharding: left free, XLA may shard e.g. hidden states like
-        # the weights (fsdp), and the next program, compiled for replicated inputs, would reject them.
-        out = self._replicated
+        # the weights (fsdp), and the next program, compiled for the table's shardings, would reject them.
+        out = self._placed(slots)
         scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated)  # max_steps, min_finished
         if phase == "decode":  # ("decode", batch, kv_len[, wide rows, narrow window])
             fn = jax.jit(programs.decode, static_argnums=(0, 5, 7), donate_argnums=(2,), out_shardings=out)
@@ -302,6 +323,7 @@ class RolloutEngine:
             return fn, (self.graphdef, self.state, slots, adm, self._prefix_shapes(prefix_len), kv_len)
         if phase == "prefix":
             tokens = jax.ShapeDtypeStruct((key[2],), jnp.int32, sharding=self._replicated)
+            out = self._placed(self._shapes(lambda: self._no_prefix(key[2])))
             fn = jax.jit(programs.prefix_program, static_argnums=(0, 3, 4, 5), out_shardings=out)
             return fn, (self.graphdef, self.state, tokens, self.dtype, self.keep_hidden, self.feature_layers)
         if phase == "sd":
@@ -313,14 +335,13 @@ class RolloutEngine:
             return fn, (self.graphdef, self.state, self.drafter_graphdef, self.drafter_state, slots, key[2])
         if phase == "resize":
             index = jax.ShapeDtypeStruct((key[2],), jnp.int32, sharding=self._replicated)
-            return jax.jit(programs.resize, out_shardings=out), (slots, index)
+            return jax.jit(programs.resize, out_shardings=self._placed(self._shapes(lambda: self._empty(key[2])))), (slots, index)
         if phase == "empty":
             return jax.jit(lambda: self._empty(batch), out_shardings=out), ()
         raise KeyError(key)
 
     def _prefix_shapes(self, length: int) -> programs.Prefix:
-        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self._replicated),
-                            jax.eval_shape(lambda: self._no_prefix(length)))
+        return self._shapes(lambda: self._no_prefix(length))
 
     def _admission_shapes(self, p: int, n: int):
         i32, f32 = jnp.int32, jnp.float32
@@ -356,7 +377,8 @@ class RolloutEngine:
 
     def _prefix(self, tokens: list[int], rec: Recorder) -> programs.Prefix:
         if not tokens:
-            return jax.device_put(self._no_prefix(), self._replicated)
+            empty = self._no_prefix()
+            return jax.device_put(empty, self._placed(empty))
         ids = jax.device_put(np.asarray(tokens, np.int32), self._replicated)
         prefix, _ = self._run(rec, ("prefix", 1, len(tokens)), self.state, ids)
         return prefix

@@ -7,6 +7,7 @@ unexpected shape is an error rather than a silent recompile.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -20,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import jax
+from jax.sharding import Mesh
 from tqdm import tqdm
 
 log = logging.getLogger(__name__)
@@ -106,7 +108,9 @@ class ProgramPool:
     """Compiles programs on demand or up front, keyed by a hashable description of their shapes.
 
     `build(key)` returns (jitted function, example arguments); only their shapes, dtypes and
-    shardings matter. `compiler_options(key)` gives the program's XLA options (None: defaults).
+    shardings matter. `compiler_options(key)` gives the program's XLA options (None: defaults). `mesh`,
+    when given, is set around each trace (jax.set_mesh), where ops that run per shard (the attention
+    kernels, kernels/tree_attention/api.py) find it.
 
     XLA CPU maps each compiled kernel's code apart, ~300-370 memory maps per SmolLM2 program, and
     Linux refuses a process more than vm.max_map_count maps (65530 by default): at ~160 such programs
@@ -124,9 +128,11 @@ class ProgramPool:
 
     def __init__(self, build: Callable[[Hashable], tuple[Callable, tuple]],
                  compiler_options: Callable[[Hashable], dict | None] = lambda key: None,
-                 memory_maps: Callable[[], tuple[int, int] | None] = memory_maps, map_share: float = 0.8):
+                 memory_maps: Callable[[], tuple[int, int] | None] = memory_maps, map_share: float = 0.8,
+                 mesh: Mesh | None = None):
         self._build = build
         self._compiler_options = compiler_options
+        self._mesh = mesh
         self._memory_maps, self._map_share = memory_maps, map_share
         self._programs: dict[Hashable, Callable] = {}  # least recently used first
         self.stats: dict[Hashable, ProgramStats] = {}  # of each key's latest compile
@@ -198,7 +204,9 @@ class ProgramPool:
         fn, args = self._build(key)
         hits = _CacheHits.count
         t0 = time.perf_counter()
-        compiled = fn.lower(*args).compile(compiler_options=self._compiler_options(key))
+        with jax.set_mesh(self._mesh) if self._mesh is not None else contextlib.nullcontext():
+            lowered = fn.lower(*args)
+        compiled = lowered.compile(compiler_options=self._compiler_options(key))
         return compiled, time.perf_counter() - t0, _CacheHits.count > hits
 
     def _store(self, key: Hashable, compiled, seconds: float, from_cache: bool, background: bool = False) -> None:

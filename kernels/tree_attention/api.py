@@ -11,6 +11,8 @@ Backends (kernels/backends.py chooses; shapes in reference.py):
   imported only when called, because triton imports only beside a GPU jaxlib).
 
 The compiled backends define no VJP of their own: training differentiates through the reference.
+Under a mesh set around the caller's trace (`jax.set_mesh`) they run per shard (`sharded`): XLA has no
+partitioning rule for a kernel's custom call and would gather every operand whole onto every device.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import jax
 from fastrl_jax.kernels import backends
 from fastrl_jax.kernels.tree_attention import pallas, reference
 from fastrl_jax.kernels.tree_attention.reference import check_shapes, place_new_tokens
+from jax.sharding import PartitionSpec as P
 
 
 def masked_attention(q, k, v, mask, *, backend: str = "auto", with_backend: bool = False):
@@ -59,6 +62,45 @@ def triton(q, k, v, mask):
     return triton_kernel.masked_attention(q, k, v, mask)
 
 
+# The mesh axes (fastrl_jax.sharding's) a kernel call splits rows and KV heads over, where they divide them.
+ROW_AXES, HEAD_AXIS = ("data", "fsdp"), "tensor"
+
+
+def shard_specs(mesh, batch: int, kv_heads: int):
+    """(q / out, k / v, mask) PartitionSpecs of one attention call on `mesh` (an AbstractMesh or Mesh):
+    rows over the row axes whose product divides `batch`, KV heads over the head axis where it divides
+    `kv_heads`; None when nothing splits (an empty mesh, or every such axis of size 1)."""
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    rows, n = [], 1
+    for axis in ROW_AXES:
+        if sizes.get(axis, 1) > 1 and batch % (n * sizes[axis]) == 0:
+            rows.append(axis)
+            n *= sizes[axis]
+    heads = HEAD_AXIS if sizes.get(HEAD_AXIS, 1) > 1 and kv_heads % sizes[HEAD_AXIS] == 0 else None
+    if not rows and heads is None:
+        return None
+    row = rows[0] if len(rows) == 1 else tuple(rows) or None
+    return P(row, None, heads), P(row, heads), P(row)
+
+
+def sharded(kernel):
+    """kernel(q, k, v, mask) under jax.shard_map over the mesh set around the caller's trace, split as
+    shard_specs says: each device runs its own rows and KV heads (attention is independent across both).
+    Without a mesh, or where nothing divides, the kernel runs whole."""
+
+    @functools.wraps(kernel)
+    def run(q, k, v, mask):
+        mesh = jax.sharding.get_abstract_mesh()
+        specs = None if mesh.empty else shard_specs(mesh, k.shape[0], k.shape[1])
+        if specs is None:
+            return kernel(q, k, v, mask)
+        q_spec, kv_spec, mask_spec = specs
+        return jax.shard_map(kernel, in_specs=(q_spec, kv_spec, kv_spec, mask_spec), out_specs=q_spec,
+                             check_vma=False)(q, k, v, mask)
+
+    return run
+
+
 def _with_reference_vjp(fused):
     """`fused`'s forward with the reference's backward: the Pallas and Triton kernels define no VJP,
     and training (the GRPO update, the drafter loss) differentiates through attention."""
@@ -81,7 +123,7 @@ def _with_reference_vjp(fused):
 
 IMPLS = {
     "reference": reference.masked_attention,
-    "pallas": _with_reference_vjp(pallas.masked_attention),
-    "pallas_interpret": _with_reference_vjp(functools.partial(pallas.masked_attention, interpret=True)),
-    "triton": _with_reference_vjp(triton),
+    "pallas": _with_reference_vjp(sharded(pallas.masked_attention)),
+    "pallas_interpret": _with_reference_vjp(sharded(functools.partial(pallas.masked_attention, interpret=True))),
+    "triton": _with_reference_vjp(sharded(triton)),
 }
