@@ -18,10 +18,11 @@ QWEN7B = Path(__file__).parent.parent / "configs" / "qwen2.5_7b_1node.yaml"
 
 def test_history_drafting_keeps_no_hidden_states_or_drafter_cache():
     # EAGLE strategies 8/4/48, 6/4/16, 5/4/8: the table keeps bfloat16 hidden states and a one-layer drafter cache
-    # of 64 rows x 4 KV heads x 128, whose slots are the longest length bucket plus the 8/4/48 tree's 7 x 4 scratch
+    # of 64 rows x 4 KV heads x 128 (one head on each device of tensor=4), whose slots are the longest length bucket
+    # plus the 8/4/48 tree's 7 x 4 scratch
     eagle = dry_run.memory_plan(load_config(QWEN7B))
     assert eagle["hidden_states"] == 64 * 4096 * 3584 * 2
-    assert eagle["drafter_kv_cache"] == 2 * 64 * 4 * (4096 + 28) * 128 * 2
+    assert eagle["drafter_kv_cache"] == 2 * 64 * 1 * (4096 + 28) * 128 * 2
     # History chains only (RolloutEngine: no drafter, so neither): the plan must not count 2.25 GiB the run never holds
     history = dry_run.memory_plan(load_config(QWEN7B, ["sd.strategies=['h8']", "sd.group_live_batch_ranges=[]"]))
     assert history["hidden_states"] == history["drafter_kv_cache"] == history["drafter"] == 0

@@ -32,7 +32,7 @@ from fastrl_jax.sharding import AXES, mesh_sizes, shardings_for
 
 GiB = 2**30
 MEMORY_PARTS = ("params", "grads", "optimizer", "new_params", "reference", "rollout_params", "unrolled_layers", "kv_cache",
-                "hidden_states", "drafter_kv_cache", "drafter", "drafter_training", "train_logits")
+                "hidden_states", "drafter_kv_cache", "compaction", "drafter", "drafter_training", "train_logits")
 
 
 @functools.cache  # plan() asks three times; read the checkpoint's config once
@@ -109,15 +109,20 @@ def memory_plan(cfg: Config, devices: int | None = None) -> dict[str, float]:
     unrolled = _per_device_bytes(shardings_for(layers, mesh), layers) if cfg.rollout.unrolled_layers("gpu") else 0
     itemsize = np.dtype(DTYPES[cfg.model.engine_dtype]).itemsize
     B, S = cfg.rollout.batch_buckets[-1], cfg.rollout.length_buckets[-1]
-    # The engine keeps its row table (KV cache included) replicated on the replica's devices.
-    kv = 2 * mcfg.num_layers * B * mcfg.num_kv_heads * S * mcfg.head_dim * itemsize
+    # The engine's row table lives on each replica's devices: KV caches split over KV heads along tensor where it
+    # divides them (RolloutEngine._placed), the rest whole.
+    heads = mcfg.num_kv_heads // (sizes["tensor"] if mcfg.num_kv_heads % sizes["tensor"] == 0 else 1)
+    kv = 2 * mcfg.num_layers * B * heads * S * mcfg.head_dim * itemsize
     # Only EAGLE strategies keep hidden states and a drafter cache (history drafting needs neither); the
     # drafter's cache has the tree steps' scratch slots beyond the longest length bucket (RolloutEngine._empty).
     drafting = cfg.sd.uses_drafter()
     width = mcfg.hidden_size * max(len(feature_layers(cfg.drafter_train.kind, mcfg.num_layers)), 1)
     hidden = B * S * width * itemsize if drafting else 0  # stored in the engine's dtype
     scratch = max((Strategy(*s.parts()).scratch_slots for s in cfg.sd.strategy_list() if s.parts()[0]), default=0)
-    drafter_kv = 2 * B * mcfg.num_kv_heads * (S + scratch) * mcfg.head_dim * itemsize if drafting else 0
+    drafter_kv = 2 * B * heads * (S + scratch) * mcfg.head_dim * itemsize if drafting else 0
+    # Compaction (programs.resize) builds the next smaller table while the largest one still lives.
+    smaller = max((b for b in cfg.rollout.batch_buckets if b < B), default=0)
+    compaction = (kv + hidden + drafter_kv) * smaller // B
     rows = max(cfg.rl.micro_batch_size // (sizes["data"] * sizes["fsdp"]), 1)
     vocab = mcfg.vocab_size // (sizes["tensor"] if mcfg.vocab_size % sizes["tensor"] == 0 else 1)  # head split on tensor
     # Only the completion slots go through the head (update.sequence_logprobs), at most rl.max_new_tokens
@@ -132,7 +137,8 @@ def memory_plan(cfg: Config, devices: int | None = None) -> dict[str, float]:
         "params": params, "grads": params, "optimizer": 2 * params, "new_params": params,
         "reference": params if cfg.rl.kl_coef > 0 else 0,
         "rollout_params": rollout_params, "unrolled_layers": unrolled,
-        "kv_cache": kv, "hidden_states": hidden, "drafter_kv_cache": drafter_kv, **_drafter_plan(cfg, mcfg, mesh),
+        "kv_cache": kv, "hidden_states": hidden, "drafter_kv_cache": drafter_kv, "compaction": compaction,
+        **_drafter_plan(cfg, mcfg, mesh),
         "train_logits": logits,
     }
     plan["total"] = sum(plan[k] for k in MEMORY_PARTS)
@@ -185,9 +191,11 @@ def plan(cfg: Config, devices: int | None = None) -> str:
         "reference": "frozen reference policy (rl.kl_coef > 0)",
         "rollout_params": f"the engines' {cfg.model.engine_dtype} copy (model.rollout_dtype)",
         "unrolled_layers": "the engines' per-layer copy of the layer weights (rollout.layer_loop unrolled, or auto on GPUs)",
-        "kv_cache": f"rollout KV cache, {cfg.rollout.batch_buckets[-1]} rows x {cfg.rollout.length_buckets[-1]} slots",
+        "kv_cache": f"rollout KV cache, {cfg.rollout.batch_buckets[-1]} rows x {cfg.rollout.length_buckets[-1]} slots, "
+                    f"KV heads split over tensor where it divides them",
         "hidden_states": "last-layer hidden states kept for the drafter (EAGLE strategies)",
         "drafter_kv_cache": "drafter's one-layer KV cache (EAGLE strategies)",
+        "compaction": "the next smaller row table, built beside the largest when rows finish",
         "drafter": f"the engines' {cfg.model.engine_dtype} drafter (its layer and fc; embedding and head are the policy's)",
         "drafter_training": "online drafter training: master weights, gradients, starting copy, AdamW moments (whole)",
         "train_logits": f"logits of a micro-batch's completion slots (rl.max_new_tokens; estimate), {rows_note}",
