@@ -251,7 +251,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> None:
 
 
 def cmd_export_drafter(args: argparse.Namespace) -> None:
-    from fastrl_jax.drafter.export import export_eagle, export_eagle3
+    from fastrl_jax.drafter.export import eagle_architecture, export_eagle, export_eagle3
     from fastrl_jax.models.drafter_io import drafter_dir, load_drafter, save_drafter
     from fastrl_jax.models.export import check_export_dir, export_into
     from fastrl_jax.models.hub import resolve_model_path
@@ -266,13 +266,14 @@ def cmd_export_drafter(args: argparse.Namespace) -> None:
     cfg = _config(args)
     model_cfg = read_model_config(resolve_model_path(cfg.model.path))
     drafter = load_drafter(source, model_cfg, cfg.model.dtype)
-    eagle, arch = ("eagle3", "LlamaForCausalLMEagle3") if drafter.kind == "eagle3" else ("eagle", "LlamaForCausalLMEagle")
-    with export_into(out) as partial:  # a failed export (e.g. a policy with q/k/v bias) leaves nothing behind
+    eagle, arch = ("eagle3", "LlamaForCausalLMEagle3") if drafter.kind == "eagle3" else ("eagle", None)
+    with export_into(out) as partial:  # a failed export (e.g. a policy with q/k norm) leaves nothing behind
         save_drafter(partial / "orbax", drafter)
         if drafter.kind == "eagle3":  # its lm_head.weight is the policy's head rows: the one export that reads the weights
             export_eagle3(drafter, _policy(cfg).model, partial / eagle)
         else:
             export_eagle(drafter, model_cfg, partial / eagle)
+            arch = eagle_architecture(model_cfg)
     print(f"[fastrl-jax] wrote {out / 'orbax'} (Orbax, fastrl-jax generate --drafter) and {out / eagle} "
           f"(safetensors, SGLang {arch})", file=sys.stderr)
     if (out / eagle / "token_map.pt").is_file():  # SGLang's EAGLE reads the draft vocabulary from this flag alone

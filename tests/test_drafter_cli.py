@@ -85,17 +85,17 @@ def test_bench_sd_without_prompts_or_with_clashing_sets_is_one_clear_line(tmp_pa
 
 
 def test_export_drafter_for_a_policy_it_cannot_export_leaves_nothing(tmp_path):
-    """EAGLE export needs Llama-style layers: a Qwen2 policy (q/k/v bias) is refused, and the refusal leaves no
+    """EAGLE export writes Llama or Qwen2 layers: a Qwen3 policy (q/k norm) is refused, and the refusal leaves no
     half-written export behind that would make a rerun (e.g. with the right --model) refuse its --out."""
     from fastrl_jax.models.loading import read_model_config
 
     policy = tiny_model_dir(tmp_path)
     config = json.loads((policy / "config.json").read_text())
-    (policy / "config.json").write_text(json.dumps({**config, "model_type": "qwen2"}))
+    (policy / "config.json").write_text(json.dumps({**config, "model_type": "qwen3"}))
     save_drafter(tmp_path / "run" / "drafter", Drafter(read_model_config(policy), nnx.Rngs(0)))
     out = tmp_path / "export"
     res = fastrl_jax("export-drafter", "--model", str(policy), "--drafter", str(tmp_path / "run"), "--out", str(out))
-    assert res.returncode == 2 and "EAGLE export supports Llama-style layers only" in res.stderr, res.stderr
+    assert res.returncode == 2 and "family qwen3 has q/k norm, which neither has" in res.stderr, res.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["policy", "run"]  # no export, no .export.partial
 
 

@@ -17,6 +17,7 @@ from helpers.tiny import CFG, TINY, prompts, tiny_model
 
 from fastrl_jax.config import SpecConfig
 from fastrl_jax.drafter.export import eagle_config, export_eagle, export_eagle3, load_eagle
+from fastrl_jax.models.decoder import Decoder
 from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.models.drafter_io import load_drafter, save_drafter
 from fastrl_jax.models.export import export_into
@@ -31,11 +32,12 @@ def model():
     return tiny_model()
 
 
-def random_drafter(vocab=None, seed=0, kind="eagle"):
-    d = Drafter(TINY, nnx.Rngs(seed), draft_vocab=vocab, kind=kind)
-    for i, (_, var) in enumerate(nnx.iter_graph(d)):  # norms away from 1, so a dropped or misplaced norm shows
-        if isinstance(var, nnx.Param) and var.get_value().shape[-1] == TINY.hidden_size and var.get_value().ndim <= 2 \
-                and (var.get_value().ndim == 1 or var.get_value().shape[0] == 1):
+def random_drafter(vocab=None, seed=0, kind="eagle", cfg=TINY):
+    d = Drafter(cfg, nnx.Rngs(seed), draft_vocab=vocab, kind=kind)
+    for i, (path, var) in enumerate(nnx.iter_graph(d)):  # norms away from 1, biases away from 0: a dropped one shows
+        if isinstance(var, nnx.Param) and (var.get_value().shape[-1] == TINY.hidden_size and var.get_value().ndim <= 2
+                                           and (var.get_value().ndim == 1 or var.get_value().shape[0] == 1)
+                                           or path[-1] in ("bq", "bk", "bv")):
             noise = jax.random.normal(jax.random.key(seed + i), var.get_value().shape)
             var.set_value(var.get_value() + 0.3 * noise)
     return d
@@ -194,16 +196,18 @@ def sglang_forward(path, policy, tokens, hidden):
     vocabulary [B, T, K], their target token ids [K], the next step's hidden input [B, T, H])."""
     torch = pytest.importorskip("torch")
     from safetensors.torch import load_file
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, Qwen2Config
     from transformers.models.llama import modeling_llama as hf
+    from transformers.models.qwen2 import modeling_qwen2 as qwen2_modules
 
     t = load_file(str(path / "model.safetensors"))
     config = json.loads((path / "config.json").read_text())
     eagle3 = config["architectures"] == ["LlamaForCausalLMEagle3"]
-    cfg = LlamaConfig(**config)
+    qwen2 = config["architectures"] == ["Qwen2ForCausalLMEagle"]  # qwen2_eagle.py: Qwen2's layer, q/k/v biases
+    cfg = (Qwen2Config if qwen2 else LlamaConfig)(**config)
     cfg._attn_implementation = "eager"
     H = cfg.hidden_size
-    layer = hf.LlamaDecoderLayer(cfg, 0)
+    layer = (qwen2_modules.Qwen2DecoderLayer if qwen2 else hf.LlamaDecoderLayer)(cfg, 0)
     prefix = "midlayer." if eagle3 else "layers.0."
     if eagle3:  # the midlayer's q/k/v read concat(embeds, hidden): 2H wide
         for name in ("q_proj", "k_proj", "v_proj"):
@@ -241,17 +245,24 @@ def sglang_forward(path, policy, tokens, hidden):
     return logits.numpy(), ids.numpy(), out.numpy()
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+QWEN = {"qwen2": dataclasses.replace(TINY, family="qwen2", qkv_bias=True),
+        "qwen3": dataclasses.replace(TINY, family="qwen3", qk_norm=True)}
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "qwen2 eagle", "qwen2 eagle3", "qwen3 eagle3"])
 @pytest.mark.parametrize("vocab", [None, VOCAB])
 def test_export_drafts_in_sglang_as_it_drafts_here(model, tmp_path, kind, vocab):
-    """The exported tensors, read by SGLang's names into transformers' torch Llama modules (transposes,
-    norm placement, the EAGLE-3 concat, d2t offsets / token map, RoPE from config.json), give our logits
-    over the same target ids and our next hidden input."""
-    drafter = random_drafter(vocab, seed=5, kind=kind)
+    """The exported tensors, read by SGLang's names into transformers' torch Llama (Qwen2) modules (transposes,
+    norm placement, the EAGLE-3 concat, q/k/v biases, d2t offsets / token map, RoPE from config.json), give our
+    logits over the same target ids and our next hidden input."""
+    if kind.startswith("qwen"):  # the GPU configs' Qwen2.5 policies; EAGLE-3 drafters of Qwen policies are Llama layers
+        family, kind = kind.split()
+        model = Decoder(QWEN[family], nnx.Rngs(0))
+    drafter = random_drafter(vocab, seed=5, kind=kind, cfg=model.cfg)
     if kind == "eagle3":
         export_eagle3(drafter, model, tmp_path / kind)
     else:
-        export_eagle(drafter, TINY, tmp_path / kind)
+        export_eagle(drafter, model.cfg, tmp_path / kind)
     rng = np.random.default_rng(1)
     tokens = jnp.asarray(rng.integers(0, 128, (2, 7)), jnp.int32)
     hidden = jnp.asarray(rng.normal(size=(2, 7, drafter.feature_size)), jnp.float32)
@@ -261,6 +272,13 @@ def test_export_drafts_in_sglang_as_it_drafts_here(model, tmp_path, kind, vocab)
     np.testing.assert_array_equal(ids, np.asarray(drafter.token_ids(jnp.arange(drafter.draft_vocab_size))))
     np.testing.assert_allclose(theirs, logits, rtol=1e-4, atol=1e-4 * np.abs(theirs).max())
     np.testing.assert_allclose(out, pred, rtol=1e-4, atol=1e-4 * np.abs(out).max())
+    if model.cfg.family != "llama":  # (Llama drafters' round trips: the tests above)
+        back = load_eagle(tmp_path / kind, model.cfg)
+        for a, b in zip(outputs(drafter, model), outputs(back, model)):
+            np.testing.assert_array_equal(a, b)
+    if model.cfg.qkv_bias and kind == "eagle":
+        with pytest.raises(ValueError, match="holds a Qwen2ForCausalLMEagle drafter; a llama policy drafts with Llama"):
+            load_eagle(tmp_path / kind, TINY)
 
 
 def export(drafter, model, out):

@@ -1,10 +1,13 @@
-"""Drafter export: a safetensors directory in EAGLE layout that SGLang's LlamaForCausalLMEagle loads,
-or for an EAGLE-3 drafter the layout of its LlamaForCausalLMEagle3.
+"""Drafter export: a safetensors directory in EAGLE layout that SGLang's LlamaForCausalLMEagle loads (its
+Qwen2ForCausalLMEagle for a Qwen2 policy: the same layout with the layer's q/k/v biases), or for an EAGLE-3
+drafter the layout of its LlamaForCausalLMEagle3.
 
 Layout (as SafeAILab EAGLE checkpoints; no embedding, no head: SGLang takes both from the target):
-  config.json        LlamaConfig of the one-layer drafter, architectures ["LlamaForCausalLMEagle"]
+  config.json        LlamaConfig of the one-layer drafter, architectures ["LlamaForCausalLMEagle"] (Qwen2Config,
+                     ["Qwen2ForCausalLMEagle"], for a Qwen2 policy)
   model.safetensors  fc.weight [H, 2H] (input = concat(embed, feature)), fc.bias [H] (zeros),
-                     layers.0.self_attn.{q,k,v,o}_proj.weight, layers.0.mlp.{gate,up,down}_proj.weight,
+                     layers.0.self_attn.{q,k,v,o}_proj.weight (Qwen2: and layers.0.self_attn.{q,k,v}_proj.bias),
+                     layers.0.mlp.{gate,up,down}_proj.weight,
                      layers.0.post_attention_layernorm.weight (layer 0 has no input_layernorm),
                      and with a reduced draft vocabulary EAGLE-3's d2t [K] int64 (target id - draft
                      index) and t2d [vocab] bool, which SGLang's EAGLE model does not read: it drafts
@@ -15,7 +18,8 @@ Features are the target's last hidden state after its final norm, as SGLang capt
 An export goes to a new or empty directory, written whole or not at all (models.export.export_into), and
 only for the policy the drafter was made for (same widths, and layers for its EAGLE-3 features).
 
-EAGLE-3 (export_eagle3; SGLang python/sglang/srt/models/llama_eagle3.py):
+EAGLE-3 (export_eagle3; SGLang python/sglang/srt/models/llama_eagle3.py, for Qwen policies too: the drafter's
+layer is Llama's whatever the policy's family):
   config.json        architectures ["LlamaForCausalLMEagle3"], draft_vocab_size K, target_hidden_size,
                      tie_word_embeddings false (a tied draft head would be the full embedding), bias false,
                      eagle_config.eagle_aux_hidden_state_layer_ids (SGLang captures the input of layer id + 1:
@@ -46,11 +50,18 @@ _FILE = "model.safetensors"
 log = logging.getLogger(__name__)
 
 
+def eagle_architecture(cfg: ModelConfig) -> str:
+    """SGLang's EAGLE model class for a drafter of this policy's layers: Llama's, or Qwen2's (q/k/v biases)."""
+    if cfg.qk_norm:
+        raise ValueError(f"EAGLE export writes Llama or Qwen2 layers (SGLang's LlamaForCausalLMEagle / Qwen2ForCausalLMEagle); "
+                         f"family {cfg.family} has q/k norm, which neither has")
+    return "Qwen2ForCausalLMEagle" if cfg.qkv_bias else "LlamaForCausalLMEagle"
+
+
 def _eagle_layer_names(cfg: ModelConfig) -> dict[str, HFTensor]:
     """Our layer parameter -> its EAGLE tensor (the policy's HF name for layer 0 without the "model."
     prefix) and conversions; no input_layernorm (the drafter's layer has none)."""
-    if cfg.qkv_bias or cfg.qk_norm:
-        raise ValueError(f"EAGLE export supports Llama-style layers only (family {cfg.family} has q/k/v bias or q/k norm)")
+    eagle_architecture(cfg)
     return {ours: hf._replace(template=hf.template.format(0).removeprefix("model."))
             for ours, hf in hf_layer_tensors(cfg).items() if ours != "attn_norm"}
 
@@ -75,9 +86,10 @@ def _layer_tensors(drafter: Drafter) -> dict[str, np.ndarray]:
 
 def eagle_config(cfg: ModelConfig, draft_vocab_size: int | None, dtype: str) -> dict:
     rope = cfg.rope_params
+    qwen2 = eagle_architecture(cfg) == "Qwen2ForCausalLMEagle"
     out = {
-        "architectures": ["LlamaForCausalLMEagle"],
-        "model_type": "llama",
+        "architectures": [eagle_architecture(cfg)],
+        "model_type": "qwen2" if qwen2 else "llama",
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": 1,
@@ -168,9 +180,8 @@ def write_token_map(ids: np.ndarray, out_dir: Path) -> Path:
 
 
 def _eagle3_layer_names(cfg: ModelConfig) -> dict[str, tuple]:
-    """Our EAGLE-3 layer parameter -> (its SGLang tensor name, to ours, to torch's [out, in] layout)."""
-    if cfg.qkv_bias or cfg.qk_norm:
-        raise ValueError(f"EAGLE-3 export supports Llama-style layers only (family {cfg.family} has q/k/v bias or q/k norm)")
+    """Our EAGLE-3 layer parameter -> (its SGLang tensor name, to ours, to torch's [out, in] layout); cfg: the drafter's
+    (a Llama layer for every policy)."""
     D = cfg.head_dim
     names = {ours: (hf.template.format(0).replace("model.layers.0.", "midlayer."), hf.to_ours, hf.to_hf)
              for ours, hf in hf_layer_tensors(cfg).items() if ours not in ("wq", "wk", "wv")}
@@ -201,7 +212,7 @@ def export_eagle3(drafter: Drafter, policy: Decoder, out_dir: str | Path) -> Pat
                "lm_head.weight": np.asarray(drafter.head_weight(policy)).astype(fc.dtype),
                **{name: to_hf(p[ours]) for ours, (name, _, to_hf) in _eagle3_layer_names(drafter.cfg).items()},
                **_vocab_tensors(drafter, cfg.vocab_size)}
-    config = eagle_config(cfg, drafter.draft_vocab_size, str(fc.dtype)) | {
+    config = eagle_config(drafter.cfg, drafter.draft_vocab_size, str(fc.dtype)) | {
         "architectures": ["LlamaForCausalLMEagle3"], "target_hidden_size": cfg.hidden_size,
         "bias": False,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in drafter.feature_layers]},
@@ -251,6 +262,9 @@ def load_eagle(path: str | Path, policy_cfg: ModelConfig) -> Drafter:
     config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
     if "LlamaForCausalLMEagle3" in config.get("architectures", ()):
         return _load_eagle3(path, t, config, policy_cfg)
+    written, needed = config.get("architectures", []), eagle_architecture(policy_cfg)
+    if written and written != [needed]:
+        raise ValueError(f"{path} holds a {', '.join(written)} drafter; a {policy_cfg.family} policy drafts with {needed}")
     H = policy_cfg.hidden_size
     if t["fc.weight"].shape != (H, 2 * H):
         raise ValueError(f"{path}: fc.weight is {t['fc.weight'].shape}, this policy needs {(H, 2 * H)}")

@@ -19,7 +19,9 @@ into [0, L-1] for models of few layers, where SGLang can still capture them), co
 and stored raw; fc fuses them 3H -> H at the first draft step, and later steps feed the drafter's
 own output h (already H wide) instead. The layer's attention
 reads concat(rmsnorm(embed(x_{t+1})), rmsnorm(h)) (2H) with h as the residual stream, and the
-drafter's own final norm precedes the head. It trains on cross-entropy alone (drafter/train.py).
+drafter's own final norm precedes the head. It trains on cross-entropy alone (drafter/train.py). Its
+layer is Llama's for every policy (no Qwen2 q/k/v biases, no Qwen3 q/k norm): SGLang serves EAGLE-3
+drafters of Llama and Qwen targets alike as LlamaForCausalLMEagle3.
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ class Drafter(nnx.Module):
         self.kind = kind
         self.feature_layers = feature_layers(kind, cfg.num_layers) if layers is None else tuple(layers)
         self.cfg = dataclasses.replace(cfg, num_layers=1)
+        if kind == "eagle3":  # a Llama layer whatever the policy's family, as SGLang's LlamaForCausalLMEagle3 serves it
+            self.cfg = dataclasses.replace(self.cfg, family="llama", qkv_bias=False, qk_norm=False)
         H = cfg.hidden_size
         F = 3 * H if kind == "eagle3" else 2 * H
         self.fc = nnx.Param(
