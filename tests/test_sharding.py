@@ -13,9 +13,10 @@ from flax import nnx
 from helpers.tiny import CFG, TINY, prompts, tiny_model
 from jax.sharding import PartitionSpec as P
 
-from fastrl_jax.config import ConfigError, MeshConfig
+from fastrl_jax.config import ConfigError, MeshConfig, SpecConfig
 from fastrl_jax.models.config import ModelConfig
 from fastrl_jax.models.decoder import Decoder, KVCache
+from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.rl import update
 from fastrl_jax.rollout.engine import Request, RolloutEngine
 from fastrl_jax.sharding import logical_to_spec, make_mesh, mesh_sizes, named_sharding, replica_meshes, shardings_for
@@ -241,22 +242,32 @@ def test_attention_kernels_run_per_shard_under_a_mesh():
     assert api.shard_specs(both, 2, 2)[1] == P("data", "tensor")
 
 
-def test_a_tensor_parallel_engine_holds_its_own_heads_of_the_cache():
-    """On tensor=2 each device of a replica holds the KV cache of its own KV heads (the weights' split), not
-    the whole cache, with the attention kernel run per shard; greedy outputs equal a one-device engine's."""
-    reqs = [Request(p, max_new_tokens=6) for p in prompts(3, seed=5)]
+@pytest.mark.parametrize("sd", [False, True])
+def test_a_tensor_parallel_engine_holds_its_own_heads_of_the_cache(sd):
+    """On tensor=2 each device of a replica holds the KV caches (the policy's and with SD the drafter's) of its own
+    KV heads (the weights' split), not the whole caches, with the attention kernel run per shard; sampled outputs
+    equal a one-device plain engine's."""
+    reqs = [Request(p, max_new_tokens=10, temperature=0.8, seed=3 + i) for i, p in enumerate(prompts(3, seed=5))]
     expected = RolloutEngine(tiny_model(), CFG, progress=False).generate(reqs)
     model = tiny_model()
     model.cfg = dataclasses.replace(TINY, attention_backend="pallas_interpret")
-    graphdef, state = nnx.split(model)
     mesh = make_mesh(MeshConfig(tensor=2), jax.devices()[:2])
-    engine = RolloutEngine(nnx.merge(graphdef, jax.device_put(state, shardings_for(state, mesh))), CFG, progress=False)
+
+    def on_mesh(module):
+        graphdef, state = nnx.split(module)
+        return nnx.merge(graphdef, jax.device_put(state, shardings_for(state, mesh)))
+
+    spec = SpecConfig(mode="on", steps=3, topk=2, verify_tokens=6) if sd else SpecConfig()
+    drafter = on_mesh(Drafter(model.cfg, nnx.Rngs(5))) if sd else None
+    engine = RolloutEngine(on_mesh(model), CFG, sd=spec, drafter=drafter, progress=False)
 
     out = engine.generate(reqs)
     assert [o.tokens for o in out] == [e.tokens for e in expected]
+    assert engine.stats.calls["sd" if sd else "decode"] > 0
     table = engine.pool.get(("empty", 4))()
-    assert table.cache.k.sharding.spec == P(None, None, "tensor", None, None)
-    assert {s.data.shape for s in table.cache.k.addressable_shards} == {(TINY.num_layers, 4, 1, engine.max_len, 16)}
+    for cache in (table.cache, table.draft.cache) if sd else (table.cache,):
+        assert cache.k.sharding.spec == P(None, None, "tensor", None, None)
+        assert {s.data.shape[2] for s in cache.k.addressable_shards} == {1}  # of TINY's 2 KV heads
     assert table.token.sharding.spec == P()
 
 
