@@ -133,6 +133,10 @@ def test_idle_replicas_train_the_drafter_without_changing_the_rollout(tmp_path: 
     workers = RolloutWorkers(cfg, graphdef, params, mesh, drafter, keep_hidden=True)
     spot = SpotTrainer(cfg, drafter, graphdef, params, mesh, seed=0)
     assert spot.buffer.hidden_size == drafter.feature_size == model.cfg.hidden_size * (3 if kind == "eagle3" else 1)
+    # Its master weights and starting copy are sharded over the mesh (fsdp), not whole on the default device.
+    for tree in (spot.params, spot.frozen):
+        first = [s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.device == jax.devices()[0]]
+        assert sum(first) < sum(x.nbytes for x in jax.tree.leaves(tree))
 
     # Group g of 4 requests runs on replica g: replica 0 decodes 48 tokens, the others 2.
     requests = [Request([1 + g, 2, 3, 4 + i], 48 if g == 0 else 2, 1.0, seed=10 * g + i) for g in range(4) for i in range(4)]

@@ -88,7 +88,9 @@ class SpotTrainer:
         self.num_replicas = mesh.shape["data"]
         self.seed = seed
         self.buffer = SampleBuffer(self.cfg.buffer_max_tokens, drafter.feature_size, keep_steps=self.cfg.keep_steps)
-        self.dgraphdef, self.params, self.rest = nnx.split(drafter, nnx.Param, ...)
+        self.dgraphdef, params, self.rest = nnx.split(drafter, nnx.Param, ...)
+        # Sharded over the mesh as the engines' copies are (made on the default device, all of it would sit there).
+        self.params = jax.device_put(params, shardings_for(params, mesh))
         self.frozen = jax.tree.map(jnp.copy, self.params)  # the starting drafter, for the drift comparison
         self.tx = drafter_optimizer(self.cfg.learning_rate, self.cfg.warmup_steps, None, dt.weight_decay, dt.grad_clip_norm)
         self.opt_state = self.tx.init(self.params)

@@ -107,6 +107,8 @@ class Trainer:
         # It reads the policy's embedding, norm and head from the engines' copy (replicated along data, so
         # placing it on lent replicas copies nothing).
         self.spot = SpotTrainer(cfg, self.drafter, self.graphdef, self.workers.params, self.mesh, cfg.seed) if online else None
+        if self.spot is not None:
+            self.drafter = self.spot.drafter()  # its sharded copy: the one make_drafter built sits whole on one device
         self.stop_ids = stop_ids(model.cfg, tokenizer)
         self.reward_fn = rewards.combined(cfg.reward.functions, cfg.reward.weights)
 
