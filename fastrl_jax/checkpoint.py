@@ -8,14 +8,45 @@ import itertools
 import logging
 import shutil
 import sys
+import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 log = logging.getLogger(__name__)
+
+
+def write_arrays(path: str | Path, arrays: dict[str, np.ndarray]) -> None:
+    """Named numpy arrays into one .npz file, atomically (a temporary file, then a rename)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez(tmp, **arrays)
+    tmp.replace(path)
+
+
+def read_arrays(path: str | Path) -> dict[str, np.ndarray]:
+    """The arrays of a write_arrays file. FileNotFoundError when it is missing, ValueError when it is no .npz file
+    (numpy would call a damaged one pickled data)."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path} not found")
+    if not zipfile.is_zipfile(path):
+        raise ValueError("not an .npz file")
+    with np.load(path) as f:
+        return {k: f[k] for k in f.files}
+
+
+def write_step_file(directory: Path, step: int, arrays: dict[str, np.ndarray], keep: set[int]) -> None:
+    """Host state too large for a checkpoint's JSON, beside checkpoint `step` as DIRECTORY/STEP.npz (write_arrays);
+    the files of steps not in `keep` (the checkpoints on disk) are removed."""
+    directory.mkdir(parents=True, exist_ok=True)
+    write_arrays(directory / f"{step}.npz", arrays)
+    for f in directory.glob("*.npz"):
+        if f.stem.isdigit() and int(f.stem) not in keep:
+            f.unlink(missing_ok=True)
 
 
 class UnreadableCheckpoint(ValueError):

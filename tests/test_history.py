@@ -9,11 +9,20 @@ from flax import nnx
 from helpers.greedy import greedy_generate
 from helpers.tiny import CFG, TINY, prompts, tiny_model
 
+from fastrl_jax.checkpoint import write_arrays
 from fastrl_jax.config import ConfigError, SpecConfig, load_config
 from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.rollout import speculative
 from fastrl_jax.rollout.engine import Request, RolloutEngine
-from fastrl_jax.rollout.history import SEPARATOR, GroupCorpus, HistoryStore, MatchSettings, build_corpus, propose
+from fastrl_jax.rollout.history import (
+    SEPARATOR,
+    GroupCorpus,
+    HistoryStore,
+    MatchSettings,
+    build_corpus,
+    prompt_key,
+    propose,
+)
 
 S1 = 24
 EMPTY = [SEPARATOR] * 16
@@ -72,7 +81,12 @@ def test_the_corpus_holds_earlier_completions_behind_the_prompt_tail():
     assert drafts[0] == [61, 62, 63]  # "41 42 60" matched: up to 6 drafts, the entry ends after 3
 
 
-def test_store_bounds_tokens_per_prompt_and_prompts_and_round_trips():
+def same_store(a: HistoryStore, b: HistoryStore) -> bool:
+    x, y = a.arrays(), b.arrays()
+    return x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)
+
+
+def test_store_bounds_tokens_per_prompt_and_prompts_and_round_trips(tmp_path):
     store = HistoryStore(tokens_per_prompt=10, max_prompts=2)
     store.add([1], [1, 2, 3, 4])
     store.add([1], [5, 6, 7, 8])
@@ -82,16 +96,27 @@ def test_store_bounds_tokens_per_prompt_and_prompts_and_round_trips():
     store.completions([1])  # prompt 1 used last: prompt 2 is the least recently used
     store.add([3], [8])
     assert store.completions([2]) == [] and len(store) == 2
+    write_arrays(tmp_path / "h.npz", store.arrays())
     back = HistoryStore(10, 2)
-    back.restore(store.state())
-    assert back.state() == store.state() and back.completions([3]) == [[8]]
+    back.load(tmp_path / "h.npz")
+    assert same_store(back, store) and back.completions([3]) == [[8]]
+    assert store.summary() == {"tokens_per_prompt": 10, "max_prompts": 2, "prompts": 2, "tokens": 8}
     # Into a smaller store (a resume with smaller sd.history bounds): what adding the completions would keep.
     small, added = HistoryStore(3, 2), HistoryStore(3, 2)
-    small.restore(store.state())
+    small.load(tmp_path / "h.npz")
     for key_prompt in ([1], [3]):
         for completion in store.completions(key_prompt):
             added.add(key_prompt, completion)
-    assert small.state() == added.state() and [kept for _, kept in small.state()["entries"]] == [[[9, 9, 9]], [[8]]]
+    assert same_store(small, added) and small.arrays()["tokens"].tolist() == [9, 9, 9, 8]
+    # A checkpoint from before 2026-11-27 holds the store in its JSON.
+    legacy = HistoryStore(10, 2)
+    legacy.restore({"tokens_per_prompt": 10, "max_prompts": 2, "entries": [
+        [prompt_key([1]), [[5, 6, 7, 8], [9, 9, 9]]], [prompt_key([3]), [[8]]]]})
+    assert same_store(legacy, back)
+    np.savez(tmp_path / "bad.npz", keys=np.asarray(["a"]), counts=np.asarray([2]), lengths=np.asarray([1]),
+             tokens=np.asarray([5], np.int32))
+    with pytest.raises(ValueError, match="1 prompts, 2 completions of 1 tokens, but 1 counts, 1 lengths and 1 tokens"):
+        legacy.load(tmp_path / "bad.npz")
     # A completion longer than the bound keeps its start: the corpus puts it right behind the prompt's tail
     store.add([4], list(range(100, 115)))
     assert store.completions([4]) == [list(range(100, 110))]

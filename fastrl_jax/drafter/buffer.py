@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from fastrl_jax.checkpoint import read_arrays, write_arrays
+
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
@@ -199,14 +201,11 @@ class SampleBuffer:
     def load(self, path: str | Path) -> None:
         """Adds the sequences of a file written by save (in their order, with their steps; a file from before
         sampling settings were kept reads as greedy)."""
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"sample buffer file {path} not found")
-        with np.load(path) as f:
-            lengths, steps = f["lengths"], f["steps"]
-            tokens, loss_mask, hidden = f["tokens"], f["loss_mask"], f["hidden"]
-            temperatures = f["temperatures"] if "temperatures" in f else np.zeros(len(lengths), np.float32)
-            seeds = f["seeds"] if "seeds" in f else np.zeros(len(lengths), np.uint32)
+        f = read_arrays(path)
+        lengths, steps = f["lengths"], f["steps"]
+        tokens, loss_mask, hidden = f["tokens"], f["loss_mask"], f["hidden"]
+        temperatures = f["temperatures"] if "temperatures" in f else np.zeros(len(lengths), np.float32)
+        seeds = f["seeds"] if "seeds" in f else np.zeros(len(lengths), np.uint32)
         if hidden.shape[1] != self.hidden_size:
             raise ValueError(f"{path} holds features {hidden.shape[1]} wide; this buffer takes {self.hidden_size} "
                              "(they were collected for another drafter kind or policy)")
@@ -221,11 +220,3 @@ class SampleBuffer:
         for s in self._seqs:
             np.add.at(counts, s.tokens[s.loss_mask], 1)
         return counts
-
-
-def write_arrays(path: str | Path, arrays: dict[str, np.ndarray]) -> None:
-    """SampleBuffer.arrays() into one .npz file, atomically (a temporary file, then a rename)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez(tmp, **arrays)
-    tmp.replace(path)

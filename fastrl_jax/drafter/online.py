@@ -44,8 +44,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from fastrl_jax.checkpoint import write_step_file
 from fastrl_jax.config import Config
-from fastrl_jax.drafter.buffer import PackedBatch, SampleBuffer, write_arrays
+from fastrl_jax.drafter.buffer import PackedBatch, SampleBuffer
 from fastrl_jax.drafter.train import LossSettings, chain_acceptance, drafter_optimizer, make_train_step
 from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.rollout.engine import Completion, Request
@@ -337,15 +338,7 @@ class SpotTrainer:
         `step` nor in `keep` (the checkpoints on disk)."""
         self.wait_buffer()
         arrays = self.buffer.arrays()
-        self._writing = step, self._writer.submit(self._write_buffer, Path(directory), step, arrays, {step, *keep})
-
-    @staticmethod
-    def _write_buffer(directory: Path, step: int, arrays: dict, keep: set[int]) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
-        write_arrays(directory / f"{step}.npz", arrays)
-        for f in directory.glob("*.npz"):
-            if f.stem.isdigit() and int(f.stem) not in keep:
-                f.unlink(missing_ok=True)
+        self._writing = step, self._writer.submit(write_step_file, Path(directory), step, arrays, {step, *keep})
 
     def wait_buffer(self) -> None:
         """Waits for the sample buffer's write; a failed one is reported, never raised (the checkpoint holds the

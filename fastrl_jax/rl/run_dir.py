@@ -2,8 +2,8 @@
 
 RUN_DIR (rl.out_dir) holds config.yaml (the resolved config), checkpoints/ (RunCheckpointer steps;
 the "policy" item is the pure dict of the Decoder's nnx state, as Trainer._arrays saves it),
-metrics.jsonl, tensorboard/ and, with the online drafter, drafter_buffer/ (its sample buffer at each
-checkpoint's step, STEP.npz). The tokenizer and the model config come from the run's base model
+metrics.jsonl, tensorboard/, with the online drafter drafter_buffer/ (its sample buffer at each
+checkpoint's step, STEP.npz) and with history drafting history/ (the store of earlier completions, STEP.npz). The tokenizer and the model config come from the run's base model
 (model.path in config.yaml).
 """
 
@@ -27,7 +27,7 @@ from fastrl_jax.models.loading import Policy, read_model_config
 from fastrl_jax.models.tokenizer import load_tokenizer, stop_ids
 from fastrl_jax.sharding import shardings_for
 
-RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "tensorboard", "drafter_buffer")
+RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "tensorboard", "drafter_buffer", "history")
 
 
 def run_contents(out_dir: str | Path) -> list[str]:

@@ -15,6 +15,7 @@ import logging
 import math
 import sys
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fastrl_jax.checkpoint import RunCheckpointer, UnreadableCheckpoint
+from fastrl_jax.checkpoint import RunCheckpointer, UnreadableCheckpoint, write_step_file
 from fastrl_jax.config import Config, ConfigError, TrainingStopped, check_trainable, save_config, to_dict
 from fastrl_jax.data import pipeline
 from fastrl_jax.data.prompts import record_prompt_ids
@@ -352,7 +353,7 @@ class Trainer:
                         "prompt_records": self.num_records,
                         "rng": "request seeds derive from (seed, step, request index)"}}
         if self.history is not None:
-            meta["history"] = self.history.state()
+            meta["history"] = self.history.summary()  # its tokens: RUN/history/STEP.npz, written below
         if self.spot is not None:
             meta["run"]["drafter_bank_s"] = self.spot.bank_s  # tail_budget 'saved': what speculation saved, not yet spent
             # The drafter's latest acceptance estimate and its steps then: the engines' EAGLE arms gate on it
@@ -367,6 +368,13 @@ class Trainer:
             self._checkpoint_failed(e)
         if self.spot is not None:
             self.spot.save_buffer(self.out_dir / "drafter_buffer", self.step, self.checkpointer.all_steps())
+        if self.history is not None and jax.process_index() == 0:  # every process holds the same store
+            try:
+                write_step_file(self.out_dir / "history", self.step, self.history.arrays(),
+                                {self.step, *self.checkpointer.all_steps()})
+            except OSError as e:
+                print(f"[fastrl-jax] the history drafter's store of step {self.step} was not saved ({e}); a resume "
+                      "from that step starts it empty", file=sys.stderr)
 
     def _wait_checkpoint(self) -> None:
         try:
@@ -385,6 +393,23 @@ class Trainer:
             raise OSError(e.errno, f"the final checkpoint (step {step}) failed ({why}); {kept}: {fix} "
                                    f"{self.checkpointer.directory} and {again}") from e
         print(f"[fastrl-jax] checkpoint at step {step} failed ({why}); {kept}; training continues", file=sys.stderr)
+
+    def _restore_history(self, note: dict, step: int) -> None:
+        """The history store of checkpoint `step`; without a readable file it starts empty (drafting from history is
+        lossless whatever it holds: only the speed of the next steps differs from an uninterrupted run)."""
+        if "entries" in note:  # checkpoints before 2026-11-27 hold it in their JSON
+            self.history.restore(note)
+            return
+        path = self.out_dir / "history" / f"{step}.npz"
+        try:
+            self.history.load(path)
+            return
+        except FileNotFoundError:
+            why = f"{path} is missing"
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+            why = f"{path} is unreadable: {e}"
+        print(f"[fastrl-jax] the history drafter's store starts empty ({why}); it refills from this step's rollouts",
+              file=sys.stderr)
 
     def _restore(self) -> None:
         """Continues from the latest readable checkpoint; newer unreadable steps are set aside (their step
@@ -451,7 +476,7 @@ class Trainer:
         self.workers.update_weights(self.params)
         self.data.restore(meta["data"])
         if "history" in meta:
-            self.history.restore(meta["history"])
+            self._restore_history(meta["history"], step)
         if "controller" in meta:
             self.workers.restore_controller(meta["controller"])
         self.step = int(meta["run"]["step"])

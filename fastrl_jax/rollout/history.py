@@ -10,8 +10,9 @@ proposes what followed it as a chain of draft tokens, as many as spec_factor x t
 most max_draft). It is a few vectorised compares inside the compiled step: no host round trip.
 The policy verifies every drafted token, so drafting from history is as lossless as any drafter.
 
-`HistoryStore` keeps the earlier completions on the host, per prompt, bounded, and round-trips through
-JSON for checkpoints; the engine writes each row's corpus into the row table at host visits.
+`HistoryStore` keeps the earlier completions on the host, per prompt, bounded, as int32 arrays that a
+checkpoint saves beside it (arrays / load); the engine writes each row's corpus into the row table at
+host visits.
 """
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ import dataclasses
 import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from fastrl_jax.checkpoint import read_arrays
 
 SEPARATOR = -1  # between corpus entries and as padding: never equal to a token id
 
@@ -118,7 +122,8 @@ class HistoryStore:
         if tokens_per_prompt < 1 or max_prompts < 1:
             raise ValueError(f"need tokens_per_prompt >= 1 and max_prompts >= 1, got {tokens_per_prompt}, {max_prompts}")
         self.tokens_per_prompt, self.max_prompts = tokens_per_prompt, max_prompts
-        self._entries: OrderedDict[str, deque[list[int]]] = OrderedDict()
+        # int32 arrays: a full store at the defaults holds 16.8M tokens (67 MB; ~600 MB as Python int lists)
+        self._entries: OrderedDict[str, deque[np.ndarray]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -129,20 +134,19 @@ class HistoryStore:
         if key not in self._entries:
             return []
         self._entries.move_to_end(key)
-        return list(self._entries[key])
+        return [c.tolist() for c in self._entries[key]]
 
     def add(self, prompt_ids: Sequence[int], completion: Sequence[int]) -> None:
+        self._add(prompt_key(prompt_ids), completion)
+
+    def _add(self, key: str, completion: Sequence[int]) -> None:
         if len(completion) == 0:  # not `not completion`: numpy token arrays have no truth value
             return
-        key = prompt_key(prompt_ids)
         kept = self._entries.setdefault(key, deque())
         self._entries.move_to_end(key)
-        kept.append([int(t) for t in completion])
-        self._bound(kept)
-
-    def _bound(self, kept: deque[list[int]]) -> None:
-        """Holds the store to its bounds: a prompt's newest tokens_per_prompt tokens, max_prompts prompts."""
-        kept[-1] = kept[-1][: self.tokens_per_prompt]  # the start: what follows the prompt in its corpus entry
+        # Holds the store to its bounds: of one longer completion its start (what follows the prompt in its corpus
+        # entry), then a prompt's newest tokens_per_prompt tokens, then max_prompts prompts.
+        kept.append(np.array(completion[: self.tokens_per_prompt], np.int32))
         while sum(len(c) for c in kept) > self.tokens_per_prompt:
             kept.popleft()
         while len(self._entries) > self.max_prompts:
@@ -153,20 +157,43 @@ class HistoryStore:
         for prompt, completion in pairs:
             self.add(prompt, completion)
 
-    def state(self) -> dict:
-        """JSON-able contents, oldest prompt first (restore(state) gives the same store)."""
-        return {"tokens_per_prompt": self.tokens_per_prompt, "max_prompts": self.max_prompts,
-                "entries": [[key, list(kept)] for key, kept in self._entries.items()]}
+    def summary(self) -> dict:
+        """A checkpoint's JSON note of the store (its contents go beside it: arrays)."""
+        return {"tokens_per_prompt": self.tokens_per_prompt, "max_prompts": self.max_prompts, "prompts": len(self),
+                "tokens": sum(len(c) for kept in self._entries.values() for c in kept)}
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The contents as flat arrays, oldest prompt first (load gives the same store): prompt keys, completions
+        per prompt, completion lengths, their tokens back to back."""
+        kept = list(self._entries.values())
+        flat = [c for k in kept for c in k]
+        return {"keys": np.asarray(list(self._entries), dtype=str), "counts": np.asarray([len(k) for k in kept], np.int64),
+                "lengths": np.asarray([len(c) for c in flat], np.int64),
+                "tokens": np.concatenate(flat) if flat else np.zeros(0, np.int32)}
+
+    def load(self, path: str | Path) -> None:
+        """Replaces the contents by a file of arrays() (write_arrays), held to this store's bounds (a larger store's
+        file keeps what adding its completions in order would have kept)."""
+        f = read_arrays(path)
+        keys, counts, lengths, tokens = f["keys"], f["counts"], f["lengths"], f["tokens"]
+        if counts.sum() != len(lengths) or lengths.sum() != len(tokens) or len(keys) != len(counts):
+            raise ValueError(f"{path}: {len(keys)} prompts, {counts.sum()} completions of {lengths.sum()} tokens, "
+                             f"but {len(counts)} counts, {len(lengths)} lengths and {len(tokens)} tokens")
+        self._entries = OrderedDict()
+        ends = np.cumsum(lengths)
+        i = 0
+        for key, n in zip(keys.tolist(), counts.tolist()):
+            for j in range(i, i + n):
+                self._add(key, tokens[ends[j] - lengths[j]: ends[j]])
+            i += n
 
     def restore(self, state: dict) -> None:
-        """The contents of state(), held to this store's bounds (a checkpoint of a larger store keeps what
-        adding its completions in order would have kept)."""
+        """The contents of a checkpoint's JSON (before 2026-11-27 the store was saved there whole), held to this
+        store's bounds."""
         self._entries = OrderedDict()
         for key, kept in state["entries"]:
-            self._entries[key] = deque()
             for completion in kept:
-                self._entries[key].append(list(completion))
-                self._bound(self._entries[key])
+                self._add(key, completion)
 
 
 def build_corpus(prompt_ids: Sequence[int], completions: Sequence[Sequence[int]], size: int, prompt_tail: int) -> np.ndarray:
