@@ -57,6 +57,7 @@ def temperature_problem(name: str, t: float, greedy: bool = True) -> str | None:
 DTYPE_NAMES = ("float32", "bfloat16")
 # "auto" and kernels.backends.BACKENDS (config sits below kernels; tests/test_config.py keeps the two equal)
 ATTENTION_BACKENDS = ("auto", "reference", "pallas", "pallas_interpret", "triton")
+LOSS_AGGREGATIONS = ("token", "sequence", "sequence_sum", "sequence_sum_norm")  # rl/grpo.py aggregate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -416,7 +417,9 @@ class RLConfig:
     clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high] (DAPO's clip-higher)
     clip_high: float = 0.28
     clip_ratio_c: float = 3.0  # dual-clip PPO: a negative-advantage token loses at most clip_ratio_c x |A| (verl's); 0 = off
-    loss_aggregation: str = "token"  # token (DAPO; verl token-mean) | sequence (GRPO; verl seq-mean-token-mean)
+    # token (DAPO; verl token-mean) | sequence (GRPO; verl seq-mean-token-mean) | sequence_sum (verl seq-mean-token-sum)
+    # | sequence_sum_norm (Dr. GRPO; verl seq-mean-token-sum-norm with loss_scale_factor = max_new_tokens)
+    loss_aggregation: str = "token"
     advantage_std_normalize: bool = True
     kl_coef: float = 0.0  # > 0 keeps a frozen reference policy
     kl_estimator: str = "k3"  # k1 (verl kl) | k3 (verl low_var_kl, clamped as it)
@@ -432,7 +435,7 @@ class RLConfig:
     tensorboard: bool = True
 
     def __post_init__(self):
-        _check_choice("rl.loss_aggregation", self.loss_aggregation, ("token", "sequence"))
+        _check_choice("rl.loss_aggregation", self.loss_aggregation, LOSS_AGGREGATIONS)
         _check_choice("rl.kl_estimator", self.kl_estimator, ("k1", "k3"))
         _check_at_least("rl", self, ("steps", "prompts_per_step", "max_new_tokens", "minibatches_per_step",
                                      "micro_batch_size", "keep_checkpoints", "eval_prompts", "eval_samples"), 1)

@@ -142,12 +142,14 @@ def test_aggregation_modes():
     mask = jnp.asarray([[1, 1, 1, 1], [1, 0, 0, 0]], jnp.float32)
     assert float(grpo.aggregate(vals, mask, "token", mask.sum())) == pytest.approx(8 / 5)
     assert float(grpo.aggregate(vals, mask, "sequence", 2.0)) == pytest.approx((1 + 4) / 2)
+    assert float(grpo.aggregate(vals, mask, "sequence_sum", 2.0)) == pytest.approx((4 + 4) / 2)  # verl seq-mean-token-sum
+    assert float(grpo.aggregate(vals, mask, "sequence_sum_norm", 2.0, 8.0)) == pytest.approx((4 + 4) / 2 / 8)  # Dr. GRPO
     # splitting rows into micro-batches and adding their shares gives the whole-batch value
     x = jnp.asarray(RNG.normal(size=(8, 6)), jnp.float32)
     m = jnp.asarray(RNG.random((8, 6)) < 0.6, jnp.float32)
-    for mode, norm in (("token", m.sum()), ("sequence", 8.0)):
-        whole = grpo.aggregate(x, m, mode, norm)
-        parts = sum(grpo.aggregate(x[i : i + 2], m[i : i + 2], mode, norm) for i in range(0, 8, 2))
+    for mode, norm in (("token", m.sum()), ("sequence", 8.0), ("sequence_sum", 8.0), ("sequence_sum_norm", 8.0)):
+        whole = grpo.aggregate(x, m, mode, norm, 6.0)
+        parts = sum(grpo.aggregate(x[i : i + 2], m[i : i + 2], mode, norm, 6.0) for i in range(0, 8, 2))
         assert float(parts) == pytest.approx(float(whole), rel=1e-5)
     with pytest.raises(ValueError, match="unknown loss aggregation"):
         grpo.aggregate(x, m, "batch", 1.0)
@@ -239,7 +241,8 @@ def _reference_logp(graphdef, params, rows, width, temperature):
 
 def _reference_loss(params, graphdef, ref_params, rows, old, adv, aggregation, lo, hi, c, kl_coef, temperature):
     """The whole mini-batch's GRPO loss written out from verl's definitions (compute_policy_loss_vanilla,
-    kl_penalty low_var_kl, agg_loss token-mean / seq-mean-token-mean)."""
+    kl_penalty low_var_kl, agg_loss token-mean / seq-mean-token-mean / seq-mean-token-sum / seq-mean-token-sum-norm
+    with loss_scale_factor LENGTH_SCALE)."""
     width = old.shape[1]
     mask = jnp.asarray(np.arange(width)[None] < np.asarray([len(c) for _, c in rows])[:, None], jnp.float32)
     lp = _reference_logp(graphdef, params, rows, width, temperature)
@@ -254,12 +257,17 @@ def _reference_loss(params, graphdef, ref_params, rows, old, adv, aggregation, l
     def agg(x):
         if aggregation == "token":
             return jnp.sum(x * mask) / jnp.sum(mask)
-        return jnp.mean(jnp.sum(x * mask, axis=1) / jnp.sum(mask, axis=1))
+        if aggregation == "sequence":
+            return jnp.mean(jnp.sum(x * mask, axis=1) / jnp.sum(mask, axis=1))
+        return jnp.mean(jnp.sum(x * mask, axis=1) / (LENGTH_SCALE if aggregation == "sequence_sum_norm" else 1.0))
 
     return agg(pg) + kl_coef * agg(kl)
 
 
-@pytest.mark.parametrize("aggregation", ["token", "sequence"])
+LENGTH_SCALE = 16.0
+
+
+@pytest.mark.parametrize("aggregation", ["token", "sequence", "sequence_sum_norm"])  # sequence_sum: the norm x 16 (test_aggregation_modes)
 def test_accumulated_off_policy_step_matches_verl_loss_on_the_whole_minibatch(aggregation):
     """4 micro-batches of left-padded prompts and right-padded completions, off-policy old log-probs (PPO clip
     and dual clip both active), a reference policy with k3 KL: the accumulated gradient is the gradient of verl's
@@ -283,7 +291,8 @@ def test_accumulated_off_policy_step_matches_verl_loss_on_the_whole_minibatch(ag
     old = (true + rng.normal(scale=0.8, size=(N, C)) * mask).astype(np.float32)  # padding slots: garbage ratios
     old[mask == 0] = 50.0
     adv = rng.normal(size=N).astype(np.float32)
-    opts = update.StepOptions(T, 0.2, 0.28, 3.0, aggregation, 0.05, "k3", remat=True, on_policy=False)
+    opts = update.StepOptions(T, 0.2, 0.28, 3.0, aggregation, 0.05, "k3", remat=True, on_policy=False,
+                              length_scale=LENGTH_SCALE)
     tx = optax.sgd(1.0)  # new params = params - gradient
     K = 4
     batch = update.GRPOBatch(tokens.reshape(K, N // K, -1), pad.reshape(K, -1), mask.reshape(K, N // K, -1),

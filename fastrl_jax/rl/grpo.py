@@ -10,7 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-AGGREGATIONS = ("token", "sequence")
+from fastrl_jax.config import LOSS_AGGREGATIONS
+
 KL_ESTIMATORS = ("k1", "k3")
 
 
@@ -85,14 +86,19 @@ def kl_penalty(logp: jax.Array, ref_logp: jax.Array, estimator: str) -> jax.Arra
     raise ValueError(f"unknown KL estimator {estimator!r}; use one of {', '.join(KL_ESTIMATORS)}")
 
 
-def aggregate(per_token: jax.Array, mask: jax.Array, mode: str, normalizer: jax.Array | float) -> jax.Array:
-    """Sums per-token values [B, T] over the mask [B, T] into one scalar: verl's loss_agg_mode token-mean and
-    seq-mean-token-mean, but normalised over the whole mini-batch, never per micro-batch.
+def aggregate(per_token: jax.Array, mask: jax.Array, mode: str, normalizer: jax.Array | float,
+              length_scale: float = 1.0) -> jax.Array:
+    """Sums per-token values [B, T] over the mask [B, T] into one scalar: verl's loss_agg_mode token-mean,
+    seq-mean-token-mean, seq-mean-token-sum and seq-mean-token-sum-norm, but normalised over the whole
+    mini-batch, never per micro-batch.
 
     token: sum over tokens / normalizer (= completion tokens of the mini-batch): every token weighs
       the same, so long responses are not diluted (DAPO).
     sequence: sum over sequences of each one's token mean / normalizer (= sequences of the
       mini-batch): every sequence weighs the same (the original GRPO).
+    sequence_sum: sum over sequences of each one's token sum / normalizer (= sequences).
+    sequence_sum_norm: the same / length_scale, a constant (the longest completion, rl.max_new_tokens): Dr. GRPO's
+      unbiased aggregation, in which no sequence's length divides its tokens.
     """
     mask = mask.astype(jnp.float32)
     if mode == "token":
@@ -100,7 +106,15 @@ def aggregate(per_token: jax.Array, mask: jax.Array, mode: str, normalizer: jax.
     if mode == "sequence":
         per_seq = jnp.sum(per_token * mask, axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1.0)
         return jnp.sum(per_seq) / normalizer
-    raise ValueError(f"unknown loss aggregation {mode!r}; use one of {', '.join(AGGREGATIONS)}")
+    if mode in ("sequence_sum", "sequence_sum_norm"):
+        return jnp.sum(per_token * mask) / (normalizer * (length_scale if mode == "sequence_sum_norm" else 1.0))
+    raise ValueError(f"unknown loss aggregation {mode!r}; use one of {', '.join(LOSS_AGGREGATIONS)}")
+
+
+def per_token_mode(mode: str) -> str:
+    """How a per-token statistic (a clip fraction, the entropy) is averaged under loss aggregation `mode`, with the
+    same normalizer: per token for token, per sequence for the others (the sums would not be fractions)."""
+    return "token" if mode == "token" else "sequence"
 
 
 def grpo_loss(
@@ -117,11 +131,12 @@ def grpo_loss(
     ref_logp: jax.Array | None = None,
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
+    length_scale: float = 1.0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The GRPO objective of one micro-batch: clipped surrogate + kl_coef x KL, aggregated.
+    """The GRPO objective of one micro-batch: clipped surrogate + kl_coef x KL, aggregated (length_scale: aggregate's).
 
     logp, old_logp, ref_logp, mask [B, T]; advantages [B]. Returns (loss, metrics); metrics are
-    aggregated the same way, so they too add up over micro-batches.
+    normalised with the same normalizer, so they too add up over micro-batches.
     """
     # Padding slots hold log-probs nothing trains; a log-ratio of ~90 there would make exp() inf, and inf x 0 a
     # NaN loss and gradient. Their ratios are 1 instead (the mask already drops them from every sum).
@@ -129,11 +144,12 @@ def grpo_loss(
     old_logp = jnp.where(live, old_logp, pad)
     ref_logp = None if ref_logp is None else jnp.where(live, ref_logp, pad)
     surrogate, clipped, dual_clipped = clipped_surrogate(logp, old_logp, advantages, clip_low, clip_high, clip_ratio_c)
-    loss = aggregate(surrogate, mask, aggregation, normalizer)
-    metrics = {"pg_loss": loss, "clip_fraction": aggregate(clipped.astype(jnp.float32), mask, aggregation, normalizer),
-               "dual_clip_fraction": aggregate(dual_clipped.astype(jnp.float32), mask, aggregation, normalizer)}
+    loss = aggregate(surrogate, mask, aggregation, normalizer, length_scale)
+    fraction = per_token_mode(aggregation)
+    metrics = {"pg_loss": loss, "clip_fraction": aggregate(clipped.astype(jnp.float32), mask, fraction, normalizer),
+               "dual_clip_fraction": aggregate(dual_clipped.astype(jnp.float32), mask, fraction, normalizer)}
     if ref_logp is not None:
-        kl = aggregate(kl_penalty(logp, ref_logp, kl_estimator), mask, aggregation, normalizer)
+        kl = aggregate(kl_penalty(logp, ref_logp, kl_estimator), mask, aggregation, normalizer, length_scale)
         loss = loss + kl_coef * kl
         metrics["kl"] = kl
     return loss, metrics

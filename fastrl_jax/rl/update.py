@@ -127,11 +127,12 @@ class StepOptions:
     kl_estimator: str
     remat: bool
     on_policy: bool  # the batch was sampled by exactly these params: old_logp = stop_gradient(logp)
+    length_scale: float = 1.0  # sequence_sum_norm's constant divisor (grpo.aggregate)
 
     @classmethod
     def from_config(cls, rl: RLConfig) -> StepOptions:
         return cls(rl.temperature, rl.clip_low, rl.clip_high, rl.clip_ratio_c, rl.loss_aggregation, rl.kl_coef,
-                   rl.kl_estimator, rl.remat, on_policy=rl.minibatches_per_step == 1)
+                   rl.kl_estimator, rl.remat, on_policy=rl.minibatches_per_step == 1, length_scale=float(rl.max_new_tokens))
 
 
 def _micro_loss(params, graphdef, ref_params, mb: GRPOBatch, normalizer, opts: StepOptions):
@@ -144,9 +145,9 @@ def _micro_loss(params, graphdef, ref_params, mb: GRPOBatch, normalizer, opts: S
     loss, metrics = grpo.grpo_loss(
         logp, old, mb.advantages, mb.mask, clip_low=opts.clip_low, clip_high=opts.clip_high,
         clip_ratio_c=opts.clip_ratio_c, aggregation=opts.aggregation, normalizer=normalizer, ref_logp=ref,
-        kl_coef=opts.kl_coef, kl_estimator=opts.kl_estimator,
+        kl_coef=opts.kl_coef, kl_estimator=opts.kl_estimator, length_scale=opts.length_scale,
     )
-    metrics["entropy"] = grpo.aggregate(ent, mb.mask, opts.aggregation, normalizer)
+    metrics["entropy"] = grpo.aggregate(ent, mb.mask, grpo.per_token_mode(opts.aggregation), normalizer)
     metrics["loss"] = loss
     return loss, metrics
 
