@@ -7,9 +7,11 @@ import pyarrow.parquet as pq
 import pytest
 from helpers.tiny_run import write_tokenizer
 
+from fastrl_jax.config import load_config
 from fastrl_jax.data import chat_prompts, math_problems, pipeline
 from fastrl_jax.data.prompt_files import read_records
 from fastrl_jax.data.prompts import record_prompt_ids
+from fastrl_jax.rl import evaluate
 from fastrl_jax.rl.rewards import correctness_reward
 
 
@@ -25,6 +27,19 @@ def test_math_problems_are_deterministic_and_graded():
     assert all(p.level == 1 and p.answer <= 18 for p in easy)
     with pytest.raises(ValueError, match="levels"):
         math_problems.problem(0, 0, (9,))
+
+
+def test_held_out_math_never_asks_a_training_question():
+    """Levels 1 and 3 have 81 and 121 distinct questions, which any long training stream asks all of: the held-out
+    questions (a fifth, by hash) are the held-out streams' alone, those of the trainer's evaluation included."""
+    train = {p.question for seed in (0, 1) for p in math_problems.problems(seed, 2000, (1, 3))}
+    held = {p.question for p in math_problems.problems(5, 200, (1, 3), held_out=True)}
+    assert len(train) > 120 and len(held) > 30 and not train & held
+    assert all(map(math_problems.is_held_out, held)) and not any(map(math_problems.is_held_out, train))
+    cfg = load_config(None, ["data.math_levels=[1, 3]"])
+    records = evaluate.held_out_records(cfg, 50)
+    assert {r["level"] for r in records} == {1, 3} and not train & {r["prompt"] for r in records}
+    assert math_problems.problems(5, 20, held_out=True) == math_problems.problems(5, 20, held_out=True)
 
 
 def test_chat_stream_mixes_its_families_and_never_holds_a_held_out_prompt():

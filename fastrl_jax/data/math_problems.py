@@ -2,7 +2,9 @@
 
 Problem i of a split is a pure function of (seed, i, levels): the same seed always gives the
 same problems, so a training stream and a held-out set are two seeds, and a resumed run sees
-exactly the problems it would have seen. Levels go from one-digit sums (a 135M model gets some
+exactly the problems it would have seen. A fifth of all questions (by a hash of the text) are held
+out: only held-out streams ask them, so a held-out set never repeats a training problem, even at
+the levels with few distinct questions (81 one-digit sums, 121 products). Levels go from one-digit sums (a 135M model gets some
 right before any training, so RL has a signal) to two-step word problems. Answers are integers.
 
 Used for RL prompts (fastrl_jax.data.pipeline) and as drafter-training prompts.
@@ -11,6 +13,7 @@ Used for RL prompts (fastrl_jax.data.pipeline) and as drafter-training prompts.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import numpy as np
 
@@ -67,17 +70,26 @@ def _level5(rng: np.random.Generator) -> tuple[str, int]:
 _MAKERS = {1: _level1, 2: _level2, 3: _level3, 4: _level4, 5: _level5}
 
 
-def problem(seed: int, index: int, levels: tuple[int, ...] = LEVELS) -> MathProblem:
-    """Problem `index` of the stream `seed`, its level drawn uniformly from `levels`."""
+def is_held_out(question: str) -> bool:
+    """Whether a question belongs to the held-out fifth (the same answer in every process and run)."""
+    return hashlib.blake2b(question.encode(), digest_size=8).digest()[0] % 5 == 0
+
+
+def problem(seed: int, index: int, levels: tuple[int, ...] = LEVELS, held_out: bool = False) -> MathProblem:
+    """Problem `index` of the stream `seed`, its level drawn uniformly from `levels`; a training stream's problems
+    are never held-out questions, a held-out stream's (held_out=True) always are (drawn again until they are)."""
     bad = [lv for lv in levels if lv not in _MAKERS]
     if not levels or bad:
         raise ValueError(f"math problem levels must be a non-empty subset of {LEVELS}; got {tuple(levels)}")
     rng = np.random.default_rng([seed, index])
-    level = int(levels[int(rng.integers(len(levels)))])
-    question, answer = _MAKERS[level](rng)
-    return MathProblem(question, answer, level)
+    while True:
+        level = int(levels[int(rng.integers(len(levels)))])
+        question, answer = _MAKERS[level](rng)
+        if is_held_out(question) == held_out:
+            return MathProblem(question, answer, level)
 
 
-def problems(seed: int, count: int, levels: tuple[int, ...] = LEVELS, start: int = 0) -> list[MathProblem]:
+def problems(seed: int, count: int, levels: tuple[int, ...] = LEVELS, start: int = 0,
+             held_out: bool = False) -> list[MathProblem]:
     """Problems start .. start + count - 1 of the stream `seed`."""
-    return [problem(seed, i, levels) for i in range(start, start + count)]
+    return [problem(seed, i, levels, held_out) for i in range(start, start + count)]

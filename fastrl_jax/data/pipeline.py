@@ -22,17 +22,18 @@ _MATH_LEN = 1 << 30  # the generator is unbounded; grain wants a length
 
 
 class MathSource:
-    """Random-access view of the built-in math problem stream `seed` (grain RandomAccessDataSource)."""
+    """Random-access view of the built-in math problem stream `seed` (grain RandomAccessDataSource); held_out:
+    the held-out questions' stream (math_problems.problem)."""
 
-    def __init__(self, seed: int, levels: Sequence[int]):
-        self.seed, self.levels = seed, tuple(levels)
+    def __init__(self, seed: int, levels: Sequence[int], held_out: bool = False):
+        self.seed, self.levels, self.held_out = seed, tuple(levels), held_out
         math_problems.problem(seed, 0, self.levels)  # checks the levels now
 
     def __len__(self) -> int:
         return _MATH_LEN
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        p = math_problems.problem(self.seed, int(index), self.levels)
+        p = math_problems.problem(self.seed, int(index), self.levels, self.held_out)
         return {"prompt": p.question, "answer": str(p.answer), "level": p.level}
 
 

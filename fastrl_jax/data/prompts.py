@@ -43,18 +43,19 @@ def read_jsonl_prompts(path: str | Path, tokenizer) -> list[list[int]]:
     return read_prompt_file(path, lambda text: chat_prompt_ids(tokenizer, text))
 
 
-def math_prompt_ids(tokenizer, seed: int, count: int, levels, instruction: str) -> list[list[int]]:
-    """The first `count` built-in math problems of stream `seed`, each a user turn with the instruction."""
+def math_prompt_ids(tokenizer, seed: int, count: int, levels, instruction: str, held_out: bool = False) -> list[list[int]]:
+    """The first `count` built-in math problems of stream `seed` (held_out: of the held-out questions), each a user
+    turn with the instruction."""
     return [chat_prompt_ids(tokenizer, f"{p.question} {instruction}".strip())
-            for p in math_problems.problems(seed, count, tuple(levels))]
+            for p in math_problems.problems(seed, count, tuple(levels), held_out=held_out)]
 
 
 def held_out_sets(cfg: Config, tokenizer, count: int,
                   names: Sequence[str] = ("math", "chat")) -> dict[str, list[list[int]]]:
-    """Held-out prompts of the sets `names`: math problems of another generator stream, hand-written chat
-    prompts (at most len(chat_prompts.HELD_OUT))."""
+    """Held-out prompts of the sets `names`: held-out math questions (math_problems.is_held_out) of another generator
+    stream, hand-written chat prompts (at most len(chat_prompts.HELD_OUT))."""
     make = {"math": lambda: math_prompt_ids(tokenizer, cfg.seed + HELD_OUT_SEED_OFFSET, count, cfg.data.math_levels,
-                                            cfg.drafter_train.instruction),
+                                            cfg.drafter_train.instruction, held_out=True),
             "chat": lambda: [chat_prompt_ids(tokenizer, t) for t in chat_prompts.held_out_prompts(count)]}
     return {name: make[name]() for name in names}
 

@@ -37,7 +37,7 @@ def held_out_records(cfg: Config, count: int, source: str | None = None) -> list
     d = cfg.data
     source = source or d.eval_source
     if source == MATH_SOURCE:
-        src = MathSource(cfg.seed + EVAL_SEED_OFFSET, d.math_levels)
+        src = MathSource(cfg.seed + EVAL_SEED_OFFSET, d.math_levels, held_out=True)
         return [src[i] for i in range(count)]
     return read_records(source, prompt_field=d.prompt_field, messages_field=d.messages_field,
                         answer_field=d.answer_field)[:count]
