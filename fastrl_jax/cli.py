@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -28,7 +29,11 @@ def _with_cache(cfg):
     from fastrl_jax.rollout.pool import enable_persistent_cache
 
     if cfg.rollout.compile_cache_dir:
-        enable_persistent_cache(cfg.rollout.compile_cache_dir)
+        try:
+            enable_persistent_cache(cfg.rollout.compile_cache_dir)
+        except OSError as e:  # e.g. a read-only home directory under the default ~/.cache/fastrl_jax/xla
+            raise ConfigError(f"rollout.compile_cache_dir {cfg.rollout.compile_cache_dir} cannot be created ({e.strerror}: "
+                              f"{e.filename}): set it to a writable directory, or to '' to compile without it") from None
     return cfg
 
 
@@ -64,6 +69,17 @@ def check_output_file(path: str, flag: str) -> Path:
     if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
         raise ValueError(f"{flag} {out} is not writable")
     return out
+
+
+def check_output_dir(path: str, key: str) -> None:
+    """A directory a command creates (or adds to), checked before any work: it, or the nearest part of its
+    path that exists, is a directory this user may write in."""
+    out = Path(path).expanduser()
+    where = next(p for p in (out, *out.parents) if p.exists())
+    if not where.is_dir():
+        raise ConfigError(f"{key} {out}: {where} is a file; set {key} to a directory path")
+    if not os.access(where, os.W_OK):
+        raise ConfigError(f"{key} {out} is not writable (by this user, in {where})")
 
 
 _SPEC_FLAGS = (("spec_steps", "steps"), ("spec_topk", "topk"), ("spec_verify_tokens", "verify_tokens"),
@@ -142,6 +158,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from fastrl_jax.rollout.requests import draft_margin, sampling_problem
 
     output = check_output_file(args.output, "--output") if args.output else None
+    if output and args.prompts and output.resolve() == Path(args.prompts).expanduser().resolve():
+        raise ConfigError(f"--output {args.output} is the --prompts file: its prompts would be overwritten by the "
+                          "completions; give another --output path")
     cfg = _generate_config(args)
     problem = sampling_problem(args.max_new_tokens, args.temperature, args.top_k, args.top_p, cfg.rollout,
                                draft_margin(cfg.sd))
@@ -200,6 +219,9 @@ def _report_speculation(st) -> None:
 def cmd_train(args: argparse.Namespace) -> None:
     from fastrl_jax.config import check_trainable
 
+    if args.devices is not None and not args.dry_run:
+        raise ConfigError("--devices plans a --dry-run; a run takes every visible device, split by mesh.data, mesh.fsdp "
+                          "and mesh.tensor (one of them -1 takes the rest)")
     cfg = _config(args)
     check_trainable(cfg, "train")
     if args.dry_run:
@@ -210,9 +232,13 @@ def cmd_train(args: argparse.Namespace) -> None:
         preflight(cfg, sizes["data"] * sizes["fsdp"], files=False)  # what the run would refuse before loading
         print(plan(cfg, args.devices))
         return
+    check_output_dir(cfg.rl.out_dir, "rl.out_dir")
     if (args.num_processes is not None or args.process_id is not None) and not (args.distributed or args.coordinator):
         raise ConfigError("--num-processes / --process-id start a multi-process run: give --coordinator HOST:PORT "
                           "too, or --distributed where the cluster tells each process (SLURM, TPU pods)")
+    if args.coordinator is not None and not re.fullmatch(r".+:\d+", args.coordinator):  # else an IndexError traceback
+        raise ConfigError(f"--coordinator must be HOST:PORT (process 0's host and a free port, e.g. node001:1234), "
+                          f"got {args.coordinator!r}")
     if args.distributed or args.coordinator:
         from fastrl_jax.rl.distributed import initialize
 
@@ -238,6 +264,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> None:
     if cfg.drafter_train.eval_prompts > len(HELD_OUT):  # else it fails only after the data are collected
         raise ConfigError(f"drafter_train.eval_prompts ({cfg.drafter_train.eval_prompts}) exceeds the {len(HELD_OUT)} "
                           f"held-out chat prompts: give {len(HELD_OUT)} or fewer")
+    check_output_dir(cfg.drafter_train.out_dir, "drafter_train.out_dir")
     check_restart(cfg, resume=not args.restart)
     tokenizer = load_tokenizer(resolve_model_path(cfg.model.path))
     if cfg.drafter_train.prompts != "builtin":
@@ -653,7 +680,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="[%(name)s] %(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "train" and all("=" in a and not a.startswith("-") for a in extra):
+        args.overrides += extra  # KEY=VALUE on both sides of a flag, as Hydra (verl) takes them
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args) or 0  # a command returns 1 when part of its work failed (and says so)
     except (ConfigError, FileNotFoundError, ValueError) as e:

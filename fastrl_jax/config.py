@@ -32,7 +32,7 @@ class TrainingStopped(RuntimeError):
 
 def _check_choice(key: str, value: Any, allowed: tuple) -> None:
     if value not in allowed:
-        raise ConfigError(f"{key} must be one of {', '.join(map(str, allowed))}; got {value!r}")
+        raise ConfigError(f"{key} must be one of {', '.join(str(a) or repr(a) for a in allowed)}; got {value!r}")
 
 
 def _check_at_least(section: str, cfg: Any, names: Sequence[str], least: int) -> None:
@@ -346,7 +346,7 @@ class DataConfig:
     eval_source: str = "math"  # held-out prompts: 'math' (a different seed from training) or a path
     prompt_field: str = "prompt"
     messages_field: str = "messages"
-    answer_field: str = "answer"
+    answer_field: str = "answer"  # a dotted path reads a nested field, e.g. verl's reward_model.ground_truth
     math_levels: tuple[int, ...] = (1, 2, 3, 4, 5)  # built-in problem difficulty levels to draw from
     # Appended to every record's "prompt" text; a "messages" record is used as it is.
     instruction: str = "Put the final answer after 'The answer is'."
@@ -668,14 +668,26 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
 
 
 class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader with YAML 1.2's booleans (true/false only) and integers (decimal, 0x, 0o). Under
-    YAML 1.1's rules, on/off/yes/no are booleans too, so `sd.mode=off` or `mode: on` would reach a string
-    field as False/True; `010` is octal 8 and `1:30` base-60 90."""
+    """PyYAML's safe loader with YAML 1.2's booleans (true/false only) and integers (decimal, 0x, 0o), and no
+    timestamps. Under YAML 1.1's rules, on/off/yes/no are booleans too, so `sd.mode=off` or `mode: on` would
+    reach a string field as False/True; `010` is octal 8, `1:30` base-60 90, and `rl.out_dir=2026-11-27` a date.
+    A key given twice in one mapping is an error, as in YAML 1.2 (PyYAML keeps the last: a second `rl:` section
+    would silently drop every key of the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                key = self.construct_object(key_node)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"{key!r} is given twice", key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
-_BOOL, _INT = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:int"
+_BOOL, _INT, _TIMESTAMP = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:timestamp"
 _Loader.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if tag not in (_BOOL, _INT)]
+    first: [(tag, rx) for tag, rx in resolvers if tag not in (_BOOL, _INT, _TIMESTAMP)]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 _Loader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
@@ -726,7 +738,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
     """Reads a YAML file (or starts from the defaults when None), applies `a.b=value` overrides, validates."""
     data: Any = {}
     if path is not None:
-        path = Path(path)
+        path = Path(path).expanduser()  # --config=~/x.yaml: the shell expands no ~ after '='
         if not path.is_file():
             raise ConfigError(f"config file '{path}' {'is a directory' if path.is_dir() else 'not found'}")
         try:

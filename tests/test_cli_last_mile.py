@@ -153,3 +153,69 @@ def test_generate_reads_a_prompt_file_with_a_byte_order_mark(tiny_dir, tmp_path)
 def test_generate_seed_must_be_a_uint32(seed):
     with pytest.raises(ConfigError, match=r"--seed must be in \[0, 2\*\*32\)"):
         cli._generate_config(cli.build_parser().parse_args(["generate", "--prompt", "hi", "--seed", seed]))
+
+
+def test_an_unusable_compile_cache_dir_is_named(tmp_path):
+    # The default ~/.cache/fastrl_jax/xla under a read-only home failed every command with "[Errno 13] Permission
+    # denied: '/home/u/.cache'", exit 1, naming no setting.
+    (tmp_path / "file").touch()
+    run = fastrl_jax("train", "--dry-run", f"rollout.compile_cache_dir={tmp_path}/file/xla")
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert f"rollout.compile_cache_dir {tmp_path}/file/xla cannot be created (Not a directory" in run.stderr
+    assert "or to '' to compile without it" in run.stderr
+
+
+def test_train_takes_overrides_on_both_sides_of_a_flag(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(cli, "cmd_train", lambda args: seen.update(vars(args)))
+    assert cli.main(["train", "--config", "c.yaml", "rl.steps=2", "--resume", "rl.out_dir=x", "--set", "seed=1"]) == 0
+    assert seen["overrides"] == ["rl.steps=2", "rl.out_dir=x"] and seen["set"] == ["seed=1"] and seen["resume"]
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["train", "rl.steps=2", "--resume", "rl.out_dir=x", "--bogus"])
+    assert stop.value.code == 2
+
+
+def test_train_devices_only_plans_a_dry_run(tmp_path, capsys):
+    # --devices N without --dry-run was ignored: the run went on with the mesh's own device count
+    code = cli.main(["train", "--devices", "4", f"rl.out_dir={tmp_path}/run", f"model.path={tmp_path}/none", *NO_CACHE])
+    assert code == 2 and "--devices plans a --dry-run" in capsys.readouterr().err
+
+
+def test_generate_refuses_to_write_over_its_prompt_file(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    code = cli.main(["generate", "--model", str(tmp_path / "none"), "--prompts", "p.jsonl", "--output", str(prompts),
+                     *NO_CACHE])
+    assert code == 2 and "--output " + str(prompts) + " is the --prompts file" in capsys.readouterr().err
+    assert prompts.read_text() == '{"prompt": "hi"}\n'
+
+
+def test_out_dirs_are_checked_before_loading(tiny_dir, tmp_path):
+    # An out_dir through a file failed after the weights loaded: "[Errno 20] Not a directory", exit 1.
+    (tmp_path / "file").touch()
+    for command, key in (("train-drafter", "drafter_train.out_dir"), ("train", "rl.out_dir")):
+        run = fastrl_jax(command, "--set", f"model.path={tiny_dir}", f"{key}={tmp_path}/file/d", "rollout.compile_cache_dir=")
+        assert run.returncode == 2 and "loaded" not in run.stderr, run.stderr
+        assert f"{key} {tmp_path}/file/d: {tmp_path}/file is a file" in run.stderr
+
+
+def test_a_coordinator_without_a_port_is_named(tmp_path):
+    # jax.distributed.initialize raised an IndexError traceback for "--coordinator node001"
+    run = fastrl_jax("train", "--coordinator", "node001", "--num-processes", "1", "--process-id", "0",
+                     f"rl.out_dir={tmp_path}/run", "rollout.compile_cache_dir=")
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert "--coordinator must be HOST:PORT (process 0's host and a free port, e.g. node001:1234), got 'node001'" in run.stderr
+
+
+def test_a_nested_answer_is_read_by_its_dotted_name_and_never_as_text(tmp_path):
+    # verl's files hold the answer in reward_model.ground_truth: data.answer_field=reward_model made every answer the
+    # text "{'ground_truth': '2', ...}", which no completion matches (every reward 0, silently).
+    path = tmp_path / "verl.jsonl"
+    path.write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1?"}],
+                                "reward_model": {"ground_truth": "2", "style": "rule"}}) + "\n")
+    assert read_records(path, messages_field="prompt", answer_field="reward_model.ground_truth") == [
+        {"answer": "2", "messages": [{"role": "user", "content": "1+1?"}]}]
+    with pytest.raises(ValueError, match=r"record 1: 'reward_model' holds \{'ground_truth': '2', 'style': 'rule'\}, not "
+                                         r"an answer; name the field inside it, e.g. data.answer_field=reward_model.gro"):
+        read_records(path, messages_field="prompt", answer_field="reward_model")

@@ -168,6 +168,7 @@ def test_unknown_key_suggests_the_right_one(tmp_path):
         ("seed=-1", "seed must be in [0, 2**32), got -1"),
         ("rl.out_dir=runs/exp #3", "YAML reads ' #' as the start of a comment; quote the value (out_dir='...')"),
         ("rl.clip_ratio_c=0.9", "rl.clip_ratio_c (dual-clip PPO's bound) must be > 1, or 0 for off; got 0.9"),
+        ("model.rollout_dtype=float16", "model.rollout_dtype must be one of '', float32, bfloat16; got 'float16'"),
     ],
 )
 def test_bad_values_are_named(override, message):
@@ -215,6 +216,13 @@ def test_override_through_a_value_is_refused(tmp_path):
         load_config(path, ["seed.x=1"])
 
 
+def test_a_config_path_expands_home(tmp_path, monkeypatch):
+    # `--config=~/c.yaml`: the shell expands no ~ after '=', and the file was "not found"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "c.yaml").write_text("seed: 3\n")
+    assert load_config("~/c.yaml").seed == 3
+
+
 def test_missing_and_broken_files(tmp_path):
     missing = tmp_path / "nope.yaml"
     with pytest.raises(ConfigError, match=re.escape(f"config file '{missing}' not found")):
@@ -249,3 +257,20 @@ def test_integers_are_decimal_as_in_yaml_1_2():
     assert (cfg.rl.steps, cfg.drafter_online.buffer_max_tokens, cfg.seed, cfg.rl.out_dir) == (10, 200_000, 16, "1:30")
     with pytest.raises(ConfigError, match=r"rl.steps must be an int.*got '1:30'"):
         load_config(None, ["rl.steps=1:30"])
+
+
+def test_dates_are_strings_as_in_yaml_1_2(tmp_path):
+    # YAML 1.1 reads 2026-11-27 as a date: a run directory named by its day was refused ("must be a string").
+    assert load_config(None, ["rl.out_dir=2026-11-27"]).rl.out_dir == "2026-11-27"
+    path = tmp_path / "c.yaml"
+    path.write_text("rl:\n  out_dir: 2026-11-27\n")
+    assert load_config(path).rl.out_dir == "2026-11-27"
+
+
+def test_a_key_given_twice_is_refused(tmp_path):
+    # PyYAML keeps the last: a second `rl:` section silently dropped the first's steps and out_dir.
+    path = tmp_path / "c.yaml"
+    path.write_text("rl:\n  steps: 100\n  out_dir: runs/a\nseed: 1\nrl:\n  prompts_per_step: 16\n")
+    with pytest.raises(ConfigError, match=re.escape("is not valid YAML: 'rl' is given twice at line 5, column 1")):
+        load_config(path)
+    assert load_config(None, ["rl={<<: {steps: 5, top_k: 2}, steps: 7}"]).rl.steps == 7  # a merge key's keys may repeat

@@ -59,9 +59,19 @@ def read_prompt_file(path: str | Path, encode: Callable[[str], list[int]]) -> li
     return prompts
 
 
+def _field(row: dict, name: str) -> Any:
+    """row[name], or for a dotted name 'a.b' without a key of its own row[a][b]; None where absent."""
+    if name in row:
+        return row[name]
+    for key in name.split("."):
+        row = row.get(key) if isinstance(row, dict) else None
+    return row
+
+
 def read_records(path: str | Path, prompt_field: str = "prompt", messages_field: str = "messages",
                  answer_field: str = "answer") -> list[dict[str, Any]]:
-    """Reads a .jsonl or .parquet prompt file into records {"prompt"|"messages", "answer"}."""
+    """Reads a .jsonl or .parquet prompt file into records {"prompt"|"messages", "answer"}; a dotted
+    answer_field names a nested field (verl's files: reward_model.ground_truth)."""
     path = checked_file(path, "dataset file")
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
@@ -85,9 +95,13 @@ def read_records(path: str | Path, prompt_field: str = "prompt", messages_field:
         where = f"{path} record {n}"
         if not isinstance(row, dict):
             raise ValueError(f"{where} is not an object: {str(row)[:80]}")
-        if answer_field not in row or row[answer_field] is None:
+        answer = _field(row, answer_field)
+        if answer is None:
             raise ValueError(f"{where} has no '{answer_field}' field (set data.answer_field); keys: {sorted(row)}")
-        record = {"answer": str(row[answer_field])}
+        if isinstance(answer, (dict, list)):  # its str() would match no completion: every reward 0, silently
+            raise ValueError(f"{where}: '{answer_field}' holds {str(answer)[:80]}, not an answer; name the field inside "
+                             f"it, e.g. data.answer_field=reward_model.ground_truth for verl's files")
+        record = {"answer": str(answer)}
         if isinstance(row.get(prompt_field), str):
             record["prompt"] = row[prompt_field]
         elif isinstance(row.get(messages_field), list) and row[messages_field]:
