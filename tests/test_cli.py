@@ -122,12 +122,15 @@ def test_train_refuses_what_it_can_before_loading_and_leaves_no_run(tmp_path):
 
     overrides = [*tiny_overrides(tmp_path), "mesh.fsdp=-1"]  # micro-batches of 8 rows over 3 devices: refused last
     run = tmp_path / "run"
+    (tmp_path / "no_answer.jsonl").write_text(json.dumps({"prompt": "1 + 1?", "answer": "2"}) + "\n"
+                                              + json.dumps({"prompt": "2 + 2?", "solution": "4"}) + "\n")
     for extra, message in [(["rl.max_new_tokens=100"], "max_new_tokens (100) leaves no room for a prompt"),
                            (["reward.functions=[corect]"], "corect"),
                            ([f"data.source={tmp_path / 'none.jsonl'}"], "data.source: no file"),
+                           ([f"data.source={tmp_path / 'no_answer.jsonl'}"], "record 2 has no 'answer' field"),
                            ([], "must be divisible by mesh data x fsdp = 3")]:
         for flags in ([], ["--dry-run", "--devices", "3"]):
-            if flags and "data.source" in message:
+            if flags and any(e.startswith("data.source") for e in extra):
                 continue  # a dry run plans a cluster's job without its data files
             done = fastrl_jax("train", *overrides, *extra, *flags)
             assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr

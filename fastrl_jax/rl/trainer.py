@@ -27,6 +27,7 @@ from flax import nnx
 from fastrl_jax.checkpoint import RunCheckpointer, UnreadableCheckpoint, write_step_file
 from fastrl_jax.config import Config, ConfigError, TrainingStopped, check_trainable, save_config, to_dict
 from fastrl_jax.data import pipeline
+from fastrl_jax.data.prompt_files import read_records
 from fastrl_jax.data.prompts import record_prompt_ids
 from fastrl_jax.drafter.online import SpotTrainer
 from fastrl_jax.models.decoder import Decoder
@@ -521,10 +522,13 @@ def preflight(cfg: Config, mesh_rows: int, files: bool = True) -> None:
                                        draft_margin(cfg.sd)):
             raise ConfigError(f"{problem} (rl.max_new_tokens, {name}, rl.top_k, rl.top_p)")
     rewards.combined(cfg.reward.functions, cfg.reward.weights)
+    d = cfg.data
     for name in ("source", "eval_source")[: (1 + bool(rl.eval_every_steps)) * files]:
-        path = getattr(cfg.data, name)
+        path = getattr(d, name)
         if path != pipeline.MATH_SOURCE and not Path(path).expanduser().is_file():
             raise FileNotFoundError(f"data.{name}: no file {path}")
+        if path != pipeline.MATH_SOURCE:  # a record without an answer (or a wrong field name): said now, not after loading
+            read_records(path, prompt_field=d.prompt_field, messages_field=d.messages_field, answer_field=d.answer_field)
     update.check_batch_fits_mesh(rl, mesh_rows)
 
 
