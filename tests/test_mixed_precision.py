@@ -1,6 +1,7 @@
 """GRPO with bfloat16 rollout engines over float32 master weights (model.rollout_dtype), the precision
 config's errors, and online drafter training under mixed precision."""
 
+import gc
 import os
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from fastrl_jax.models.loading import load_model
 from fastrl_jax.models.tokenizer import load_tokenizer
 from fastrl_jax.rl import update
 from fastrl_jax.rl.trainer import Trainer
+from fastrl_jax.rl.workers import RolloutWorkers
 from fastrl_jax.sharding import make_mesh
 
 BF16 = jnp.bfloat16
@@ -26,7 +28,7 @@ def _dtypes(tree) -> set[str]:
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["model.rollout_dtype=float16"], "model.rollout_dtype must be one of , float32, bfloat16; got 'float16'"),
+    (["model.rollout_dtype=float16"], "model.rollout_dtype must be one of '', float32, bfloat16; got 'float16'"),
     (["model.dtype=bfloat16", "model.rollout_dtype=float32"], "model.rollout_dtype=float32 with model.dtype=bfloat16"),
 ])
 def test_precision_config_errors(overrides, message):
@@ -80,8 +82,8 @@ def test_mixed_precision_grpo(tmp_path):
             # up to summation order: an AdamW step moves a weight by ~lr (3e-3), a gradient of the wrong
             # sign by twice that
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
-        moved = jax.tree.leaves(mixed.workers.params)[0]
-        np.testing.assert_array_equal(np.asarray(moved), np.asarray(jax.tree.leaves(mixed.params)[0]).astype(BF16))
+        moved = mixed.workers.head_params["embed"]
+        np.testing.assert_array_equal(np.asarray(moved), np.asarray(mixed.params["embed"]).astype(BF16))
     finally:
         mixed.close()
         plain.close()
@@ -103,3 +105,24 @@ def test_mixed_precision_grpo_with_adaptive_sd_and_online_drafter(tmp_path):
     engine = trainer.workers.replicas[0].engine
     fc = trainer.spot.drafter().fc[...]
     np.testing.assert_array_equal(np.asarray(engine.drafter_state["fc"][...]), np.asarray(fc).astype(BF16))
+
+
+def test_unrolled_bfloat16_engines_keep_no_stacked_copy_of_the_layers(tmp_path):
+    """Unrolled engines hold per-layer bfloat16 copies; the stacked bfloat16 cast a hand-off makes for them is
+    dropped once they have theirs (only its embedding, norm and head stay, for the online drafter trainer)."""
+    cfg = load_config(None, [*tiny_overrides(tmp_path), "model.rollout_dtype=bfloat16", "rollout.layer_loop=unrolled"])
+    mesh = make_mesh(cfg.mesh, jax.devices()[:1])
+    model, _ = load_model(cfg.model.path, mesh, cfg.model.dtype)
+    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(state)
+    workers = RolloutWorkers(cfg, graphdef, params, mesh, None)
+    stacked = {(a.shape, jnp.dtype(BF16)) for a in jax.tree.leaves(params["layers"])}
+
+    def stacked_copies():
+        gc.collect()
+        return [a for a in jax.live_arrays() if (a.shape, a.dtype) in stacked]
+
+    assert not stacked_copies()
+    workers.update_weights(jax.tree.map(lambda a: a * 1.5, params))
+    assert not stacked_copies()
+    assert workers.head_params["embed"].dtype == BF16 and jax.tree.leaves(workers.head_params["layers"])[0].shape[0] == 0

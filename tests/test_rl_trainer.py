@@ -310,7 +310,9 @@ def test_dry_run_matches_hand_calculation():
     # float32 master weights split over fsdp x data (data=2, fsdp=1); the engines' bfloat16 copy replicated
     # along data
     assert plan["params"] == _qwen7b_hand_calculation(tensor=4, fsdp=2, itemsize=4)
-    assert plan["rollout_params"] == _qwen7b_hand_calculation(tensor=4, fsdp=1, itemsize=2)
+    # the engines' per-layer copy (unrolled) and, of the cast copy, the embedding, head and final norm
+    embed_head_norm = 2 * (152064 * 3584 * 2 // 4 + 3584)
+    assert plan["rollout_params"] == embed_head_norm
     assert plan["optimizer"] == 2 * plan["params"] and plan["grads"] == plan["params"]
     # KV cache of one replica, its 4 KV heads split over tensor=4: 2 x layers x rows x 1 head x slots x head dim x 2 B
     assert plan["kv_cache"] == 2 * 28 * 64 * 1 * 4096 * 128 * 2
@@ -319,11 +321,10 @@ def test_dry_run_matches_hand_calculation():
     assert plan["compaction"] == (plan["kv_cache"] + plan["hidden_states"] + plan["drafter_kv_cache"]) // 2
     # layer_loop auto (unrolled on GPUs, as planned): the engines' per-layer copy of everything but embed, head and
     # final norm; the scan has none
-    embed_head_norm = 2 * (152064 * 3584 * 2 // 4 + 3584)
     scan = dry_run.memory_plan(load_config(ROOT / "configs" / "qwen2.5_7b_1node.yaml", ["rollout.layer_loop=scan"]))
-    assert scan["unrolled_layers"] == 0
+    assert scan["unrolled_layers"] == 0 and scan["rollout_params"] == _qwen7b_hand_calculation(tensor=4, fsdp=1, itemsize=2)
     assert plan["unrolled_layers"] == _qwen7b_hand_calculation(tensor=4, fsdp=1, itemsize=2) - embed_head_norm
-    assert plan["total"] == scan["total"] + plan["unrolled_layers"]
+    assert plan["total"] == scan["total"]  # the layers once either way: stacked under the scan, per layer unrolled
     other = load_config(ROOT / "configs" / "qwen2.5_7b_1node.yaml", ["mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1",
                                                                       "sd.mode='off'", "rl.kl_coef=0.01"])
     p = dry_run.memory_plan(other)

@@ -81,9 +81,11 @@ class SpotTrainer:
     """Owns the online drafter (parameters, optimizer state, sample buffer) of one RL run."""
 
     def __init__(self, cfg: Config, drafter: Drafter, policy_graphdef, policy_params: dict, mesh: Mesh, seed: int = 0):
-        """With one replica the drafter step compiles here; with several, each block's program compiles
-        on a host thread the first time the block is lent (its devices wait meanwhile), so handing the
-        devices back never waits for a compilation (the persistent compilation cache keeps them)."""
+        """policy_params: the policy's pure dict, of which drafter steps read the embedding, final norm and head
+        only (workers.policy_head gives one without layers). With one replica the drafter step compiles here; with
+        several, each block's program compiles on a host thread the first time the block is lent (its devices wait
+        meanwhile), so handing the devices back never waits for a compilation (the persistent compilation cache
+        keeps them)."""
         self.cfg, dt = cfg.drafter_online, cfg.drafter_train
         self.mesh = mesh
         self.num_replicas = mesh.shape["data"]

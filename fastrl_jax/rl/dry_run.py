@@ -103,10 +103,11 @@ def memory_plan(cfg: Config, devices: int | None = None) -> dict[str, float]:
     mixed = cfg.model.engine_dtype != cfg.model.dtype  # else the engines share the trainer's buffers
     engine_state = nnx.state(abstract_decoder(mcfg, DTYPES[cfg.model.engine_dtype]))
     rollout_params = _per_device_bytes(shardings_for(engine_state, mesh), engine_state) if mixed else 0
-    # Unrolled engines (rollout.layer_loop) copy the layer weights into per-layer buffers beside the
-    # stacked ones the drafter trainer reads; planned as on GPUs, where 'auto' unrolls.
+    # Unrolled engines (rollout.layer_loop) copy the layer weights into per-layer buffers; planned as on GPUs, where
+    # 'auto' unrolls. Of a cast copy (mixed) only the embedding, norm and head then stay (workers.policy_head).
     layers = engine_state["layers"]
     unrolled = _per_device_bytes(shardings_for(layers, mesh), layers) if cfg.rollout.unrolled_layers("gpu") else 0
+    rollout_params -= unrolled if mixed else 0
     itemsize = np.dtype(DTYPES[cfg.model.engine_dtype]).itemsize
     B, S = cfg.rollout.batch_buckets[-1], cfg.rollout.length_buckets[-1]
     # The engine's row table lives on each replica's devices: KV caches split over KV heads along tensor where it
@@ -189,7 +190,8 @@ def plan(cfg: Config, devices: int | None = None) -> str:
         "optimizer": "AdamW first and second moments",
         "new_params": "the update step's output parameters, beside the old until it returns",
         "reference": "frozen reference policy (rl.kl_coef > 0)",
-        "rollout_params": f"the engines' {cfg.model.engine_dtype} copy (model.rollout_dtype)",
+        "rollout_params": f"the engines' {cfg.model.engine_dtype} copy (model.rollout_dtype; unrolled: its embedding, "
+                          "norm and head)",
         "unrolled_layers": "the engines' per-layer copy of the layer weights (rollout.layer_loop unrolled, or auto on GPUs)",
         "kv_cache": f"rollout KV cache, {cfg.rollout.batch_buckets[-1]} rows x {cfg.rollout.length_buckets[-1]} slots, "
                     f"KV heads split over tensor where it divides them",

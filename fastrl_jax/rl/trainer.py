@@ -108,7 +108,8 @@ class Trainer:
         self._drafter_accept = math.nan  # that estimate (tokens per step), NaN while the prior stands
         # It reads the policy's embedding, norm and head from the engines' copy (replicated along data, so
         # placing it on lent replicas copies nothing).
-        self.spot = SpotTrainer(cfg, self.drafter, self.graphdef, self.workers.params, self.mesh, cfg.seed) if online else None
+        self.spot = (SpotTrainer(cfg, self.drafter, self.graphdef, self.workers.head_params, self.mesh, cfg.seed)
+                     if online else None)
         if self.spot is not None:
             self.drafter = self.spot.drafter()  # its sharded copy: the one make_drafter built sits whole on one device
         self.stop_ids = stop_ids(model.cfg, tokenizer)
@@ -156,7 +157,7 @@ class Trainer:
         if spot is None:
             completions, stats = self.workers.generate(requests, rl.samples_per_prompt)
         else:
-            spot.begin(self.workers.params)
+            spot.begin(self.workers.head_params)
             try:
                 completions, stats = self.workers.generate(requests, rl.samples_per_prompt,
                                                            replica_done=spot.lend, between_steps=spot.tail_step)
