@@ -96,7 +96,11 @@ def log_fallback_once(op: str, backend: str, reason: str) -> None:
 def compile_failure(fn: Callable, args: Sequence[jax.ShapeDtypeStruct]) -> str | None:
     """Why `fn` does not compile for these argument shapes, or None. Triton and Mosaic can reject a
     kernel after tracing succeeded; checking first lets the op fall back instead of failing the
-    caller's whole program at its compile. Cached per (fn, shapes)."""
+    caller's whole program at its compile. Cached per (fn, shapes).
+
+    The kernel is checked whole, outside the caller's mesh: under the training programs' abstract mesh (no
+    devices; rl.update.traced_under) a per-shard kernel's shard_map does not compile on its own, and the
+    check would turn every compiled backend down. A shard's shapes are the whole's, fewer rows and heads."""
     key = tuple((tuple(a.shape), str(a.dtype)) for a in args)
     return _compile_failure(fn, key)
 
@@ -105,7 +109,8 @@ def compile_failure(fn: Callable, args: Sequence[jax.ShapeDtypeStruct]) -> str |
 def _compile_failure(fn: Callable, key: tuple) -> str | None:
     args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in key]
     try:
-        jax.jit(fn).lower(*args).compile()
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+            jax.jit(fn).lower(*args).compile()
     except (NotImplementedError, ImportError) as e:
         return f"{type(e).__name__}: {e}"
     except Exception as e:  # Triton / Mosaic errors come as many types, often with IR dumps

@@ -11,6 +11,7 @@ import pytest
 from fastrl_jax.kernels.tree_attention import api, reference
 from flax import nnx
 from helpers.tiny import CFG, TINY, prompts, tiny_model
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fastrl_jax.config import ConfigError, MeshConfig, SpecConfig
@@ -242,6 +243,31 @@ def test_attention_kernels_run_per_shard_under_a_mesh():
     assert api.shard_specs(both, 2, 2)[1] == P("data", "tensor")
 
 
+def test_a_compiled_backend_passes_its_compile_check_under_the_trainers_mesh():
+    """The compiled backends (pallas, triton) are compile-checked before they run (backends.dispatch). Under the
+    training programs' abstract mesh (update.traced_under) the check compiled the kernel's shard_map with no devices to
+    place its shards on, failed (an unlowered Shardy custom call), and GPU training fell back to the reference."""
+    from fastrl_jax.kernels import backends
+
+    rng = np.random.default_rng(7)
+    q = jnp.asarray(rng.standard_normal((4, 5, 2, 2, 8)), jnp.float32)  # shapes of this test alone: the check is cached
+    k, v = (jnp.asarray(rng.standard_normal((4, 2, 20, 8)), jnp.float32) for _ in range(2))
+    mask = jnp.asarray(rng.random((4, 5, 20)) < 0.7).at[..., 0].set(True)
+    used = []
+
+    def attention(q, k, v, mask):  # pallas_interpret checked as "pallas" and "triton" are on a GPU
+        out, name = backends.dispatch("attention", api.IMPLS, "pallas_interpret", (q, k, v, mask),
+                                      compiled=("pallas_interpret",))
+        used.append(name)
+        return out
+
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    args = jax.device_put((q, k, v, mask), NamedSharding(mesh, P()))  # on the mesh, as the trainer's arrays are
+    out = jax.jit(update.traced_under(mesh, attention))(*args)
+    assert used == ["pallas_interpret"]
+    np.testing.assert_allclose(out, reference.masked_attention(q, k, v, mask), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("sd", [False, True])
 def test_a_tensor_parallel_engine_holds_its_own_heads_of_the_cache(sd):
     """On tensor=2 each device of a replica holds the KV caches (the policy's and with SD the drafter's) of its own
@@ -269,6 +295,27 @@ def test_a_tensor_parallel_engine_holds_its_own_heads_of_the_cache(sd):
         assert cache.k.sharding.spec == P(None, None, "tensor", None, None)
         assert {s.data.shape[2] for s in cache.k.addressable_shards} == {1}  # of TINY's 2 KV heads
     assert table.token.sharding.spec == P()
+
+
+def test_an_engine_on_a_mesh_takes_a_drafter_loaded_on_one_device():
+    """load_drafter gives the drafter on one device, and generate / eval / bench-sd --drafter hand it to an engine
+    whose policy is on the config's mesh: its programs refused the drafter there ('incompatible devices')."""
+    reqs = [Request(p, max_new_tokens=8, temperature=0.8, seed=7 + i) for i, p in enumerate(prompts(2, seed=9))]
+    expected = RolloutEngine(tiny_model(), CFG, progress=False).generate(reqs)
+    mesh = make_mesh(MeshConfig(tensor=2), jax.devices()[:2])
+    graphdef, state = nnx.split(tiny_model())
+    model = nnx.merge(graphdef, jax.device_put(state, shardings_for(state, mesh)))
+
+    def on_one_device():  # committed there, as Orbax restores it
+        graphdef, state = nnx.split(Drafter(TINY, nnx.Rngs(5)))
+        return nnx.merge(graphdef, jax.device_put(state, jax.devices()[0]))
+
+    engine = RolloutEngine(model, CFG, sd=SpecConfig(mode="on", steps=3, topk=2, verify_tokens=6),
+                           drafter=on_one_device(), progress=False)
+    assert [o.tokens for o in engine.generate(reqs)] == [e.tokens for e in expected]
+    engine.update_drafter(on_one_device())
+    assert [o.tokens for o in engine.generate(reqs)] == [e.tokens for e in expected]
+    assert engine.stats.calls["sd"] > 0
 
 
 def test_training_programs_run_the_kernels_per_shard():
