@@ -282,3 +282,28 @@ def test_the_sample_buffer_saved_with_a_checkpoint_comes_back_and_a_damaged_one_
     for step, why in ((2, "2.npz is unreadable"), (5, "none was saved with it")):
         again.restore_buffer(where, step)
         assert again.buffer.num_tokens == 0 and why in capsys.readouterr().err
+
+
+def test_an_online_drafter_saved_over_the_mesh_loads_on_fewer_devices(tmp_path: Path):
+    """The online drafter is sharded over the run's mesh (SpotTrainer), and so is the drafter of a run's checkpoint;
+    eval / generate / export-drafter --drafter RUN on a machine of fewer devices read it onto one (Orbax refused the
+    other topology, which load_drafter reported as 'not a drafter checkpoint for this policy')."""
+    import subprocess
+    import sys
+
+    from helpers.cli import cpu_env
+
+    from fastrl_jax.config import MeshConfig
+    from fastrl_jax.models.drafter_io import save_drafter
+    from fastrl_jax.sharding import shardings_for
+
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    graphdef, params, rest = nnx.split(Drafter(TINY, nnx.Rngs(3)), nnx.Param, ...)
+    params = jax.device_put(params, shardings_for(params, mesh))
+    save_drafter(tmp_path / "d", nnx.merge(graphdef, params, rest))
+    code = ("import jax, numpy as np; from helpers.tiny import TINY; from fastrl_jax.models.drafter_io import load_drafter; "
+            f"d = load_drafter({str(tmp_path / 'd')!r}, TINY); print(len(jax.devices()), float(np.abs(d.fc[...]).sum()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cpu_env(1), timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    devices, total = out.stdout.split()[-2:]
+    assert devices == "1" and float(total) == pytest.approx(float(jnp.abs(params["fc"][...]).sum()), rel=1e-6)

@@ -75,7 +75,10 @@ def load_drafter(path: str | Path, cfg: ModelConfig, dtype="float32") -> Drafter
             kind = "eagle3" if "norm" in saved else "eagle"
             abstract = abstract_drafter(cfg, dtype, vocab.shape[0] if vocab is not None else 0, kind)
             graphdef, state = nnx.split(abstract)
-            target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(state))
+            # Onto this process's first device whatever the saved layout: a run's online drafter is sharded over
+            # its mesh, and Orbax refuses to infer shardings on a machine of another device count.
+            here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+            target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here), nnx.to_pure_dict(state))
             wrong = _shape_mismatches(saved, target)
             restored = None if wrong else ckptr.restore(path, target)
         except (ValueError, KeyError, AttributeError) as e:

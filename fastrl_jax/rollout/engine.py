@@ -37,7 +37,7 @@ from fastrl_jax.rollout.pool import ProgramPool
 from fastrl_jax.rollout.requests import draft_margin, request_problem
 from fastrl_jax.rollout.sampling import SamplingParams
 from fastrl_jax.rollout.stats import Call, Recorder, RolloutStats
-from fastrl_jax.sharding import DEFAULT_RULES, logical_to_spec
+from fastrl_jax.sharding import DEFAULT_RULES, logical_to_spec, shardings_for
 
 # A row table's KV caches: heads split like the weights', rows and slots whole on every device of a replica.
 TABLE_RULES = tuple((name, None if name == "batch" else axes) for name, axes in DEFAULT_RULES)
@@ -208,6 +208,7 @@ class RolloutEngine:
         # Row tables live on the model's devices (_placed); programs trace under its mesh (kernels run per shard).
         self.mesh = weights.mesh if isinstance(weights, NamedSharding) else None
         self._replicated = NamedSharding(self.mesh, PartitionSpec()) if self.mesh is not None else weights
+        self.drafter_state = self._on_mesh(self.drafter_state)
         self.pool = ProgramPool(self._build, compiler_options, mesh=self.mesh)
         self._plain_step_s: dict[tuple[int, int], float] = {}  # (batch, kv_len): the latest plain call's seconds per step
         self.stats = RolloutStats()  # the last rollout's
@@ -279,6 +280,13 @@ class RolloutEngine:
             drafter.empty_cache(batch, self.max_len + scratch, self.dtype), pending, drafter.feature_size, self.dtype,
         )
         return slots.replace(draft=draft)
+
+    def _on_mesh(self, drafter_state):
+        """The drafter's weights on the policy's devices, split as its logical axes say: load_drafter / make_drafter
+        give them on one device, and a program refuses arguments on other devices than its weights'."""
+        if drafter_state is None or self.mesh is None:
+            return drafter_state
+        return jax.device_put(drafter_state, shardings_for(drafter_state, self.mesh))
 
     def _placed(self, tree):
         """The shardings of a row table or prefix (arrays or shapes): every KV cache's heads split as the
@@ -396,7 +404,7 @@ class RolloutEngine:
         if graphdef != self.drafter_graphdef:
             raise ValueError("update_drafter needs a drafter of the same structure as the engine's")
         _check_dtypes("update_drafter", state, self.drafter_state)
-        self.drafter_state = state
+        self.drafter_state = self._on_mesh(state)
         self.set_drafter_accept(accept)
 
     def set_drafter_accept(self, accept: float) -> None:
