@@ -277,6 +277,11 @@ def test_export_drafts_in_sglang_as_it_drafts_here(model, tmp_path, kind, vocab)
         for a, b in zip(outputs(drafter, model), outputs(back, model)):
             np.testing.assert_array_equal(a, b)
     if model.cfg.qkv_bias and kind == "eagle":
+        from safetensors.numpy import load_file
+
+        # SGLang's Qwen2 loader looks every tensor up among Qwen2ForCausalLMEagle's parameters (KeyError on d2t / t2d);
+        # the draft vocabulary goes in token_map.pt alone, and our loader reads it back from there
+        assert all(name.startswith(("fc.", "layers.0.")) for name in load_file(str(tmp_path / kind / "model.safetensors")))
         with pytest.raises(ValueError, match="holds a Qwen2ForCausalLMEagle drafter; a llama policy drafts with Llama"):
             load_eagle(tmp_path / kind, TINY)
 

@@ -10,8 +10,9 @@ Layout (as SafeAILab EAGLE checkpoints; no embedding, no head: SGLang takes both
                      layers.0.mlp.{gate,up,down}_proj.weight,
                      layers.0.post_attention_layernorm.weight (layer 0 has no input_layernorm),
                      and with a reduced draft vocabulary EAGLE-3's d2t [K] int64 (target id - draft
-                     index) and t2d [vocab] bool, which SGLang's EAGLE model does not read: it drafts
-                     over the hot tokens of --speculative-token-map, so the draft ids are written as
+                     index) and t2d [vocab] bool (Llama only: SGLang's Qwen2 loader fails on them), which
+                     SGLang's EAGLE model does not read: it drafts over the hot tokens of
+                     --speculative-token-map, so the draft ids are written as
   token_map.pt       (torch.save of the K ids; token_map.json where torch is not installed) too.
 Weights are in torch nn.Linear layout [out, in]; q/k use HF's half-split RoPE layout, as ours do.
 Features are the target's last hidden state after its final norm, as SGLang captures them.
@@ -153,8 +154,9 @@ def export_eagle(drafter: Drafter, policy_cfg: ModelConfig, out_dir: str | Path)
         raise ValueError(f"export_eagle writes EAGLE drafters; this one is {drafter.kind} (use export_eagle3)")
     _check_policy(drafter, policy_cfg)
     fc = np.asarray(drafter.fc[...])  # [2H, H]
-    tensors = {"fc.weight": fc.T, "fc.bias": np.zeros(fc.shape[1], fc.dtype), **_layer_tensors(drafter),
-               **_vocab_tensors(drafter, policy_cfg.vocab_size)}
+    tensors = {"fc.weight": fc.T, "fc.bias": np.zeros(fc.shape[1], fc.dtype), **_layer_tensors(drafter)}
+    if eagle_architecture(policy_cfg) == "LlamaForCausalLMEagle":  # Qwen2's loader fails on a tensor it has no place for
+        tensors |= _vocab_tensors(drafter, policy_cfg.vocab_size)
     vocab = None if drafter.draft_vocab is None else drafter.draft_vocab_size
     token_ids = None if drafter.draft_vocab is None else np.asarray(drafter.draft_vocab[...])
     return _write(out_dir, tensors, eagle_config(policy_cfg, vocab, str(fc.dtype)), token_ids)
@@ -177,6 +179,17 @@ def write_token_map(ids: np.ndarray, out_dir: Path) -> Path:
     path = out_dir / "token_map.pt"
     torch.save(ids, path)
     return path
+
+
+def read_token_map(out_dir: Path) -> np.ndarray | None:
+    """The draft vocabulary write_token_map wrote to out_dir (token_map.pt, else token_map.json), or None."""
+    if (out_dir / "token_map.pt").is_file():
+        import torch
+
+        return np.asarray(torch.load(out_dir / "token_map.pt", weights_only=True), np.int64)
+    if (out_dir / "token_map.json").is_file():
+        return np.asarray(json.loads((out_dir / "token_map.json").read_text()), np.int64)
+    return None
 
 
 def _eagle3_layer_names(cfg: ModelConfig) -> dict[str, tuple]:
@@ -270,7 +283,7 @@ def load_eagle(path: str | Path, policy_cfg: ModelConfig) -> Drafter:
         raise ValueError(f"{path}: fc.weight is {t['fc.weight'].shape}, this policy needs {(H, 2 * H)}")
     if np.any(t.get("fc.bias", 0) != 0):
         raise ValueError(f"{path}: fc.bias is non-zero; this drafter has no fc bias")
-    vocab = t["d2t"] + np.arange(len(t["d2t"])) if "d2t" in t else None
+    vocab = t["d2t"] + np.arange(len(t["d2t"])) if "d2t" in t else read_token_map(path)
     drafter = Drafter(policy_cfg, nnx.Rngs(0), t["fc.weight"].dtype, draft_vocab=vocab)
     names = _eagle_layer_names(drafter.cfg)
     _set_layer(drafter, path, {ours: (hf.template, hf.to_ours(t[hf.template])) for ours, hf in names.items()})
