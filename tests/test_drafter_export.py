@@ -356,3 +356,15 @@ def test_loading_an_eagle3_export_for_a_shallower_policy_is_refused(model, tmp_p
     export_eagle3(drafter, model, tmp_path / "e3")
     with pytest.raises(ValueError, match=r"of another policy: its feature layers \[1, 1, 0\] \(policy: 1 layers\)"):
         load_eagle(tmp_path / "e3", dataclasses.replace(TINY, num_layers=1))
+
+
+def test_an_eagle3_drafter_with_a_qwen_layer_says_to_train_again(tmp_path):
+    """EAGLE-3 drafters saved before 2026-11-27 have their Qwen policy's layer (q/k/v biases); their checkpoints
+    are named as such, not as some other policy's."""
+    from fastrl_jax.models.decoder import Layers
+
+    old = Drafter(QWEN["qwen2"], nnx.Rngs(0), kind="eagle3")
+    old.layers = Layers(dataclasses.replace(QWEN["qwen2"], num_layers=1), nnx.Rngs(1), jnp.float32, embed_input=True)
+    save_drafter(tmp_path / "d", old)
+    with pytest.raises(ValueError, match="EAGLE-3 drafter whose layer has the policy's bq .* train it again"):
+        load_drafter(tmp_path / "d", QWEN["qwen2"])

@@ -79,6 +79,11 @@ def load_drafter(path: str | Path, cfg: ModelConfig, dtype="float32") -> Drafter
             # its mesh, and Orbax refuses to infer shardings on a machine of another device count.
             here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
             target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here), nnx.to_pure_dict(state))
+            old_layer = kind == "eagle3" and {"bq", "q_norm"} & set(saved.get("layers", {}))
+            if old_layer:  # saved before 1f998b3, with the layer of its policy's family
+                raise ValueError(f"an EAGLE-3 drafter whose layer has the policy's {' and '.join(sorted(old_layer))} "
+                                 "(saved before 2026-11-27); EAGLE-3 layers are Llama's for every policy now, as SGLang "
+                                 "serves them: train it again")
             wrong = _shape_mismatches(saved, target)
             restored = None if wrong else ckptr.restore(path, target)
         except (ValueError, KeyError, AttributeError) as e:
