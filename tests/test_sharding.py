@@ -268,11 +268,10 @@ def test_a_compiled_backend_passes_its_compile_check_under_the_trainers_mesh():
     np.testing.assert_allclose(out, reference.masked_attention(q, k, v, mask), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("sd", [False, True])
-def test_a_tensor_parallel_engine_holds_its_own_heads_of_the_cache(sd):
-    """On tensor=2 each device of a replica holds the KV caches (the policy's and with SD the drafter's) of its own
-    KV heads (the weights' split), not the whole caches, with the attention kernel run per shard; sampled outputs
-    equal a one-device plain engine's."""
+def test_a_tensor_parallel_engine_holds_its_own_heads_of_the_cache():
+    """On tensor=2 each device of a replica holds the KV caches (the policy's and the drafter's) of its own KV heads
+    (the weights' split), not the whole caches, with the attention kernel run per shard; a speculating engine's
+    sampled outputs equal a one-device plain engine's."""
     reqs = [Request(p, max_new_tokens=10, temperature=0.8, seed=3 + i) for i, p in enumerate(prompts(3, seed=5))]
     expected = RolloutEngine(tiny_model(), CFG, progress=False).generate(reqs)
     model = tiny_model()
@@ -283,15 +282,14 @@ def test_a_tensor_parallel_engine_holds_its_own_heads_of_the_cache(sd):
         graphdef, state = nnx.split(module)
         return nnx.merge(graphdef, jax.device_put(state, shardings_for(state, mesh)))
 
-    spec = SpecConfig(mode="on", steps=3, topk=2, verify_tokens=6) if sd else SpecConfig()
-    drafter = on_mesh(Drafter(model.cfg, nnx.Rngs(5))) if sd else None
-    engine = RolloutEngine(on_mesh(model), CFG, sd=spec, drafter=drafter, progress=False)
+    spec = SpecConfig(mode="on", steps=3, topk=2, verify_tokens=6)
+    engine = RolloutEngine(on_mesh(model), CFG, sd=spec, drafter=on_mesh(Drafter(model.cfg, nnx.Rngs(5))), progress=False)
 
     out = engine.generate(reqs)
     assert [o.tokens for o in out] == [e.tokens for e in expected]
-    assert engine.stats.calls["sd" if sd else "decode"] > 0
+    assert engine.stats.calls["sd"] > 0
     table = engine.pool.get(("empty", 4))()
-    for cache in (table.cache, table.draft.cache) if sd else (table.cache,):
+    for cache in (table.cache, table.draft.cache):
         assert cache.k.sharding.spec == P(None, None, "tensor", None, None)
         assert {s.data.shape[2] for s in cache.k.addressable_shards} == {1}  # of TINY's 2 KV heads
     assert table.token.sharding.spec == P()
