@@ -9,7 +9,7 @@ import logging
 import shutil
 import sys
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,18 @@ def write_step_file(directory: Path, step: int, arrays: dict[str, np.ndarray], k
     for f in directory.glob("*.npz"):
         if f.stem.isdigit() and int(f.stem) not in keep:
             f.unlink(missing_ok=True)
+
+
+def read_step_file(load: Callable[[Path], Any], path: Path) -> str | None:
+    """load(path) of a write_step_file file: None when it read, else why not, for the caller's message (such
+    state is lost with no harm to correctness: it starts empty and refills)."""
+    try:
+        load(path)
+    except FileNotFoundError:
+        return "none was saved with it"
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:  # damaged, or another run's layout
+        return f"{path} is unreadable: {e}"
+    return None
 
 
 class UnreadableCheckpoint(ValueError):

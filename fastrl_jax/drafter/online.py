@@ -31,7 +31,6 @@ import logging
 import sys
 import threading
 import time
-import zipfile
 from collections.abc import Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -44,7 +43,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fastrl_jax.checkpoint import write_step_file
+from fastrl_jax.checkpoint import read_step_file, write_step_file
 from fastrl_jax.config import Config
 from fastrl_jax.drafter.buffer import PackedBatch, SampleBuffer
 from fastrl_jax.drafter.train import LossSettings, chain_acceptance, drafter_optimizer, make_train_step
@@ -357,14 +356,9 @@ class SpotTrainer:
     def restore_buffer(self, directory: Path, step: int) -> None:
         """Takes the sample buffer saved with checkpoint `step`; without a readable one it starts empty (rollouts
         are lossless whatever the drafter: only the drafter's next steps differ from an uninterrupted run)."""
-        path = Path(directory) / f"{step}.npz"
-        try:
-            self.buffer.load(path)
+        why = read_step_file(self.buffer.load, Path(directory) / f"{step}.npz")  # or another drafter's features
+        if why is None:
             return
-        except FileNotFoundError:
-            why = "none was saved with it"
-        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:  # damaged, or another drafter's features
-            why = f"{path} is unreadable: {e}"
         self.buffer = SampleBuffer(self.buffer.max_tokens, self.buffer.hidden_size, keep_steps=self.buffer.keep_steps)
         print(f"[fastrl-jax] the online drafter's sample buffer starts empty ({why}); it refills from this step's "
               "rollouts", file=sys.stderr)

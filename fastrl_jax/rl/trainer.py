@@ -15,7 +15,6 @@ import logging
 import math
 import sys
 import time
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fastrl_jax.checkpoint import RunCheckpointer, UnreadableCheckpoint, write_step_file
+from fastrl_jax.checkpoint import RunCheckpointer, UnreadableCheckpoint, read_step_file, write_step_file
 from fastrl_jax.config import Config, ConfigError, TrainingStopped, check_trainable, save_config, to_dict
 from fastrl_jax.data import pipeline
 from fastrl_jax.data.prompt_files import read_records
@@ -402,16 +401,10 @@ class Trainer:
         if "entries" in note:  # checkpoints before 2026-11-27 hold it in their JSON
             self.history.restore(note)
             return
-        path = self.out_dir / "history" / f"{step}.npz"
-        try:
-            self.history.load(path)
-            return
-        except FileNotFoundError:
-            why = f"{path} is missing"
-        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
-            why = f"{path} is unreadable: {e}"
-        print(f"[fastrl-jax] the history drafter's store starts empty ({why}); it refills from this step's rollouts",
-              file=sys.stderr)
+        why = read_step_file(self.history.load, self.out_dir / "history" / f"{step}.npz")
+        if why is not None:
+            print(f"[fastrl-jax] the history drafter's store starts empty ({why}); it refills from this step's rollouts",
+                  file=sys.stderr)
 
     def _restore(self) -> None:
         """Continues from the latest readable checkpoint; newer unreadable steps are set aside (their step
