@@ -331,7 +331,7 @@ class RolloutEngine:
             return fn, (self.graphdef, self.state, slots, adm, self._prefix_shapes(prefix_len), kv_len)
         if phase == "prefix":
             tokens = jax.ShapeDtypeStruct((key[2],), jnp.int32, sharding=self._replicated)
-            out = self._placed(self._shapes(lambda: self._no_prefix(key[2])))
+            out = self._placed(jax.eval_shape(lambda: self._no_prefix(key[2])))
             fn = jax.jit(programs.prefix_program, static_argnums=(0, 3, 4, 5), out_shardings=out)
             return fn, (self.graphdef, self.state, tokens, self.dtype, self.keep_hidden, self.feature_layers)
         if phase == "sd":
@@ -343,7 +343,8 @@ class RolloutEngine:
             return fn, (self.graphdef, self.state, self.drafter_graphdef, self.drafter_state, slots, key[2])
         if phase == "resize":
             index = jax.ShapeDtypeStruct((key[2],), jnp.int32, sharding=self._replicated)
-            return jax.jit(programs.resize, out_shardings=self._placed(self._shapes(lambda: self._empty(key[2])))), (slots, index)
+            out = self._placed(jax.eval_shape(lambda: self._empty(key[2])))
+            return jax.jit(programs.resize, out_shardings=out), (slots, index)
         if phase == "empty":
             return jax.jit(lambda: self._empty(batch), out_shardings=out), ()
         raise KeyError(key)
