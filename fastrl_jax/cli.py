@@ -293,14 +293,13 @@ def cmd_export_drafter(args: argparse.Namespace) -> None:
     cfg = _config(args)
     model_cfg = read_model_config(resolve_model_path(cfg.model.path))
     drafter = load_drafter(source, model_cfg, cfg.model.dtype)
-    eagle, arch = ("eagle3", "LlamaForCausalLMEagle3") if drafter.kind == "eagle3" else ("eagle", None)
-    with export_into(out) as partial:  # a failed export (e.g. a policy with q/k norm) leaves nothing behind
+    eagle, arch = ("eagle3", "LlamaForCausalLMEagle3") if drafter.kind == "eagle3" else ("eagle", eagle_architecture(model_cfg))
+    with export_into(out) as partial:  # a failed export leaves nothing behind
         save_drafter(partial / "orbax", drafter)
         if drafter.kind == "eagle3":  # its lm_head.weight is the policy's head rows: the one export that reads the weights
             export_eagle3(drafter, _policy(cfg).model, partial / eagle)
         else:
             export_eagle(drafter, model_cfg, partial / eagle)
-            arch = eagle_architecture(model_cfg)
     print(f"[fastrl-jax] wrote {out / 'orbax'} (Orbax, fastrl-jax generate --drafter) and {out / eagle} "
           f"(safetensors, SGLang {arch})", file=sys.stderr)
     if (out / eagle / "token_map.pt").is_file():  # SGLang's EAGLE reads the draft vocabulary from this flag alone

@@ -87,10 +87,10 @@ def _layer_tensors(drafter: Drafter) -> dict[str, np.ndarray]:
 
 def eagle_config(cfg: ModelConfig, draft_vocab_size: int | None, dtype: str) -> dict:
     rope = cfg.rope_params
-    qwen2 = eagle_architecture(cfg) == "Qwen2ForCausalLMEagle"
+    architecture = eagle_architecture(cfg)
     out = {
-        "architectures": [eagle_architecture(cfg)],
-        "model_type": "qwen2" if qwen2 else "llama",
+        "architectures": [architecture],
+        "model_type": "qwen2" if architecture == "Qwen2ForCausalLMEagle" else "llama",
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": 1,
