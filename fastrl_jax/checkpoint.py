@@ -17,15 +17,15 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from fastrl_jax.files import replacing
+
 log = logging.getLogger(__name__)
 
 
 def write_arrays(path: str | Path, arrays: dict[str, np.ndarray]) -> None:
     """Named numpy arrays into one .npz file, atomically (a temporary file, then a rename)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez(tmp, **arrays)
-    tmp.replace(path)
+    with replacing(path) as tmp:
+        np.savez(tmp, **arrays)
 
 
 def read_arrays(path: str | Path) -> dict[str, np.ndarray]:
@@ -41,11 +41,11 @@ def read_arrays(path: str | Path) -> dict[str, np.ndarray]:
 
 def write_step_file(directory: Path, step: int, arrays: dict[str, np.ndarray], keep: set[int]) -> None:
     """Host state too large for a checkpoint's JSON, beside checkpoint `step` as DIRECTORY/STEP.npz (write_arrays);
-    the files of steps not in `keep` (the checkpoints on disk) are removed."""
+    the files of steps not in `keep` (the checkpoints on disk) and a killed write's leftovers are removed."""
     directory.mkdir(parents=True, exist_ok=True)
     write_arrays(directory / f"{step}.npz", arrays)
     for f in directory.glob("*.npz"):
-        if f.stem.isdigit() and int(f.stem) not in keep:
+        if not (f.stem.isdigit() and int(f.stem) in keep):
             f.unlink(missing_ok=True)
 
 

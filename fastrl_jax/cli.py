@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from fastrl_jax import files
 from fastrl_jax.config import ConfigError, TrainingStopped, temperature_problem
 
 
@@ -183,7 +184,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for i in failed:
         print(f"[fastrl-jax] request {i}: {rows[i]['error']}", file=sys.stderr)
     if output:
-        output.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        files.write_text(output, "".join(json.dumps(row) + "\n" for row in rows))
     else:
         for row in rows:
             print(row["completion"])
@@ -472,7 +473,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         settings = {"run": args.run, "step": step, "model": cfg.model.path, "prompts": source, "num_prompts": len(records),
                     "samples": samples, "temperature": temperature, "top_k": cfg.rl.top_k, "top_p": cfg.rl.top_p,
                     "max_new_tokens": max_new, "seed": cfg.seed, "sd": cfg.sd.mode}
-        out.write_text(json.dumps(settings | result, indent=1) + "\n")
+        files.write_text(out, json.dumps(settings | result, indent=1) + "\n")
         print(f"[fastrl-jax] wrote {out}", file=sys.stderr)
 
 

@@ -21,6 +21,8 @@ from typing import Any
 
 import yaml
 
+from fastrl_jax import files
+
 
 class ConfigError(ValueError):
     """A config problem a user can fix; the message names the key and what is allowed."""
@@ -763,7 +765,4 @@ def save_config(cfg: Config, path: str | Path) -> None:
     """Writes the resolved config (file plus overrides) as YAML that `load_config` reads back; atomically (a
     temporary file, then a rename), so a kill mid-write leaves the run's previous config.yaml whole."""
     plain = json.loads(json.dumps(to_dict(cfg)))  # tuples -> lists: YAML's safe dumper has no tuples
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(yaml.safe_dump(plain, sort_keys=False))
-    tmp.replace(path)
+    files.write_text(path, yaml.safe_dump(plain, sort_keys=False))

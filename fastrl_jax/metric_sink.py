@@ -11,6 +11,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from fastrl_jax import files
+
 
 class MetricsSink:
     """out_dir/metrics.jsonl and, with `tensorboard`, out_dir/tensorboard; resume_after: the step resumed from."""
@@ -31,9 +33,8 @@ class MetricsSink:
         """Keeps the file's lines up to `step`: a resume that fell back past a damaged checkpoint runs the later
         steps again (TensorBoard purges only where the sink opened, resume_after)."""
         lines = self.path.read_text().splitlines() if self.path.exists() else []
-        tmp = self.path.with_name(self.path.name + ".tmp")  # a process killed mid-rewrite leaves the file whole
-        tmp.write_text("".join(ln + "\n" for ln in lines if ln.strip() and _step(ln) <= step))
-        tmp.replace(self.path)
+        # A process killed mid-rewrite leaves the file whole.
+        files.write_text(self.path, "".join(ln + "\n" for ln in lines if ln.strip() and _step(ln) <= step))
 
     def write(self, metrics: dict[str, Any]) -> None:
         """metrics: JSON-able, with an int "step"; finite numbers also go to TensorBoard."""

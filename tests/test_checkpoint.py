@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from helpers.checkpoints import damage
 
-from fastrl_jax.checkpoint import RunCheckpointer, UnreadableCheckpoint
+from fastrl_jax.checkpoint import RunCheckpointer, UnreadableCheckpoint, read_arrays, write_arrays, write_step_file
+from fastrl_jax.files import replacing
 
 
 def test_keeps_last_k_and_restores_latest(tmp_path):
@@ -134,3 +135,21 @@ def test_no_readable_step_is_one_clear_error(tmp_path):
     message = str(e.value)
     assert "step 3: ValueError: OUT_OF_RANGE" in message and "no earlier step is left to fall back to" in message
     assert len(message.splitlines()) == 1
+
+
+def test_a_failed_write_leaves_the_previous_file_whole_and_nothing_beside_it(tmp_path):
+    write_arrays(tmp_path / "3.npz", {"a": np.arange(3)})
+    with pytest.raises(ZeroDivisionError):
+        with replacing(tmp_path / "3.npz") as tmp:
+            tmp.write_bytes(b"half a fi")
+            1 / 0
+    assert [p.name for p in tmp_path.iterdir()] == ["3.npz"]
+    np.testing.assert_array_equal(read_arrays(tmp_path / "3.npz")["a"], np.arange(3))
+
+
+def test_step_files_of_dropped_steps_and_a_killed_writes_leftovers_are_removed(tmp_path):
+    for step in (1, 2):
+        write_step_file(tmp_path, step, {"a": np.arange(step)}, keep={1, 2})
+    (tmp_path / ".3.npz.999.tmp.npz").write_bytes(b"killed mid-write")
+    write_step_file(tmp_path, 3, {"a": np.arange(3)}, keep={2, 3})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["2.npz", "3.npz"]

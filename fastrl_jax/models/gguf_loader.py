@@ -11,7 +11,6 @@ import functools
 import hashlib
 import importlib.metadata
 import json
-import os
 import re
 import sys
 from collections.abc import Callable
@@ -22,6 +21,7 @@ import gguf
 import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from fastrl_jax import files
 from fastrl_jax.models import hub
 from fastrl_jax.models.config import one_or_list
 
@@ -133,12 +133,10 @@ _READER_VERSION = ",".join([
 def _save_atomically(target: Path, what: str, write: Callable[[Path], None]) -> None:
     """Writes beside the target and renames, so a concurrent load never reads half a file; a failed write
     (a full disk) costs only the next load's reading the GGUF again."""
-    partial = target.with_suffix(f".partial{os.getpid()}")
     try:
-        write(partial)
-        os.replace(partial, target)
+        with files.replacing(target) as tmp:
+            write(tmp)
     except OSError as e:
-        partial.unlink(missing_ok=True)
         print(f"[fastrl-jax] could not keep the {what} at {target} ({e}); the next load reads the GGUF again",
               file=sys.stderr)
 
