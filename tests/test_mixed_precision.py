@@ -3,6 +3,7 @@ config's errors, and online drafter training under mixed precision."""
 
 import gc
 import os
+import weakref
 from pathlib import Path
 
 import jax
@@ -13,11 +14,13 @@ from flax import nnx
 from helpers.tiny_run import tiny_overrides
 
 from fastrl_jax.config import ConfigError, check_trainable, load_config
+from fastrl_jax.models.decoder import unstack_layers
 from fastrl_jax.models.loading import load_model
 from fastrl_jax.models.tokenizer import load_tokenizer
 from fastrl_jax.rl import update
 from fastrl_jax.rl.trainer import Trainer
 from fastrl_jax.rl.workers import RolloutWorkers
+from fastrl_jax.rollout import engine as engine_module
 from fastrl_jax.sharding import make_mesh
 
 BF16 = jnp.bfloat16
@@ -107,15 +110,20 @@ def test_mixed_precision_grpo_with_adaptive_sd_and_online_drafter(tmp_path):
     np.testing.assert_array_equal(np.asarray(engine.drafter_state["fc"][...]), np.asarray(fc).astype(BF16))
 
 
-def test_unrolled_bfloat16_engines_keep_no_stacked_copy_of_the_layers(tmp_path):
-    """Unrolled engines hold per-layer bfloat16 copies; the stacked bfloat16 cast a hand-off makes for them is
-    dropped once they have theirs (only its embedding, norm and head stay, for the online drafter trainer)."""
+def _unrolled_bfloat16_workers(tmp_path) -> tuple[RolloutWorkers, dict]:
+    """Rollout workers with an unrolled bfloat16 engine over a float32 tiny policy, and the policy's parameters."""
     cfg = load_config(None, [*tiny_overrides(tmp_path), "model.rollout_dtype=bfloat16", "rollout.layer_loop=unrolled"])
     mesh = make_mesh(cfg.mesh, jax.devices()[:1])
     model, _ = load_model(cfg.model.path, mesh, cfg.model.dtype)
     graphdef, state = nnx.split(model)
     params = nnx.to_pure_dict(state)
-    workers = RolloutWorkers(cfg, graphdef, params, mesh, None)
+    return RolloutWorkers(cfg, graphdef, params, mesh, None), params
+
+
+def test_unrolled_bfloat16_engines_keep_no_stacked_copy_of_the_layers(tmp_path):
+    """Unrolled engines hold per-layer bfloat16 copies; the stacked bfloat16 cast a hand-off makes for them is
+    dropped once they have theirs (only its embedding, norm and head stay, for the online drafter trainer)."""
+    workers, params = _unrolled_bfloat16_workers(tmp_path)
     stacked = {(a.shape, jnp.dtype(BF16)) for a in jax.tree.leaves(params["layers"])}
 
     def stacked_copies():
@@ -126,3 +134,22 @@ def test_unrolled_bfloat16_engines_keep_no_stacked_copy_of_the_layers(tmp_path):
     workers.update_weights(jax.tree.map(lambda a: a * 1.5, params))
     assert not stacked_copies()
     assert workers.head_params["embed"].dtype == BF16 and jax.tree.leaves(workers.head_params["layers"])[0].shape[0] == 0
+
+
+def test_a_hand_off_to_unrolled_engines_drops_their_old_layer_copies_before_cutting_new_ones(tmp_path, monkeypatch):
+    """The layers live at most twice during a hand-off (the stacked cast and one set of per-layer copies), not
+    three times (the old per-layer copies beside the new)."""
+    workers, params = _unrolled_bfloat16_workers(tmp_path)
+    old = [weakref.ref(a) for a in jax.tree.leaves(workers.replicas[0].engine.state["layers"])]
+    alive = []
+
+    def counted(state):
+        gc.collect()
+        alive.append(sum(r() is not None for r in old))
+        return unstack_layers(state)
+
+    monkeypatch.setattr(engine_module, "unstack_layers", counted)
+    workers.update_weights(jax.tree.map(lambda a: a * 1.5, params))
+    assert alive == [0]
+    np.testing.assert_array_equal(np.asarray(workers.replicas[0].engine.state["layers"]["wq"].get_value()[1]),
+                                  np.asarray(params["layers"]["wq"][1] * 1.5).astype(BF16))

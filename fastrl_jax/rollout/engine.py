@@ -425,9 +425,12 @@ class RolloutEngine:
         graphdef, state = nnx.split(model)
         if graphdef != self.graphdef:
             raise ValueError("update_weights needs a model of the same structure as the engine's")
-        if self.unrolled:
-            state = unstack_layers(state)
         _check_dtypes("update_weights", state, self.state)
+        if self.unrolled:
+            # The old per-layer copies go before the new ones are cut: the stacked weights, the old and the new
+            # copies would hold the layers three times over at once.
+            self.state = None
+            state = unstack_layers(state)
         self.state = state
 
     # ---- requests -------------------------------------------------------------------------
@@ -794,7 +797,10 @@ class _Table:
 
 def _check_dtypes(what: str, new, current) -> None:
     """The compiled programs take weights of the dtypes they were built for; cast before handing over."""
-    have, want = ([str(x.dtype) for x in jax.tree.leaves(t)] for t in (new, current))
+    def dtypes(state) -> list[str]:  # one per weight, stacked [L, ...] or split per layer (unstack_layers) alike
+        return [str(jax.tree.leaves(v)[0].dtype) for v in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))]
+
+    have, want = dtypes(new), dtypes(current)
     if have != want:
         raise ValueError(f"{what} got weights in {sorted(set(have))}, the engine runs {sorted(set(want))}: cast them "
                          "first (models.decoder.cast_floating)")
