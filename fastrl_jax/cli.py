@@ -694,6 +694,9 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingStopped as e:
         print(f"fastrl-jax {args.command}: stopped: {e}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # the reader went away (`generate | head`): stop quietly, as Python's docs advise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else the flush at exit fails again
+        return 1
     except OSError as e:  # a full disk, a permission: the system's own words, without a traceback
         print(f"fastrl-jax {args.command}: error: {e}", file=sys.stderr)
         return 1

@@ -2,6 +2,8 @@
 conflict, and Ctrl-C, each refused or reported in one line before any weights are read."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -106,6 +108,17 @@ def test_interrupt_is_one_line_and_exit_130(monkeypatch, capsys):
     assert code == 130
     err = capsys.readouterr().err
     assert "fastrl-jax generate: interrupted" in err and "Traceback" not in err
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly():
+    """`fastrl-jax generate | head -1`: no broken-pipe traceback, neither from the command nor from the flush at exit."""
+    script = ("import sys; from fastrl_jax import cli; cli.cmd_generate = lambda args: print('line\\n' * 100000); "
+              "sys.exit(cli.main(['generate', '--prompt', 'hi']))")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 1 and err == "", err
 
 
 def test_eval_names_the_setting_of_a_missing_prompt_set(tmp_path):
