@@ -37,6 +37,18 @@ def test_train_logits_cover_the_completion_slots():
     assert plan["train_logits"] == 3 * 4 * 3008 * (152064 // 4) * 4
 
 
+def test_a_run_whose_plan_exceeds_what_jax_may_allocate_is_warned_before_it_loads(monkeypatch):
+    cfg = load_config(QWEN7B)
+    total = dry_run.memory_plan(cfg, 8)["total"]  # 37.2 GiB
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+    warning = dry_run.memory_warning(cfg, 8, int(0.5 * 40 * 2**30))  # half of a 40 GiB card
+    assert "needs 37.2 GiB a device" in warning and "JAX may allocate 20.0 GiB" in warning
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.5" in warning
+    assert dry_run.memory_warning(cfg, 8, total) is None
+    assert dry_run.memory_warning(cfg, 8, None) is None  # CPU: no device memory to plan against
+    assert "needs a device of 74.5 GiB: JAX allocates at most 50%" in dry_run.plan(cfg, 8)
+
+
 def test_training_parts_cover_what_the_update_step_holds(tmp_path):
     # The trainer's jitted step on one device holds the parameters, the AdamW moments (donated: updated in place),
     # the batch, and returns new parameters beside the old; the plan must count all of them but the batch (the

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -171,6 +172,24 @@ def training_programs(cfg: Config) -> str:
             f"multiples of {TRAIN_LENGTH_QUANTUM} (up to {p} x {c} pairs), each compiled when first reached")
 
 
+def memory_warning(cfg: Config, devices: int, bytes_limit: int | None) -> str | None:
+    """Why a run may not fit when the memory plan per device exceeds what JAX may allocate on one (the device's
+    memory_stats()["bytes_limit"]; None on CPU, which plans nothing), else None."""
+    total = memory_plan(cfg, devices)["total"] if bytes_limit else 0
+    if total <= (bytes_limit or 0):
+        return None
+    return (f"the memory plan needs {total / GiB:.1f} GiB a device (`train --dry-run` itemises it) and JAX may allocate "
+            f"{bytes_limit / GiB:.1f} GiB of one (XLA_PYTHON_CLIENT_MEM_FRACTION={_memory_fraction():g}): raise the "
+            "fraction (up to ~0.95), or shrink the row table (rollout.batch_buckets, rollout.length_buckets) or "
+            "rl.micro_batch_size. The plan adds rollout and training parts that do not all live at once, so the run "
+            "may still fit")
+
+
+def _memory_fraction() -> float:
+    """The share of a GPU's memory JAX's allocator may take (its documented default 0.75)."""
+    return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+
+
 def plan(cfg: Config, devices: int | None = None) -> str:
     """The dry-run report as text."""
     m = memory_plan(cfg, devices)
@@ -204,7 +223,8 @@ def plan(cfg: Config, devices: int | None = None) -> str:
     }
     for key, note in notes.items():
         lines.append(f"  {key:<17} {m[key] / GiB:9.3f}  {note}")
-    lines.append(f"  {'total':<17} {m['total'] / GiB:9.3f}")
+    lines.append(f"  {'total':<17} {m['total'] / GiB:9.3f}  needs a device of {m['total'] / _memory_fraction() / GiB:.1f} GiB: "
+                 f"JAX allocates at most {_memory_fraction():.0%} of one (XLA_PYTHON_CLIENT_MEM_FRACTION)")
     progs = program_plan(cfg)
     lines.append(f"engine programs: {sum(progs.values())} ({', '.join(f'{k} {v}' for k, v in sorted(progs.items()))}); "
                  f"batch buckets {list(cfg.rollout.batch_buckets)}, length buckets {list(cfg.rollout.length_buckets)}, "

@@ -34,6 +34,7 @@ from fastrl_jax.models.drafter_io import drafter_accept_prior, drafter_dir, make
 from fastrl_jax.models.loading import load_policy
 from fastrl_jax.models.tokenizer import stop_ids
 from fastrl_jax.rl import grpo, rewards, run_dir, update
+from fastrl_jax.rl.dry_run import memory_warning
 from fastrl_jax.rl.evaluate import completion_text, eval_requests, evaluate, held_out_records
 from fastrl_jax.rl.step_metrics import MetricsLog, rollout_summary
 from fastrl_jax.rl.workers import RolloutWorkers, request_seed
@@ -532,6 +533,8 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, stream=
     tokenizer named by cfg.model, then runs GRPO to cfg.rl.steps."""
     mesh = make_mesh(cfg.mesh)
     preflight(cfg, mesh.shape["data"] * mesh.shape["fsdp"])  # before loading a model, or touching a run
+    if warning := memory_warning(cfg, mesh.size, (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")):
+        log.warning(warning)
     run_dir.prepare_run_dir(cfg, resume=resume, overwrite=overwrite)
     if cfg.rl.drafter_path and cfg.sd.mode == "off":
         log.warning("rl.drafter_path is set but sd.mode is off: the drafter is not used (set sd.mode=adaptive)")
