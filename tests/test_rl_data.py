@@ -153,3 +153,38 @@ def test_prompt_ids_instruction(tmp_path):
     tok = AutoTokenizer.from_pretrained(tmp_path)
     ids = record_prompt_ids({"prompt": "1+2=", "answer": "3"}, tok, instruction="ok", chat_template=True)
     assert tok.decode(ids) == "1+2= ok"  # no chat template on this tokenizer: plain text
+
+
+def test_blank_answers_and_prompts_are_refused(tmp_path):
+    """A blank ground truth names no answer (every completion would score 0, or an empty \\boxed{} would be
+    rewarded), a blank prompt asks nothing: each fails at load with the record named, like a missing one."""
+    bad = tmp_path / "blank.jsonl"
+    for answer in ("", "   "):
+        bad.write_text(json.dumps({"prompt": "q0", "answer": "1"}) + "\n" + json.dumps({"prompt": "q1", "answer": answer}) + "\n")
+        with pytest.raises(ValueError, match="record 2: 'answer' is blank"):
+            read_records(bad)
+    bad.write_text(json.dumps({"prompt": " ", "answer": "1"}) + "\n")  # untemplated, it fails the step that draws it
+    with pytest.raises(ValueError, match="record 1: 'prompt' is blank"):
+        read_records(bad)
+
+
+def test_verl_parquet_keeps_its_chat_in_the_prompt_field(tmp_path):
+    """verl's RL parquet files hold the chat messages in "prompt" and the answer in reward_model.ground_truth."""
+    path = tmp_path / "verl.parquet"
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"}]
+    pq.write_table(pa.Table.from_pylist([{"data_source": "gsm8k", "prompt": chat, "ability": "math",
+                                          "reward_model": {"style": "rule", "ground_truth": "2"}}]), path)
+    assert read_records(path, answer_field="reward_model.ground_truth") == [{"answer": "2", "messages": chat}]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": [{"role": "user"}], "answer": "2"}) + "\n")
+    with pytest.raises(ValueError, match=r"record 1: each of 'prompt' must be \{\"role\": str, \"content\": str\}"):
+        read_records(bad)
+
+
+def test_float_answers_are_written_out_as_numbers(tmp_path):
+    """A float ground truth (a Parquet float column, a JSON number) reads as the digits, not Python's exponent form
+    ('1e-05'), which no answer matches numerically."""
+    path = tmp_path / "f.parquet"
+    pq.write_table(pa.table({"prompt": ["a", "b", "c"], "answer": [1e-05, 2.5e16, 72.0]}), path)
+    assert [r["answer"] for r in read_records(path)] == ["0.00001", "25000000000000000", "72.0"]
+    assert correctness_reward("The answer is 0.00001", read_records(path)[0]["answer"]) == 1.0

@@ -44,7 +44,9 @@ def test_extract_answer(text, expected):
      ("\\tfrac{1}{3}", Fraction(1, 3)), ("\\frac34", Fraction(3, 4)), ("-\\frac{1}{2}", Fraction(-1, 2)),
      ("10{,}000", 10000), ("1 1/2", Fraction(3, 2)), ("3\\frac{1}{2}", Fraction(7, 2)),  # mixed: not 11/2, nor 3
      ("-2\\tfrac34", Fraction(-11, 4)), ("1 1/0", None),
-     ("1e10000000", None), ("1e5", None)],  # exponents: Fraction() would build 10**10000000 exactly
+     ("1e10000000", None), ("1e5", None),  # exponents: Fraction() would build 10**10000000 exactly
+     ("2\\text{ and }5", None), ("\\text{x}5", None),  # units only after the number: not 25, nor 5
+     ("30^\\circ", 30), ("\\frac{1}{2}\\text{ cm}", Fraction(1, 2))],
 )
 def test_normalize_number(text, value):
     assert rewards.normalize_number(text) == value
@@ -102,3 +104,36 @@ def test_registry_and_combination():
     assert "test_len" in rewards.registered() and rewards.get("test_len")("abc", "") == 3.0
     with pytest.raises(ValueError, match="already registered"):
         rewards.register("test_len")(lambda c, a: 0.0)
+
+
+def test_answer_is_scan_is_linear_in_whitespace():
+    """A degenerate completion ("The answer is" then a long run of blanks) is scored in milliseconds: the
+    pattern before the answer had two ways to match each blank, quadratic backtracking (16k blanks took 20 s)."""
+    import time
+
+    text = "The answer is" + " " * 8000 + "x"
+    t0 = time.perf_counter()
+    assert rewards.correctness_reward(text, "5") == 0.0 and rewards.format_reward(text, "5") == 0.0
+    assert time.perf_counter() - t0 < 1.0
+    assert rewards.extract_answer("The answer is :  **7**") == "7" and rewards.extract_answer("answer is\n\n: 7") == "7"
+
+
+def test_empty_ground_truth_matches_nothing():
+    """A record whose answer is blank (or a GSM8K solution ending in an empty "####") rewards no completion:
+    an empty \\boxed{} matching it would teach the policy to answer nothing."""
+    for truth in ("", "  ", "step one... ####", "#### "):
+        assert rewards.correctness_reward("\\boxed{}", truth) == 0.0
+        assert rewards.correctness_reward("\\boxed{ }", truth) == 0.0
+
+
+@pytest.mark.parametrize(
+    "completion, truth",
+    [("\\boxed{\\text{yes}}", "yes"), ("\\boxed{yes}", "\\text{yes}"), ("\\boxed{\\text{(B)}}", "(B)"),
+     ("\\boxed{\\textbf{5}}", "5"), ("\\boxed{\\mathbf{5}}", "5"), ("\\boxed{\\mathrm{Tuesday}}", "Tuesday"),
+     ("\\boxed{30^\\circ}", "30"), ("\\boxed{30^{\\circ}}", "30"), ("The answer is 30\u00b0.", "30"),
+     ("\\boxed{30}", "30^\\circ"), ("\\boxed{-45^\\circ}", "-45")],
+)
+def test_text_wrappers_and_degrees(completion, truth):
+    """\\text{}/\\textbf{}/\\mathrm{}/\\mathbf{} around a whole answer is typesetting, and a degree sign a unit (as
+    12\\text{ cm} is 12): both MATH-style ground truths and completions write them either way."""
+    assert rewards.correctness_reward(completion, truth) == 1.0

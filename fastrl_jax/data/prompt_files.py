@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +72,8 @@ def _field(row: dict, name: str) -> Any:
 def read_records(path: str | Path, prompt_field: str = "prompt", messages_field: str = "messages",
                  answer_field: str = "answer") -> list[dict[str, Any]]:
     """Reads a .jsonl or .parquet prompt file into records {"prompt"|"messages", "answer"}; a dotted
-    answer_field names a nested field (verl's files: reward_model.ground_truth)."""
+    answer_field names a nested field (verl's files: reward_model.ground_truth), and a prompt_field holding
+    a list of messages (verl's files) is the record's messages."""
     path = checked_file(path, "dataset file")
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
@@ -101,15 +103,23 @@ def read_records(path: str | Path, prompt_field: str = "prompt", messages_field:
         if isinstance(answer, (dict, list)):  # its str() would match no completion: every reward 0, silently
             raise ValueError(f"{where}: '{answer_field}' holds {str(answer)[:80]}, not an answer; name the field inside "
                              f"it, e.g. data.answer_field=reward_model.ground_truth for verl's files")
+        if not str(answer).strip():  # names no answer: no completion could earn the reward, or an empty one would
+            raise ValueError(f"{where}: '{answer_field}' is blank; give each record its answer")
+        if isinstance(answer, float):  # str(1e-05) is '1e-05', a form no answer matches numerically
+            answer = format(Decimal(repr(answer)), "f")
         record = {"answer": str(answer)}
+        # verl's files keep the chat messages in their "prompt" field
+        chat = messages_field if isinstance(row.get(messages_field), list) else prompt_field
         if isinstance(row.get(prompt_field), str):
+            if not row[prompt_field].strip():  # asks nothing; untemplated, an empty prompt fails the step that draws it
+                raise ValueError(f"{where}: '{prompt_field}' is blank; give it its question, or drop the record")
             record["prompt"] = row[prompt_field]
-        elif isinstance(row.get(messages_field), list) and row[messages_field]:
+        elif isinstance(row.get(chat), list) and row[chat]:
             if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                       for m in row[messages_field]):
-                raise ValueError(f"{where}: each of '{messages_field}' must be {{\"role\": str, \"content\": str}}, "
-                                 f"got {str(row[messages_field])[:80]}")
-            record["messages"] = [{"role": m["role"], "content": m["content"]} for m in row[messages_field]]
+                       for m in row[chat]):
+                raise ValueError(f"{where}: each of '{chat}' must be {{\"role\": str, \"content\": str}}, "
+                                 f"got {str(row[chat])[:80]}")
+            record["messages"] = [{"role": m["role"], "content": m["content"]} for m in row[chat]]
         else:
             raise ValueError(
                 f"{where} needs a '{prompt_field}' string or a '{messages_field}' list "

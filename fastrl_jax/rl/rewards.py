@@ -23,7 +23,12 @@ _NUMBER = r"(?<!\d)-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:/\d+)?|(?<!\d)
 # escaped dollar may come before the answer: a number, or LaTeX (\frac{3}{4}; \sqrt{2}, which no number equals,
 # rather than the 2 inside it).
 _LATEX = r"-?\\[a-zA-Z]+(?:\{[^{}]*\}|\d)*"
-_ANSWER_IS = re.compile(r"answer is\s*:?(?:[\s*_$]|\\[(\[$])*(" + _LATEX + "|" + _NUMBER + ")", re.IGNORECASE)
+# The colon's blanks are their own group: "\s*:?" before a group that also takes blanks split a run of n blanks
+# n ways, and a degenerate completion ("answer is" + 16k blanks) backtracked for 20 s.
+_ANSWER_IS = re.compile(r"answer is(?:\s*:)?(?:[\s*_$]|\\[(\[$])*(" + _LATEX + "|" + _NUMBER + ")", re.IGNORECASE)
+_WRAPPER = r"\\(?:text|textbf|mathrm|mathbf)\{([^{}]*)\}"  # \text{7} is 7, \textbf{yes} is yes
+# A unit after the number (12\text{ cm}, 30^\circ, 30^{\circ}, 30°), dropped; only at the end: 2\text{ and }5 is not 25.
+_UNIT = re.compile(r"(?:" + _WRAPPER + r"|\^(?:\\circ|\{\\circ\})|\u00b0)$")
 _LAST_NUMBER = re.compile(_NUMBER)
 
 
@@ -88,8 +93,8 @@ def extract_answer(text: str) -> str | None:
 
 
 def normalize_number(text: str | None) -> Fraction | None:
-    """'1,234', '$12.50', '\\$12.50', '3/4', '\\frac{3}{4}', '\\tfrac34', '50\\%', '\\text{7}', '-0.5', '\u22120.5', '7.',
-    'x = 7' -> an exact Fraction; None if not a number ('2,5' and '3 4' are two numbers, not one)."""
+    """'1,234', '$12.50', '\\$12.50', '3/4', '\\frac{3}{4}', '\\tfrac34', '50\\%', '\\text{7}', '30^\\circ', '-0.5', '\u22120.5',
+    '7.', 'x = 7' -> an exact Fraction; None if not a number ('2,5' and '3 4' are two numbers, not one)."""
     if text is None:
         return None
     s = re.sub(r"\\[!,;: ]", "", text.strip().rstrip(".")).replace("{,}", "")  # LaTeX spacing: 1\,000, 1{,}000
@@ -105,8 +110,8 @@ def normalize_number(text: str | None) -> Fraction | None:
     # Commas and spaces only as thousands separators (1,234 and 1 234): "2,5" and "3 4" are two numbers, not 25 and 34.
     s = re.sub(r"(?<=\d)[, ](?=\d{3}(?!\d))", "", re.sub(r"\s+", " ", s))
     s = re.sub(r"(?<!\d) | (?!\d)", "", s)
-    whole = re.fullmatch(r"\\(?:text|mathrm)\{([^}]*)\}", s)  # \text{7} is 7; 12\text{ cm} is 12
-    s = whole.group(1) if whole else re.sub(r"\\(?:text|mathrm)\{[^}]*\}", "", s)
+    whole = re.fullmatch(_WRAPPER, s)  # \text{7} is 7; 12\text{ cm} is 12
+    s = whole.group(1) if whole else _UNIT.sub("", s)
     frac = re.fullmatch(r"(-?)\\[dt]?frac(?:\{(-?\d+)\}\{(\d+)\}|(\d)(\d))", s)  # \frac{3}{4}, \tfrac34
     if frac:
         sign, num, den = frac.group(1), frac.group(2) or frac.group(4), frac.group(3) or frac.group(5)
@@ -122,15 +127,22 @@ def normalize_number(text: str | None) -> Fraction | None:
 
 
 def answers_match(predicted: str | None, truth: str) -> bool:
-    """Numerically equal when both parse as numbers, else equal as stripped strings. A ground truth holding
-    "####" is a GSM8K solution: its answer is what follows the last "####"."""
-    if predicted is None:
-        return False
+    """Numerically equal when both parse as numbers, else equal as stripped strings (a \\text{} around all of
+    one is typesetting); a blank truth matches nothing. A ground truth holding "####" is a GSM8K solution: its
+    answer is what follows the last "####"."""
     truth = str(truth).rsplit("####", 1)[-1].strip()
+    if predicted is None or not truth:  # a blank truth is a data error: an empty \boxed{} must not earn a reward
+        return False
     a, b = normalize_number(predicted), normalize_number(truth)
     if a is not None and b is not None:
         return a == b
-    return predicted.strip() == truth
+    return _unwrapped(predicted) == _unwrapped(truth)
+
+
+def _unwrapped(text: str) -> str:
+    """`text` stripped, without a \\text{} (\\textbf, \\mathrm, \\mathbf) around all of it."""
+    whole = re.fullmatch(_WRAPPER, text.strip())
+    return (whole.group(1) if whole else text).strip()
 
 
 @register("correct")
