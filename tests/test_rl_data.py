@@ -1,6 +1,7 @@
 """Prompt data: the math generator, JSONL / Parquet sources, shuffling, and iterator resume."""
 
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -188,3 +189,20 @@ def test_float_answers_are_written_out_as_numbers(tmp_path):
     pq.write_table(pa.table({"prompt": ["a", "b", "c"], "answer": [1e-05, 2.5e16, 72.0]}), path)
     assert [r["answer"] for r in read_records(path)] == ["0.00001", "25000000000000000", "72.0"]
     assert correctness_reward("The answer is 0.00001", read_records(path)[0]["answer"]) == 1.0
+
+
+def test_held_out_accuracy_that_holds_nothing_out_is_warned_before_loading(tmp_path, caplog):
+    from fastrl_jax.rl.trainer import preflight
+
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"prompt": "1+1?", "answer": "2"}) + "\n")
+    config = Path(__file__).resolve().parents[1] / "configs" / "smollm2_cpu.yaml"
+    for eval_source, says in ((str(data), "the held-out accuracy scores questions the policy trains on"),
+                              ("math", "scored on the built-in math problems")):
+        caplog.clear()
+        preflight(load_config(config, [f"data.source={data}", f"data.eval_source={eval_source}", "rl.eval_every_steps=1"]), 1)
+        assert says in caplog.text
+    caplog.clear()
+    preflight(load_config(config, [f"data.source={data}", "rl.eval_every_steps=0"]), 1)
+    preflight(load_config(config, ["rl.eval_every_steps=1"]), 1)  # math against math: another seed's questions
+    assert caplog.text == ""

@@ -525,6 +525,12 @@ def preflight(cfg: Config, mesh_rows: int, files: bool = True) -> None:
         if path != pipeline.MATH_SOURCE:  # a record without an answer (or a wrong field name): said now, not after loading
             read_records(path, prompt_field=d.prompt_field, messages_field=d.messages_field, answer_field=d.answer_field)
     update.check_batch_fits_mesh(rl, mesh_rows)
+    if rl.eval_every_steps and d.eval_source == d.source != pipeline.MATH_SOURCE:
+        log.warning("data.eval_source is data.source (%s): the held-out accuracy scores questions the policy trains on; "
+                    "give data.eval_source a file of other questions", d.source)
+    elif rl.eval_every_steps and d.eval_source == pipeline.MATH_SOURCE != d.source:
+        log.warning("held-out accuracy is scored on the built-in math problems (data.eval_source: math), not on "
+                    "questions like data.source's; give data.eval_source a held-out file of those")
 
 
 def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, stream=sys.stdout) -> list[dict[str, Any]]:
