@@ -176,6 +176,11 @@ def check_completions(name: str, completions: list) -> list:
     return completions
 
 
+def same_outputs(runs: list[dict]) -> bool | None:
+    """Whether the runs gave the same outputs; None (not checked) for one run, which would be compared with itself."""
+    return all(r["outputs"] == runs[0]["outputs"] for r in runs) if len(runs) > 1 else None
+
+
 def time_at_or_below(timeline, live_batch: int) -> float:
     """Seconds of a rollout spent in program calls that started at live batch <= live_batch."""
     t_prev, total = 0.0, 0.0
@@ -216,7 +221,7 @@ def run_longtail(name, model, drafter, rollout_cfg, sd, requests, repeats: int, 
     median = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
     return {"name": name, "sd": dataclasses.asdict(sd), **median, "tok_s": median["tokens"] / median["seconds"],
             "all_seconds": [r["seconds"] for r in runs], "start_seconds": compile_s, "programs": engine.pool_report(),
-            "identical_across_repeats": all(r["outputs"] == runs[0]["outputs"] for r in runs)}
+            "identical_across_repeats": same_outputs(runs)}
 
 
 # ---- stream workload ---------------------------------------------------------------------------
@@ -261,7 +266,8 @@ def stream_metrics(engine, seconds: float, batch: int) -> dict:
     return {
         "seconds": seconds, "tokens": s.tokens, "tok_s": s.tokens / seconds, "full_batch_tok_s": full_rate,
         "stream_vs_full_batch": s.tokens / seconds / full_rate,
-        "mean_live_rows": sum(live_rows(c) * c.seconds for c in calls) / device,
+        # Requests of one token finish at their prefill: no decode call to average over.
+        "mean_live_rows": sum(live_rows(c) * c.seconds for c in calls) / device if device else float("nan"),
         "prefill_share": s.seconds["prefill"] / seconds, "compile_share": s.seconds["compile"] / seconds,
         "decode_admit_share": s.seconds["decode_admit"] / seconds, "decode_admit_calls": s.calls["decode_admit"],
         "host_share": s.seconds["host"] / seconds, "bucket_moves": sum(a != b for a, b in zip(kv, kv[1:])),
@@ -278,6 +284,7 @@ def live_rows(call) -> float:
 
 
 def bench_stream(args) -> int:
+    from fastrl_jax import files
     from fastrl_jax.config import SpecConfig, load_config
     from fastrl_jax.machine import format_machine, machine_facts
     from fastrl_jax.models.drafter_io import make_drafter
@@ -311,7 +318,7 @@ def bench_stream(args) -> int:
         print(f"[stream] run {r + 1}: {runs[-1]['tok_s']:.1f} tok/s, {runs[-1]['stream_vs_full_batch']:.2f} of full batch",
               file=sys.stderr)
     median = sorted(runs, key=lambda m: m["seconds"])[len(runs) // 2]
-    identical = all(m["outputs"] == runs[0]["outputs"] for m in runs)
+    identical = same_outputs(runs)
     facts = machine_facts()
     keys = ("tok_s", "full_batch_tok_s", "stream_vs_full_batch", "mean_live_rows", "prefill_share", "decode_admit_share",
             "compile_share", "host_share", "bucket_moves", "idle_row_steps", "prefill_calls", "pack_padding",
@@ -323,16 +330,16 @@ def bench_stream(args) -> int:
         print(f"  {k:<22} {median[k]:.3f}" if isinstance(median[k], float) else f"  {k:<22} {median[k]}")
     print(f"  runs tok/s {[round(m['tok_s'], 1) for m in runs]}, stream / full batch "
           f"{[round(m['stream_vs_full_batch'], 3) for m in runs]}, prefill {[round(m['prefill_share'], 3) for m in runs]}; "
-          f"outputs identical across runs: {identical}")
+          f"outputs identical across runs: {'- (one run)' if identical is None else identical}")
     summary = {k: median[k] for k in keys} | {"runs_tok_s": [m["tok_s"] for m in runs], "identical_across_runs": identical,
                                               "requests": len(requests), "batch": args.batch, "sd": sd.mode,
                                               "rollout": dataclasses.asdict(rollout_cfg), "machine": facts}
-    with open(args.out, "w") as f:
-        json.dump({"summary": summary, "runs": [{k: v for k, v in m.items() if k != "outputs"} for m in runs]}, f, indent=1)
+    files.write_text(args.out, json.dumps(
+        {"summary": summary, "runs": [{k: v for k, v in m.items() if k != "outputs"} for m in runs]}, indent=1))
     png = args.plot or str(Path(args.out).with_suffix(".png"))
     if plot_stream(median, args.batch, png):
         print(f"timeline plot: {png}")
-    return 0 if identical else 1
+    return 0 if identical is not False else 1
 
 
 def plot_stream(run: dict, batch: int, path: str) -> bool:
@@ -401,6 +408,7 @@ def plot_timelines(runs, threshold: int, title: str, path: str) -> bool:
 def bench_longtail(args) -> int:
     import jax
 
+    from fastrl_jax import files
     from fastrl_jax.config import SpecConfig, StrategySpec, load_config
     from fastrl_jax.machine import machine_facts
     from fastrl_jax.models.drafter_io import drafter_accept_prior, make_drafter
@@ -430,6 +438,9 @@ def bench_longtail(args) -> int:
     summary["machine"] = machine_facts()
     summary["backend"] = jax.default_backend()
     summary |= {"rollout": dataclasses.asdict(rollout_cfg), "sd": dataclasses.asdict(adaptive_sd)}
+    # The measurement first, whole or not at all: the printout and the plot after it may fail.
+    files.write_text(args.out, json.dumps(
+        {"summary": summary, "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs]}, indent=1))
     print_longtail(summary, runs)
     plot = args.plot or str(Path(args.out).with_suffix(".png"))
     # Two lines: a drafter path after the workload ran past the figure's edge.
@@ -437,9 +448,7 @@ def bench_longtail(args) -> int:
     best_on = min(on_runs, key=lambda r: r["seconds"]) if on_runs else None
     if plot_timelines([r for r in (plain, best_on, adaptive) if r is not None], adaptive_sd.threshold_live_batch, title, plot):
         print(f"timeline plot: {plot}")
-    with open(args.out, "w") as f:
-        json.dump({"summary": summary, "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs]}, f, indent=1)
-    return 0 if all(r["identical_to_plain"] == len(requests) and r["identical_across_repeats"] for r in runs) else 1
+    return 0 if all(r["identical_to_plain"] == len(requests) and r["identical_across_repeats"] is not False for r in runs) else 1
 
 
 def longtail_summary(args, runs, k: int, drafter_name: str) -> dict:
@@ -489,7 +498,7 @@ def print_longtail(summary: dict, runs: list[dict]) -> None:
         print(f"{run['name']:>16} {run['seconds']:>8.1f} {run['tok_s']:>7.1f} {run['speedup']:>7.2f}x "
               f"{run[f'seconds_at_live_batch_le_{k}']:>7.1f} {run[f'speedup_at_live_batch_le_{k}']:>6.2f}x "
               f"{st['acceptance_length']:>7.2f} {src['eagle']:>6.2f} {src['history']:>6.2f} {run['identical_to_plain']:>4}/{n}"
-              + ("" if run["identical_across_repeats"] else ", its repeats differ"))
+              + (", its repeats differ" if run["identical_across_repeats"] is False else ""))
     print(f"plain spends {summary[f'plain_share_at_live_batch_le_{k}']:.0%} of its time at live batch <= {k}; "
           f"adaptive is {summary['adaptive_vs_plain']:.2f}x plain "
           f"({summary[f'adaptive_speedup_at_live_batch_le_{k}']:.2f}x inside that share)")
@@ -547,6 +556,7 @@ def main(argv=None) -> int:
     import jax
     from flax import nnx
 
+    from fastrl_jax import files
     from fastrl_jax.config import load_config
     from fastrl_jax.data.prompts import chat_prompt_ids
     from fastrl_jax.machine import format_machine, machine_facts
@@ -593,8 +603,7 @@ def main(argv=None) -> int:
     reached = [f"; reached {r['floor_fraction']:.0%}" for r in rows if "floor_fraction" in r]
     print(f"batch-1 floor {floor:.1f} tok/s ({bandwidth:.1f} GB/s copy){''.join(reached)}; engine start {compile_s:.1f}s "
           f"({pool_report})")
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    files.write_text(args.out, json.dumps(result, indent=2))
     return 0
 
 

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from fastrl_jax.machine import machine_facts
 from fastrl_jax.models import decoder as D
 from fastrl_jax.models.config import ModelConfig
 from fastrl_jax.models.known_configs import KNOWN
@@ -101,6 +102,7 @@ def run(cfg: ModelConfig, layout: str, batch: int, slots: int, kv_len: int, step
     compiled = jax.jit(fn, donate_argnums=(1,)).lower(weights, cache, token, start).compile()
     compile_s = time.perf_counter() - t0
     out, cache = compiled(weights, cache, token, start)
+    out.block_until_ready()  # dispatch is asynchronous: the first timed step must not wait for this call
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -119,7 +121,7 @@ def run(cfg: ModelConfig, layout: str, batch: int, slots: int, kv_len: int, step
     return row
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--slots", type=int, nargs="+", default=[192, 640], help="cache slots per row")
@@ -128,7 +130,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--ops", type=int, default=0, help="print the N costliest source operations of each run")
     parser.add_argument("--out", help="write the rows as JSON here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     cfg = ModelConfig.from_hf_dict(KNOWN["smollm2-135m"])
     rows = []
@@ -142,7 +144,8 @@ def main() -> None:
                 for name, ms in list(r.get("op_ms", {}).items())[: args.ops]:
                     print(f"{'':>20} {ms:8.2f} ms  {name}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"jax": jax.__version__, "rows": rows}, indent=2) + "\n")
+        result = {"jax": jax.__version__, "machine": machine_facts(), "rows": rows}
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

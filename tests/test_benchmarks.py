@@ -111,3 +111,84 @@ def test_bench_rollout_refuses_counts_below_one_before_loading_anything(flag, ar
     with pytest.raises(SystemExit):
         load_script("bench_rollout").main(argv)
     assert f"{flag} must be >= 1" in capsys.readouterr().err
+
+
+def _fake_longtail_run(name, model, drafter, rollout_cfg, sd, requests, repeats, drafter_accept):
+    """run_longtail's result without running: every request's 6 tokens in 1 s, one plain call."""
+    from fastrl_jax.rollout.stats import Call, RolloutStats
+
+    outputs = [[1, 2, 3, 4, 5, 6] for _ in requests]
+    return {"name": name, "sd": {}, "seconds": 1.0, "tokens": 6 * len(requests), "stats": RolloutStats().as_dict(),
+            "timeline": [Call(1.0, len(requests), 6 * len(requests), False, "")._asdict()], "outputs": outputs,
+            "tok_s": 6.0 * len(requests), "all_seconds": [1.0], "start_seconds": 0.0, "programs": "",
+            "identical_across_repeats": True}
+
+
+def test_longtail_writes_its_json_before_the_printout_and_the_plot(tmp_path, monkeypatch):
+    """Minutes of rollouts are measured before the report: a failing plot (matplotlib, a font, a full disk)
+    must not take the JSON with it."""
+    import types
+
+    from helpers.tiny import TINY, tiny_model
+
+    from fastrl_jax.rollout.engine import Request
+
+    bench_rollout = load_script("bench_rollout")
+    monkeypatch.setattr(bench_rollout, "load_smollm2",
+                        lambda cfg: types.SimpleNamespace(model=tiny_model(), cfg=TINY, tokenizer=None, stop_ids=()))
+    monkeypatch.setattr(bench_rollout, "longtail_requests",
+                        lambda policy, args: [Request([5, 6, 7, 8 + i], 6, 0.7, seed=i) for i in range(2)])
+    monkeypatch.setattr(bench_rollout, "run_longtail", _fake_longtail_run)
+
+    def failing_plot(*args, **kwargs):
+        raise RuntimeError("no plot today")
+
+    monkeypatch.setattr(bench_rollout, "plot_timelines", failing_plot)
+    out = tmp_path / "longtail.json"
+    with pytest.raises(RuntimeError, match="no plot today"):
+        bench_rollout.main(["--workload", "longtail", "--repeats", "1", "--out", str(out), "--on-strategies", "h2",
+                            "--set", "rollout.compile_cache_dir="])
+    result = json.loads(out.read_text())
+    assert [r["name"] for r in result["runs"]] == ["plain", "on h2", "adaptive"]
+    assert result["summary"]["adaptive_vs_plain"] == 1.0 and result["summary"]["machine"]["cores_usable"] >= 1
+    assert all(r["identical_to_plain"] == 2 and "outputs" not in r for r in result["runs"])
+
+
+def test_profile_decode_json_holds_the_machine_facts(tmp_path, monkeypatch):
+    """A step time means little without the machine's copy bandwidth and matmul rate (fastrl_jax.machine)."""
+    profile_decode = load_script("profile_decode")
+    monkeypatch.setattr(profile_decode, "run", lambda cfg, layout, b, s, kv_len, steps, ops: {
+        "layout": layout, "batch": b, "slots": s, "kv_len": kv_len, "step_ms": 1.0, "compile_s": 0.0})
+    out = tmp_path / "profile.json"
+    profile_decode.main(["--batch", "1", "--slots", "16", "--layouts", "stacked", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert len(result["rows"]) == 1 and result["machine"]["copy_gbs"] > 0 and result["machine"]["cores_usable"] >= 1
+
+
+def test_stream_metrics_of_a_stream_without_decode_calls():
+    """Requests of one new token each (--max-new-tokens 1) all finish at their prefill: no decode call ran, so
+    the rates and live rows of decode calls are unmeasured (NaN), not a ZeroDivisionError after the stream ran."""
+    import math
+    import types
+
+    from fastrl_jax.rollout.stats import RolloutStats
+
+    stats = RolloutStats(tokens=8, prompt_tokens=80, prompt_slots=96)
+    stats.seconds.update(prefill=0.5, compile=0.0, host=0.1, total=0.6)
+    metrics = load_script("bench_rollout").stream_metrics(types.SimpleNamespace(stats=stats, timeline=[]), 0.6, 4)
+    assert metrics["tokens"] == 8 and metrics["decode_calls"] == 0 and metrics["prefill_share"] == 0.5 / 0.6
+    assert all(math.isnan(metrics[k]) for k in ("full_batch_tok_s", "stream_vs_full_batch", "mean_live_rows"))
+
+
+def test_one_run_claims_no_identical_repeats():
+    """With --repeats 1 there is nothing to compare a run's outputs with: 'identical across repeats' would be a run
+    compared with itself, true whatever the engine did; the JSON says null (not checked) instead."""
+    from fastrl_jax.rollout.engine import Request
+
+    bench_rollout = load_script("bench_rollout")
+    requests = [Request(list(range(10, 22)) + [30 + i, 40 + i], max_new_tokens=8) for i in range(4)]
+    assert _tiny_longtail(requests)["identical_across_repeats"] is None
+    run = {"outputs": [[1, 2], [3]]}
+    assert bench_rollout.same_outputs([run]) is None
+    assert bench_rollout.same_outputs([run, {"outputs": [[1, 2], [3]]}, run]) is True
+    assert bench_rollout.same_outputs([run, {"outputs": [[1, 2], [4]]}, run]) is False

@@ -85,3 +85,32 @@ def test_machine_facts_are_measured():
     facts = machine_facts()
     assert facts["copy_gbs"] > 0 and facts["matmul_f32_gflops"] > 0 and 1 <= facts["cores_usable"] <= facts["cpu_count"]
     assert facts["backend"] == "cpu" and "GB/s" in format_machine(facts)
+
+
+def test_batch_fillers_give_history_drafting_nothing_it_was_not_asked_for(monkeypatch):
+    """A batch size that does not divide the set fills its last batch with copies of requests. A copy of an earlier
+    batch's request (its prompt, another seed) found that request's answer in the history store and drafted it
+    back (greedy: verbatim), so hD strategies 'accepted' more at such batch sizes; a copy of a request of its own
+    batch, with its seed, decodes in lockstep with it and learns nothing from it."""
+    from fastrl_jax.drafter import bench
+
+    calls = []
+
+    class RecordingEngine(bench.RolloutEngine):
+        def generate(self, requests, *args, **kwargs):
+            if self.history is not None:
+                calls.append([(tuple(r.prompt_ids), r.seed) for r in requests])
+            return super().generate(requests, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "RolloutEngine", RecordingEngine)
+    rows = run_bench(
+        tiny_model(), None, {"a": prompts(3, seed=2, hi=8)}, stop_ids=[], base_cfg=CFG, batch_sizes=[1, 2],
+        strategies=[StrategySpec("h4")], temperatures=[0.0], vocabs=["full"], new_tokens=24, repeats=1,
+        log=lambda line: None,
+    )
+    by_batch = {r["batch"]: r for r in rows}
+    assert by_batch[2]["requests"] == 4 and by_batch[2]["same_tokens"] == 4
+    first, second = [c for c in calls if len(c) == 2][:2]  # batch 2's first run: its two batches
+    assert not {p for p, _ in first} & {p for p, _ in second}  # no prompt comes back in a later batch
+    assert all(seed == dict(second)[p] for p, seed in second)  # a copy in its batch has its original's seed
+    assert by_batch[2]["drafts_per_step"]["history"] < by_batch[1]["drafts_per_step"]["history"] + 0.05

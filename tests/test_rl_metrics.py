@@ -57,3 +57,14 @@ def test_a_kill_while_a_resume_rewrites_the_metrics_leaves_them_whole(tmp_path, 
     assert [m["step"] for m in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
     MetricsSink(tmp_path, tensorboard=False, resume_after=2)  # the resume run again
     assert [m["step"] for m in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+def test_summed_rollout_stats_keep_every_phase():
+    """Replicas' stats are summed (RolloutWorkers, bench-sd's rounds): a phase at 0 s (nothing compiled) must stay
+    in the sum, as in each part, not vanish as Counter's + drops it."""
+    a, b = RolloutStats(tokens=3), RolloutStats(tokens=4)
+    a.seconds.update(prefill=0.5, compile=0.0, host=0.25, total=0.75)
+    b.seconds.update(prefill=0.25, compile=0.0, host=0.0, total=0.25)
+    total = (RolloutStats() + a + b).as_dict()
+    assert total["tokens"] == 7
+    assert total["seconds"] == {"prefill": 0.75, "compile": 0.0, "host": 0.25, "total": 1.0}

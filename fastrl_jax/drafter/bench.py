@@ -111,11 +111,14 @@ def run_bench(policy: Decoder, drafter: Drafter | None, prompt_sets: dict[str, S
 
     def requests(prompts, b: int, t: float) -> list[list[Request]]:
         """Every prompt's samples in a row (at least b requests), b at a time: batch 1 over one prompt
-        would time one answer's length."""
+        would time one answer's length. A last batch short of b rows is filled with copies of its own
+        requests, seeds included: a copy decodes in lockstep with its original, so history strategies
+        learn nothing from it (a copy of an earlier batch's request would draft that answer back)."""
         asked = [p for p in prompts for _ in range(samples_per_prompt)]
-        n = -(-max(len(asked), b) // b) * b
-        reqs = [Request(asked[i % len(asked)], new_tokens, t, seed=i, stop_ids=tuple(stop_ids)) for i in range(n)]
-        return [reqs[i : i + b] for i in range(0, n, b)]
+        reqs = [Request(p, new_tokens, t, seed=i, stop_ids=tuple(stop_ids)) for i, p in enumerate(asked)]
+        rounds = [reqs[i : i + b] for i in range(0, len(reqs), b)]
+        rounds[-1] = [rounds[-1][i % len(rounds[-1])] for i in range(b)]
+        return rounds
 
     plain_engine = RolloutEngine(policy, cfg, progress=False)
     plain = {}

@@ -68,8 +68,8 @@ class RolloutStats:
             steps_sd=self.steps_sd + other.steps_sd, sd_tokens=self.sd_tokens + other.sd_tokens,
             sd_steps=self.sd_steps + other.sd_steps, drafts_eagle=self.drafts_eagle + other.drafts_eagle,
             drafts_history=self.drafts_history + other.drafts_history, sd_saved_s=self.sd_saved_s + other.sd_saved_s,
-            calls=self.calls + other.calls,
-            seconds=self.seconds + other.seconds,
+            calls=_sum(self.calls, other.calls),
+            seconds=_sum(self.seconds, other.seconds),
             strategies={k: self.strategies.get(k, StrategyStats()) + other.strategies.get(k, StrategyStats()) for k in labels},
         )
 
@@ -100,6 +100,13 @@ class RolloutStats:
         out["acceptance_by_strategy"] = self.acceptance_by_strategy()
         out["drafts_per_step"] = self.drafts_per_step()
         return out
+
+
+def _sum(a: Counter, b: Counter) -> Counter:
+    """a + b key by key, keeping zero entries (Counter's + drops those: a phase at 0 s would vanish from a sum)."""
+    out = Counter(a)
+    out.update(b)
+    return out
 
 
 class Recorder:
