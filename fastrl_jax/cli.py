@@ -537,12 +537,12 @@ def cmd_bench_sd(args: argparse.Namespace) -> None:
         log=lambda line: print(f"[bench-sd] {line}", file=sys.stderr, flush=True))
     result["rows"] = rows
     result["stops_paying_at_batch"] = bench.stop_paying(rows)
+    bench.write_json(out, result)  # the measurement first: the printout and the plot may fail
     print(bench.HEADER)
     for row in rows:
         print(bench.format_row(row))
     for key, b in result["stops_paying_at_batch"].items():
         print(f"{key}: SD stops paying at batch {b if b is not None else '> ' + str(max(args.batch_sizes))}")
-    bench.write_json(out, result)
     if plot and bench.plot(rows, plot):
         print(f"[bench-sd] wrote {plot}", file=sys.stderr)
 

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from fastrl_jax import files
 from fastrl_jax.config import RolloutConfig, SpecConfig, StrategySpec
 from fastrl_jax.models.decoder import Decoder, KVCache, unstack_layers
 from fastrl_jax.models.drafter import Drafter
@@ -289,5 +290,5 @@ def profile_step(policy: Decoder, drafter: Drafter, strategy: StrategySpec, *, b
 
 
 def write_json(path: str | Path, result: dict) -> None:
-    Path(path).write_text(json.dumps(result, indent=2) + "\n")
+    files.write_text(path, json.dumps(result, indent=2) + "\n")
     print(f"[bench-sd] wrote {path}", file=sys.stderr)

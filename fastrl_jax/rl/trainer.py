@@ -306,13 +306,12 @@ class Trainer:
                                    [c.finish_reason for c in completions], stats)
         metrics["rollout_digest"] = token_digest(c.tokens for c in completions)
         metrics |= spot_report  # the online drafter trainer's steps during the rollout
-        metrics |= {"rollout_s": rollout_s, "train_s": train_s,
-                    "tokens_per_s": metrics["tokens"] / (rollout_s + train_s),
-                    "rollout_tokens_per_s": metrics["tokens"] / rollout_s, "lr": lr}
+        metrics |= {"rollout_s": rollout_s, "train_s": train_s, "rollout_tokens_per_s": metrics["tokens"] / rollout_s, "lr": lr}
         metrics |= train
         if self.spot is not None:
             metrics |= self.track_drafter(requests, completions, step)
             metrics["drafter_bank_s"] = self.spot.bank_s  # after this step's deposit and estimate
+        metrics["tokens_per_s"] = metrics["tokens"] / (rollout_s + train_s + metrics.get("drafter_eval_s", 0.0))
         if rl.eval_every_steps and (step % rl.eval_every_steps == 0 or step == rl.steps):
             metrics |= self._evaluation()
         self.metrics.log(metrics)  # before the checkpoint: a resume from it never runs this step again
