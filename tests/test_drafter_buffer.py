@@ -110,6 +110,36 @@ def test_a_rollout_outside_float16_is_left_out_not_fatal():
     assert len(buf) == 1 and buf.skipped == 1
 
 
+def test_a_rollout_longer_than_the_buffer_is_left_out_not_fatal():
+    """Online training adds every RL step's rollouts (up to rollout.length_buckets[-1] tokens each): one longer
+    than drafter_online.buffer_max_tokens used to raise and end the run."""
+    from fastrl_jax.rollout.engine import Completion, Request
+
+    buf = SampleBuffer(max_tokens=8, hidden_size=H)
+    requests = [Request([1, 2, 3], 6), Request([1, 2], 3)]
+    done = [Completion([4, 5, 6, 7, 8, 9], [0.0] * 6, "length", hidden_states=np.ones((8, H), np.float32)),
+            Completion([5, 6, 7], [0.0] * 3, "length", hidden_states=np.ones((4, H), np.float32))]
+    assert buf.add_rollouts(requests, done) == (1, 3)
+    assert len(buf) == 1 and buf.skipped == 1
+
+
+def test_sequences_without_a_predictable_token_are_not_sampled():
+    """Entry t predicts x_{t+2} (drafter.train): a sequence whose only token to learn is x_1 gives no loss entry,
+    so a buffer of such sequences has nothing to train on, said at once instead of batches of zero entries."""
+    buf = SampleBuffer(max_tokens=100, hidden_size=H)
+    buf.add(*seq(2, 0, prompt=1))
+    with pytest.raises(ValueError, match="no sequence with a token to learn"):
+        buf.sample(np.random.default_rng(0), 1, 8)
+    buf.add(*seq(3, 10, prompt=2))
+    b = buf.sample(np.random.default_rng(0), 1, 8)
+    assert set(b.tokens[0][b.segments[0] > 0].tolist()) == {10, 11, 12}
+    # Rollouts with nothing to learn stay out (an acceptance estimate on them has no anchor: NaN, not a failed sample)
+    from fastrl_jax.rollout.engine import Completion, Request
+
+    one = Completion([5], [0.0], "stop", hidden_states=np.ones((1, H), np.float32))
+    assert SampleBuffer(max_tokens=100, hidden_size=H).add_rollouts([Request([1], 3)], [one]) == (0, 0)
+
+
 def test_a_file_of_other_features_is_refused(tmp_path):
     buf = SampleBuffer(max_tokens=100, hidden_size=H)
     buf.add(*seq(6, 0))

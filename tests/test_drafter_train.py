@@ -132,6 +132,23 @@ def train_30_steps(graphdef, params, rest, pg, ps, batch):
     return params, losses, m
 
 
+@pytest.mark.parametrize("total_steps", [10, None])
+def test_without_warm_up_the_first_step_runs_at_the_full_learning_rate(total_steps):
+    """warmup_steps 0 means no warm-up (as the policy's schedule reads it): the first update used to run at
+    learning rate 0, a step spent on nothing; with a warm-up, the rate climbs from 0 to the peak at warmup_steps."""
+    params = {"x": jnp.zeros(3)}
+
+    def first_update(warmup_steps, count=0):
+        opt = drafter_optimizer(1e-2, warmup_steps, total_steps, 0.0, 0.0)
+        state = opt.init(params)
+        for _ in range(count + 1):
+            updates, state = opt.update({"x": jnp.ones(3)}, state, params)
+        return float(updates["x"][0])
+
+    assert first_update(0) == pytest.approx(-1e-2, rel=1e-3)  # Adam's first step moves by the rate itself
+    assert first_update(4) == 0.0 and first_update(4, count=4) == pytest.approx(-1e-2, rel=1e-3)
+
+
 def test_train_step_learns_and_trains_only_the_drafter(policy):
     drafter = Drafter(TINY, nnx.Rngs(3), draft_vocab=np.arange(64))
     batch = make_batch()
@@ -290,6 +307,90 @@ def test_resume_continues_the_same_run(policy, tmp_path, monkeypatch):
     steps = [json.loads(ln)["step"] for ln in (tmp_path / "damaged" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
     assert sorted(int(p.name) for p in (tmp_path / "damaged" / "checkpoints").iterdir() if p.name.isdigit()) == [3, 4]
+
+
+def test_an_interrupted_collection_continues_where_it_stopped(policy, tmp_path, monkeypatch):
+    """The collection (~20 min of the default warm-up on a CPU) saves what it collected as it goes: killed midway,
+    a rerun generates only the requests after the saved ones and ends with the data of an uninterrupted run."""
+    from fastrl_jax.models.tokenizer import stop_ids
+
+    def data(name, engine=warmup.RolloutEngine):
+        monkeypatch.setattr(warmup, "RolloutEngine", engine)
+        cfg = run_config(tmp_path, name)
+        out = tmp_path / name
+        out.mkdir(exist_ok=True)
+        summary = {}
+        warmup.collect_data(cfg, policy, FakeTokenizer(), out / "data.npz", stop_ids(TINY, FakeTokenizer()), summary, False)
+        with np.load(out / "data.npz") as f:
+            return summary, {k: f[k] for k in f.files}
+
+    class Killed(warmup.RolloutEngine):
+        def stream(self, requests, between_steps=None):
+            for n, item in enumerate(super().stream(requests, between_steps)):
+                if n == 4:
+                    raise KeyboardInterrupt
+                yield item
+
+    _, whole = data("whole")
+    monkeypatch.setattr(warmup, "PARTIAL_SAVE_SECONDS", 0.0)
+    with pytest.raises(KeyboardInterrupt):
+        data("killed", Killed)
+    saved = sorted((tmp_path / "killed" / "data.partial").glob("*.npz"), key=lambda f: int(f.stem))
+    assert not (tmp_path / "killed" / "data.npz").exists() and len(saved) >= 2
+    saved[-1].write_bytes(saved[-1].read_bytes()[:100])  # a damaged file: its requests are generated again
+    summary, again = data("killed")
+    assert summary["collect"]["resumed_requests"] == int(saved[-1].stem)
+    assert not (tmp_path / "killed" / "data.partial").exists()
+    assert whole.keys() == again.keys()
+    for k in whole:
+        np.testing.assert_allclose(whole[k], again[k], rtol=1e-2, atol=1e-2, err_msg=k)
+
+
+def test_a_collection_saved_when_interrupted_holds_exactly_the_requests_it_counts(tmp_path):
+    """Ctrl-C may land after a completion went into the buffer and before the collection counted its request:
+    the save leaves that sequence out (its request is generated again), instead of counting it for another."""
+    from fastrl_jax.drafter.buffer import SampleBuffer
+
+    def sequence(i):
+        return np.arange(10) + 100 * i, np.zeros((9, TINY.hidden_size)), np.arange(10) >= 4
+
+    buf = SampleBuffer(30, TINY.hidden_size)
+    partial = warmup.PartialData(tmp_path / "p", buf)
+    for i in range(3):
+        buf.add(*sequence(i))
+        partial.added(1)
+    buf.add(*sequence(3))  # interrupted here: request 3 is in the buffer, not counted
+    partial.save()
+    back = SampleBuffer(30, TINY.hidden_size)
+    assert warmup.PartialData(tmp_path / "p", back).load() == 3
+    assert back.arrays()["tokens"][::10].tolist() == [100, 200]  # request 0's was evicted by request 3's
+
+
+def test_damaged_collected_data_is_one_clear_error(policy, tmp_path):
+    """A data.npz damaged inside (a bad disk, a copy cut short and patched) is refused with the fix, not a
+    zipfile traceback from deep inside numpy."""
+    from fastrl_jax.drafter.buffer import SampleBuffer
+
+    out = tmp_path / "damaged"
+    out.mkdir()
+    buf = SampleBuffer(4096, TINY.hidden_size)
+    for i in range(4):
+        buf.add(np.arange(10) + i, np.ones((9, TINY.hidden_size)), np.arange(10) >= 4)
+    buf.save(out / "data.npz")
+    raw = (out / "data.npz").read_bytes()
+    (out / "data.npz").write_bytes(raw[:300] + bytes(200) + raw[500:])
+    with pytest.raises(ValueError, match=r"data.npz is damaged \(.*\): delete it to collect again"):
+        warmup.collect_data(run_config(tmp_path, "damaged"), policy, FakeTokenizer(), out / "data.npz", (3,), {}, False)
+
+
+def test_checkpoints_past_the_steps_asked_for_are_refused_before_loading(tmp_path):
+    """Resumed with fewer drafter_train.steps than its checkpoints reached, a run used to train nothing, save the
+    longer-trained drafter under the smaller step count, and evaluate it again at every rerun."""
+    cfg = run_config(tmp_path, "past", steps=4)
+    (tmp_path / "past" / "checkpoints" / "6").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"checkpoints up to step 6, past drafter_train.steps=4"):
+        warmup.check_restart(cfg, resume=True)
+    warmup.check_restart(dataclasses.replace(cfg, drafter_train=dataclasses.replace(cfg.drafter_train, steps=6)), True)
 
 
 def test_a_finished_run_run_again_is_left_as_it_is(policy, tmp_path):

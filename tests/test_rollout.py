@@ -387,6 +387,47 @@ def test_a_failed_background_compile_is_raised_for_its_own_program_and_ready_nev
     assert float(pool.get(4)(jnp.ones(4))[0]) == 2 and float(pool.get(5)(jnp.ones(4))[0]) == 2 and pool.dropped > 2
 
 
+def test_a_program_found_ready_is_not_the_next_one_dropped():
+    """The engine asks ready() for every program of a speculative call (the step's and the drafter prefill's)
+    before it runs them: one found ready counts as used, so starting the other's compile near the memory-map
+    limit does not drop it (the call would then wait for its recompile, decoding plainly)."""
+    from fastrl_jax.rollout.pool import ProgramPool
+
+    held = [0]
+
+    def build(key):
+        return jax.jit(lambda x: x * key), (jax.ShapeDtypeStruct((4,), jnp.float32),)
+
+    pool = ProgramPool(build, memory_maps=lambda: (held[0], 100))
+    for key in (1, 2, 3, 4):
+        pool.get(key)
+    held[0] = 90
+    assert pool.ready(1) and not pool.ready(5)
+    assert pool.dropped == 2 and 1 in pool and [k in pool for k in (2, 3, 4)] == [False, False, True]
+
+
+def test_a_failed_background_compile_is_raised_once_then_compiled_again():
+    """The caller that next asks gets a background compile's error, as with a compile that failed in front
+    of it; a later ask compiles again (a transient failure, e.g. out of memory, does not stick to the key)."""
+    from fastrl_jax.rollout.pool import ProgramPool
+
+    fails = [1]
+
+    def build(key):
+        if fails[0]:
+            fails[0] -= 1
+            raise MemoryError("LLVM compilation error: Cannot allocate memory")
+        return jax.jit(lambda x: x * key), (jax.ShapeDtypeStruct((4,), jnp.float32),)
+
+    for ask in ("get", "ready"):
+        pool, fails[0] = ProgramPool(build), 1
+        assert not pool.ready(3)
+        pool._pending[3].exception(30)  # the compile thread is done with it
+        with pytest.raises(MemoryError):
+            pool.get(3) if ask == "get" else pool.ready(3)
+        assert float(pool.get(3)(jnp.ones(4))[0]) == 3, ask
+
+
 # ---- sampling (pure functions) ----------------------------------------------------------------
 
 

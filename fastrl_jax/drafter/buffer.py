@@ -77,7 +77,9 @@ class SampleBuffer:
         self.hidden_dtype = np.dtype(hidden_dtype)
         self._seqs: deque[_Sequence] = deque()
         self._tokens = 0
-        self.skipped = 0  # rollouts add_rollouts left out: hidden states outside hidden_dtype's range
+        self.added = 0  # sequences added over the buffer's life, evicted ones included
+        self.skipped = 0  # rollouts add_rollouts left out: longer than max_tokens, or hidden states beyond hidden_dtype
+        self._warned: set[str] = set()  # why rollouts were left out, each said once
 
     def __len__(self) -> int:
         return len(self._seqs)
@@ -109,28 +111,37 @@ class SampleBuffer:
             raise ValueError(f"hidden states are not finite or exceed the range of {self.hidden_dtype}")
         self._seqs.append(_Sequence(tokens, hidden[: n - 1].astype(self.hidden_dtype), loss_mask, int(step),
                                     float(temperature), int(seed) % 2**32))
+        self.added += 1
         self._tokens += n
         while self._tokens > self.max_tokens:
             self._tokens -= len(self._seqs.popleft().tokens)
 
     def add_rollouts(self, requests: Sequence[Request], completions: Sequence[Completion], step: int = 0) -> tuple[int, int]:
         """Adds each completed rollout (prompt + completion, the engine's hidden states, the completion
-        as loss mask); returns (sequences, completion tokens) added. Requests that failed or kept no
-        hidden states are skipped."""
+        as loss mask); returns (sequences, completion tokens) added. Requests that failed, kept no hidden
+        states or have no token to learn are skipped."""
         sequences = tokens = 0
         for req, out in zip(requests, completions):
             if out.finish_reason == "error" or out.hidden_states is None:
                 continue
-            if not self._fits(out.hidden_states):  # one outlier must not end a training run
-                self.skipped += 1
-                if self.skipped == 1:
-                    log.warning("drafter sample buffer: a rollout's hidden states are not finite or exceed %s's range; "
-                                "such rollouts are left out (counted in SampleBuffer.skipped)", self.hidden_dtype)
-                continue
             seq = list(req.prompt_ids) + list(out.tokens)
+            if len(seq) < 3:  # a one-token prompt and answer: nothing to learn (entry t predicts x_{t+2})
+                continue
+            if len(seq) > self.max_tokens:  # one outlier must not end a training run
+                self._skip(f"longer than the buffer's {self.max_tokens} tokens")
+                continue
+            if not self._fits(out.hidden_states):
+                self._skip(f"hidden states not finite or beyond {self.hidden_dtype}'s range")
+                continue
             self.add(seq, out.hidden_states, np.arange(len(seq)) >= len(req.prompt_ids), step, req.temperature, req.seed)
             sequences, tokens = sequences + 1, tokens + len(out.tokens)
         return sequences, tokens
+
+    def _skip(self, why: str) -> None:
+        self.skipped += 1
+        if why not in self._warned:
+            self._warned.add(why)
+            log.warning("drafter sample buffer: rollouts %s are left out (counted in SampleBuffer.skipped)", why)
 
     def _fits(self, hidden) -> bool:
         hidden = np.asarray(hidden)
@@ -149,7 +160,7 @@ class SampleBuffer:
         sequences run out, then with replacement); one longer than seq_len is cropped to a random
         window, and one that does not fit a row's remaining space ends that row.
         """
-        pool = [s for s in self._eligible() if s.loss_mask[1:].any()]
+        pool = [s for s in self._eligible() if s.loss_mask[2:].any()]  # entry t predicts x_{t+2} (drafter.train)
         if not pool:
             raise ValueError("the sample buffer holds no sequence with a token to learn (add rollouts first)")
         if rows < 1 or seq_len < 3:
@@ -185,9 +196,14 @@ class SampleBuffer:
         """Writes every held sequence to one .npz file (atomically: a temporary file, then a rename)."""
         write_arrays(path, self.arrays())
 
-    def arrays(self) -> dict[str, np.ndarray]:
-        """What save writes: the held sequences concatenated (a snapshot: later adds leave it as it is)."""
+    def arrays(self, added: range | None = None) -> dict[str, np.ndarray]:
+        """What save writes: the held sequences concatenated (a snapshot: later adds leave it as it is); with
+        `added`, only those of them whose number in the order of adding (0 for the buffer's first, see
+        `added`) is in that range."""
         seqs = list(self._seqs)
+        if added is not None:
+            first = self.added - len(seqs)  # the number of the oldest held
+            seqs = seqs[max(added.start - first, 0) : max(added.stop - first, 0)]
         return dict(
             lengths=np.array([len(s.tokens) for s in seqs], np.int64),
             steps=np.array([s.step for s in seqs], np.int64),

@@ -177,13 +177,18 @@ def _engine_draft(drafter: Drafter, logits: jax.Array, batch: dict, positions: j
 
 def drafter_optimizer(learning_rate: float, warmup_steps: int, total_steps: int | None, weight_decay: float,
                    grad_clip_norm: float) -> optax.GradientTransformation:
-    """AdamW with linear warm-up then cosine decay to a tenth at total_steps (None: constant after the
-    warm-up, for online training that has no end), after global-norm clipping."""
+    """AdamW with linear warm-up (from 0 at the first step to the peak at warmup_steps; none when 0) then
+    cosine decay to a tenth at total_steps (None: constant after the warm-up, for online training that
+    has no end), after global-norm clipping."""
     if total_steps is None:
-        schedule = optax.linear_schedule(0.0, learning_rate, max(warmup_steps, 1))
+        # A schedule either way: the optimizer state (its step count) keeps one structure for checkpoints
+        schedule = (optax.linear_schedule(0.0, learning_rate, warmup_steps) if warmup_steps
+                    else optax.constant_schedule(learning_rate))
+    elif not warmup_steps:  # optax's warm-up of one step would spend the first step at rate 0
+        schedule = optax.cosine_decay_schedule(learning_rate, max(total_steps, 1), alpha=0.1)
     else:
         schedule = optax.warmup_cosine_decay_schedule(
-            0.0, learning_rate, max(warmup_steps, 1), max(total_steps, warmup_steps + 1), learning_rate / 10
+            0.0, learning_rate, warmup_steps, max(total_steps, warmup_steps + 1), learning_rate / 10
         )
     parts = [optax.clip_by_global_norm(grad_clip_norm)] if grad_clip_norm > 0 else []
     return optax.chain(*parts, optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay))

@@ -3,6 +3,7 @@
 One run lives in drafter_train.out_dir:
   data.npz          the collected sample buffer (a rerun or resume skips generation)
   data.json         the settings it was collected with (a rerun with others is refused)
+  data.partial/     a collection under way, saved as it goes: a rerun after an interruption generates only the rest
   checkpoints/      RunCheckpointer steps: drafter params, optimizer state, trainer position
   metrics.jsonl     one JSON line per log step and per evaluation; tensorboard/ the same as scalars
   drafter/          the trained drafter alone (Orbax, models.drafter_io.load_drafter), written at the end
@@ -21,6 +22,7 @@ import json
 import shutil
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import jax
@@ -29,7 +31,8 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from fastrl_jax.checkpoint import RunCheckpointer, checkpoint_steps
+from fastrl_jax import files
+from fastrl_jax.checkpoint import RunCheckpointer, checkpoint_steps, read_arrays, write_arrays
 from fastrl_jax.config import Config, SpecConfig, save_config
 from fastrl_jax.data.prompts import drafter_training_prompts, held_out_sets
 from fastrl_jax.drafter.buffer import SampleBuffer
@@ -42,21 +45,87 @@ from fastrl_jax.models.drafter_io import save_drafter
 from fastrl_jax.models.tokenizer import stop_ids
 from fastrl_jax.rollout.engine import Request, RolloutEngine
 
+# Seconds of generation an interrupted collection may lose: what it collected is saved this often.
+PARTIAL_SAVE_SECONDS = 60.0
+
+
+class PartialData:
+    """A collection under way, saved as it goes to DIR/FIRST.npz files, each the buffer's sequences of the
+    requests FIRST, FIRST + 1, ... (with how many it covers), so a rerun after an interruption adds them
+    to its buffer and generates only the requests after them."""
+
+    def __init__(self, directory: Path, buffer: SampleBuffer):
+        self.directory, self.buffer = directory, buffer
+        self.first = 0  # the first request no file covers
+        self._requests = self._sequences = 0  # requests since the last save, and the sequences they added
+        self._added = buffer.added  # the buffer's count of added sequences at the last save
+        self._saved_at = time.perf_counter()
+
+    def load(self) -> int:
+        """Adds the saved sequences to the buffer, in order; returns how many requests they cover. Files after a
+        gap or an unreadable one are removed (their requests are generated again)."""
+        saved = sorted((f for f in self.directory.glob("*.npz") if f.stem.isdigit()), key=lambda f: int(f.stem))
+        for i, f in enumerate(saved):
+            try:
+                if int(f.stem) != self.first:
+                    raise ValueError("not the next requests")
+                covers = int(read_arrays(f)["requests"])
+                SampleBuffer(self.buffer.max_tokens, self.buffer.hidden_size).load(f)  # whole, before the buffer takes it
+                self.buffer.load(f)
+            except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+                print(f"[train-drafter] {f} is left out ({e}): the requests from {self.first} on are generated again",
+                      file=sys.stderr)
+                for later in saved[i:]:
+                    later.unlink(missing_ok=True)
+                break
+            self.first += covers
+        self._added = self.buffer.added
+        return self.first
+
+    def added(self, sequences: int) -> None:
+        """One more request went into the buffer, adding `sequences` (0 or 1); saves every PARTIAL_SAVE_SECONDS."""
+        self._requests, self._sequences = self._requests + 1, self._sequences + sequences
+        if time.perf_counter() - self._saved_at >= PARTIAL_SAVE_SECONDS:
+            self.save()
+
+    def save(self) -> None:
+        """Writes the requests since the last save (those of their sequences the buffer still holds: a rerun's
+        buffer would have evicted the others too; not one added after the last call of `added`, which an
+        interruption may leave behind)."""
+        if self._requests:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            sequences = self.buffer.arrays(range(self._added, self._added + self._sequences))
+            write_arrays(self.directory / f"{self.first}.npz", {**sequences, "requests": np.array(self._requests)})
+            self.first, self._added = self.first + self._requests, self._added + self._sequences
+            self._requests = self._sequences = 0
+        self._saved_at = time.perf_counter()
+
+    def remove(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
 
 def collect(engine: RolloutEngine, requests: list[Request], buffer: SampleBuffer, step: int = 0,
-            progress: bool = True) -> dict[str, float]:
+            progress: bool = True, partial: PartialData | None = None) -> dict[str, float]:
     """Generates `requests` as one stream and adds (prompt + completion, hidden states, completion mask)
     to the buffer in request order (so the buffer does not depend on which rows finished first);
-    a completion leaves memory once it and every earlier one are in the buffer."""
+    a completion leaves memory once it and every earlier one are in the buffer. `partial`, when given,
+    saves what is in the buffer as it goes, and when the collection is interrupted."""
     t0, tokens, added, waiting, next_i = time.perf_counter(), 0, 0, {}, 0
     bar = tqdm(total=len(requests), desc="collect", unit="seq", file=sys.stderr, disable=not progress)
-    for i, completion in engine.stream(requests):
-        waiting[i] = completion
-        while next_i in waiting:
-            seqs, new_tokens = buffer.add_rollouts([requests[next_i]], [waiting.pop(next_i)], step)
-            added, tokens, next_i = added + seqs, tokens + new_tokens, next_i + 1
-        bar.update(1)
-        bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+    try:
+        for i, completion in engine.stream(requests):
+            waiting[i] = completion
+            while next_i in waiting:
+                seqs, new_tokens = buffer.add_rollouts([requests[next_i]], [waiting.pop(next_i)], step)
+                added, tokens, next_i = added + seqs, tokens + new_tokens, next_i + 1
+                if partial is not None:
+                    partial.added(seqs)
+            bar.update(1)
+            bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+    except BaseException:  # Ctrl-C, a failed program: a rerun starts after what the buffer holds
+        if partial is not None:
+            partial.save()
+        raise
     bar.close()
     seconds = time.perf_counter() - t0
     return {"generated_tokens": tokens, "generate_seconds": seconds, "skipped": len(requests) - added,
@@ -74,8 +143,8 @@ def acceptance(engine: RolloutEngine, prompts: list[list[int]], max_new_tokens: 
 
 def check_restart(cfg: Config, resume: bool) -> None:
     """Refuses (before anything is loaded or generated) a missing drafter_train.prompts file, collected data
-    in drafter_train.out_dir from other settings (check_data), and to start the out_dir afresh when it
-    already holds checkpoints and `resume` is off."""
+    in drafter_train.out_dir from other settings (check_data), to start the out_dir afresh when it
+    already holds checkpoints and `resume` is off, and to resume from past drafter_train.steps."""
     prompts = cfg.drafter_train.prompts
     if prompts != "builtin" and not Path(prompts).expanduser().is_file():
         raise FileNotFoundError(f"drafter_train.prompts: no file {prompts} ('builtin' or a JSONL file of prompts)")
@@ -86,6 +155,10 @@ def check_restart(cfg: Config, resume: bool) -> None:
     if steps and not resume:
         raise ValueError(f"{Path(cfg.drafter_train.out_dir).expanduser() / 'checkpoints'} already holds checkpoints "
                          f"(up to step {steps[-1]}): resume (drop --restart), or choose another drafter_train.out_dir")
+    if steps and steps[-1] > cfg.drafter_train.steps:  # resuming would train nothing and call it a shorter run
+        raise ValueError(f"{Path(cfg.drafter_train.out_dir).expanduser() / 'checkpoints'} holds checkpoints up to step "
+                         f"{steps[-1]}, past drafter_train.steps={cfg.drafter_train.steps}: raise it to at least "
+                         f"{steps[-1]}, or choose another drafter_train.out_dir")
 
 
 def train_drafter(cfg: Config, policy: Decoder, tokenizer, *, resume: bool = True, progress: bool = True) -> dict:
@@ -140,7 +213,7 @@ def train_drafter(cfg: Config, policy: Decoder, tokenizer, *, resume: bool = Tru
     sink.close()
     summary["wall_seconds"] = time.perf_counter() - t_start
     summary["drafter"] = str(final_dir)
-    done.write_text(json.dumps(summary, indent=2) + "\n")
+    files.write_text(done, json.dumps(summary, indent=2) + "\n")
     return summary
 
 
@@ -185,6 +258,8 @@ def collect_data(cfg: Config, policy: Decoder, tokenizer, data_file: Path, stop,
         except ValueError as e:
             raise ValueError(f"{e}: drafter_train.kind {dt.kind} reads layers {list(layers)} of this policy; delete "
                              f"{data_file} to collect again, or give a new drafter_train.out_dir") from None
+        except (KeyError, EOFError, zipfile.BadZipFile) as e:  # damaged inside (a zip's directory read)
+            raise ValueError(f"{data_file} is damaged ({e}): delete it to collect again") from None
         unchecked = "" if data_file.with_suffix(".json").is_file() else " (no record of its settings: not checked)"
         print(f"[train-drafter] reusing {len(buffer)} sequences ({buffer.num_tokens} tokens) from {data_file}{unchecked}",
               file=sys.stderr)
@@ -192,12 +267,24 @@ def collect_data(cfg: Config, policy: Decoder, tokenizer, data_file: Path, stop,
         requests = [Request(p, dt.max_new_tokens, dt.temperature, seed=cfg.seed * 1_000_003 + i * dt.samples_per_prompt + k,
                             stop_ids=stop)
                     for i, p in enumerate(drafter_training_prompts(cfg, tokenizer)) for k in range(dt.samples_per_prompt)]
+        # The record comes first: it tells a rerun whether an interrupted collection's files are of its settings
+        record, settings, start = data_file.with_suffix(".json"), data_settings(cfg), 0
+        partial = PartialData(data_file.with_name(data_file.stem + ".partial"), buffer)
+        if record.is_file() and json.loads(record.read_text()) == settings:
+            start = partial.load()
+            if start:
+                print(f"[train-drafter] continuing an interrupted collection: {start} of {len(requests)} requests were "
+                      f"saved in {partial.directory}", file=sys.stderr)
+        else:
+            partial.remove()
+            files.write_text(record, json.dumps(settings, indent=2) + "\n")
         engine = RolloutEngine(policy, dataclasses.replace(cfg.rollout, warm_up=False), keep_hidden=True, progress=progress,
                                feature_layers=layers)
-        summary["collect"] = collect(engine, requests, buffer, progress=progress)
+        summary["collect"] = {**collect(engine, requests[start:], buffer, progress=progress, partial=partial),
+                              "resumed_requests": start}
         del engine
-        data_file.with_suffix(".json").write_text(json.dumps(data_settings(cfg), indent=2) + "\n")
         buffer.save(data_file)
+        partial.remove()
     summary["data"] = {"sequences": len(buffer), "tokens": buffer.num_tokens}
     return buffer
 

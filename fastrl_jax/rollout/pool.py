@@ -167,8 +167,10 @@ class ProgramPool:
         return self._programs[key]
 
     def ready(self, key: Hashable) -> bool:
-        """Whether `key`'s program can run without compiling; if not, it starts compiling in the background."""
+        """Whether `key`'s program can run without compiling; if not, it starts compiling in the background.
+        One that can counts as used (the caller is about to run it: a drop must not take it first)."""
         if key in self._programs:
+            self._programs[key] = self._programs.pop(key)
             return True
         self._raise_failed(key)
         future = self._pending.get(key)
@@ -184,9 +186,14 @@ class ProgramPool:
         return True
 
     def _collect(self, key: Hashable) -> None:
-        """Stores the program of a background compile, once it is done (a compile error surfaces here;
-        an interrupted wait leaves the compile pending)."""
-        result = self._pending[key].result()
+        """Stores the program of a background compile, once it is done (a compile error surfaces here, once:
+        the next ask compiles again, as after a failed compile in front of the caller; an interrupted wait
+        leaves the compile pending)."""
+        try:
+            result = self._pending[key].result()
+        except Exception:
+            del self._pending[key]
+            raise
         del self._pending[key]
         self._store(key, *result, background=True)
 
@@ -239,7 +246,6 @@ class ProgramPool:
                 self._collect(key)
             except Exception as e:  # noqa: BLE001 - kept for the caller that asks for this program
                 self._failed[key] = e
-                del self._pending[key]
         self._compile_seconds += time.perf_counter() - t0  # the caller waited for them
         drop = list(self._programs)[: len(self._programs) // 2]
         for key in drop:
