@@ -258,15 +258,17 @@ def test_a_failed_step_compile_with_one_replica_is_raised(tmp_path: Path, monkey
 
 def test_the_sample_buffer_saved_with_a_checkpoint_comes_back_and_a_damaged_one_starts_empty(tmp_path: Path, monkeypatch,
                                                                                               capsys):
-    cfg = load_config(None, [*tiny_overrides(tmp_path), "mesh.fsdp=-1"])
+    cfg = load_config(None, [*tiny_overrides(tmp_path), "mesh.fsdp=-1", "drafter_online.min_buffer_tokens=0"])
     mesh = make_mesh(cfg.mesh)
     model, _ = load_model(cfg.model.path, mesh, cfg.model.dtype)
     graphdef, state = nnx.split(model)
     monkeypatch.setattr(SpotTrainer, "_compile", lambda self, block: None)  # no drafter step runs here
     spot = SpotTrainer(cfg, Drafter(model.cfg, nnx.Rngs(0)), graphdef, nnx.to_pure_dict(state), mesh, seed=0)
     H, rng, where = spot.buffer.hidden_size, np.random.default_rng(0), tmp_path / "drafter_buffer"
+    assert not spot.ready()  # an empty buffer has nothing to sample, even with min_buffer_tokens 0
     for step in (1, 2, 3):
         spot.buffer.add(rng.integers(0, 50, 9), rng.normal(size=(8, H)), np.arange(9) >= 3, step, 0.7, 11 + step)
+        assert spot.ready()
         spot.save_buffer(where, step, keep=[step - 1])  # the checkpoints on disk: the previous step's
     spot.buffer.add(rng.integers(0, 50, 9), rng.normal(size=(8, H)), np.arange(9) >= 3, 4)  # after the last save
     spot.close()

@@ -188,7 +188,8 @@ class SpotTrainer:
 
     def ready(self) -> bool:
         cap = self.cfg.max_steps_per_rollout
-        return self.buffer.num_tokens >= self.cfg.min_buffer_tokens and (not cap or self._phase["steps"] < cap)
+        # An empty buffer has nothing to sample, whatever min_buffer_tokens (0 is allowed) says.
+        return self.buffer.num_tokens >= max(self.cfg.min_buffer_tokens, 1) and (not cap or self._phase["steps"] < cap)
 
     @property
     def phase_trace(self) -> tuple[list, list]:

@@ -53,10 +53,13 @@ _POOLS: weakref.WeakSet = weakref.WeakSet()  # every live ProgramPool, for cance
 def cancel_background_compiles() -> None:
     """Drops the compiles every pool has queued on its compile thread (Ctrl-C): at exit Python joins that
     thread after it has run its whole queue, so the process would otherwise compile them all before it
-    ends. The compile already running finishes (XLA cannot be stopped midway)."""
+    ends. The compile already running finishes (XLA cannot be stopped midway). A process that goes on (a
+    notebook) compiles the cancelled programs again, on a new thread, when next asked for them."""
     for pool in list(_POOLS):
         if pool._thread is not None:
             pool._thread.shutdown(wait=False, cancel_futures=True)
+            pool._thread = None
+            pool._pending = {k: f for k, f in pool._pending.items() if not f.cancelled()}
 
 
 class _CacheHits:
