@@ -538,6 +538,9 @@ class DrafterTrainConfig:
             SpecConfig(mode="on", steps=self.eval_strategy[0], topk=self.eval_strategy[1], verify_tokens=self.eval_strategy[2])
         except ConfigError as e:
             raise ConfigError(f"{key}eval_strategy: {e}") from None
+        if 0 < self.draft_vocab_size < self.eval_strategy[1]:  # else it fails at the first evaluation, after training
+            raise ConfigError(f"{key}eval_strategy's top-k ({self.eval_strategy[1]}) exceeds draft_vocab_size "
+                              f"({self.draft_vocab_size}): the drafter could not propose that many tokens")
 
 
 @dataclasses.dataclass(frozen=True)

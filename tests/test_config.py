@@ -169,6 +169,7 @@ def test_unknown_key_suggests_the_right_one(tmp_path):
         ("rl.out_dir=runs/exp #3", "YAML reads ' #' as the start of a comment; quote the value (out_dir='...')"),
         ("rl.clip_ratio_c=0.9", "rl.clip_ratio_c (dual-clip PPO's bound) must be > 1, or 0 for off; got 0.9"),
         ("model.rollout_dtype=float16", "model.rollout_dtype must be one of '', float32, bfloat16; got 'float16'"),
+        ("drafter_train.draft_vocab_size=2", "drafter_train.eval_strategy's top-k (4) exceeds draft_vocab_size (2)"),
     ],
 )
 def test_bad_values_are_named(override, message):
