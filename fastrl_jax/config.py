@@ -29,7 +29,7 @@ class ConfigError(ValueError):
 
 
 class TrainingStopped(RuntimeError):
-    """A run stopped on purpose (non-finite loss); the message says where it stands and what to change."""
+    """A run stopped on purpose (non-finite loss, a stop signal); the message says where it stands and what to do."""
 
 
 def _check_choice(key: str, value: Any, allowed: tuple) -> None:

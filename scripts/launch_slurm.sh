@@ -12,6 +12,9 @@
 #SBATCH --gpus-per-node=8
 #SBATCH --exclusive
 #SBATCH --output=%x-%j.out
+# SIGUSR1 to every task 10 minutes before the time limit: the run ends its step, checkpoints it and stops
+# (as on SIGTERM, a preemption); resubmit with --resume to continue.
+#SBATCH --signal=USR1@600
 set -euo pipefail
 
 CONFIG=${1:?usage: launch_slurm.sh CONFIG [key=value ...] [--resume]}

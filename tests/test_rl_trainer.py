@@ -20,7 +20,7 @@ from helpers.cli import cpu_env
 from helpers.tiny_run import tiny_overrides
 
 from fastrl_jax.checkpoint import checkpoint_steps
-from fastrl_jax.config import ConfigError, load_config
+from fastrl_jax.config import ConfigError, TrainingStopped, load_config
 from fastrl_jax.metric_sink import read_metrics
 from fastrl_jax.models.drafter_io import load_drafter
 from fastrl_jax.models.loading import load_model, read_model_config
@@ -144,6 +144,26 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
         trainer.run()
     assert [m["step"] for m in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
     assert load_config(tmp_path / "run" / "config.yaml") == trainer.cfg  # the run says what it ran with
+
+
+def test_a_stop_signal_ends_the_run_after_its_step_with_that_step_saved(tmp_path):
+    """SIGTERM (a preemption, SLURM's --signal notice before the time limit) during step 1 of 3, with checkpoints
+    due only every 10 steps: the step finishes, is saved, and the run stops, to be resumed from there."""
+    trainer = make_trainer(tmp_path, "rl.checkpoint_every_steps=10", steps=3)
+    original = trainer.rollout
+
+    def preempted(records, step):
+        os.kill(os.getpid(), signal.SIGTERM)  # without the trainer's handler this ends the test process
+        return original(records, step)
+
+    trainer.rollout = preempted
+    with pytest.raises(TrainingStopped, match=r"SIGTERM: stopped after step 1 of 3; its checkpoint is saved and --resume"):
+        trainer.run()
+    assert checkpoint_steps(tmp_path / "run") == [1]
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handler is the trainer's only while it runs
+    again = make_trainer(tmp_path, "rl.checkpoint_every_steps=10", steps=3, resume=True)
+    assert again.step == 1
+    again.close()
 
 
 def test_failed_checkpoint_write_keeps_previous(tmp_path, capsys):

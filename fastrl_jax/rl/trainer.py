@@ -8,13 +8,17 @@ uninterrupted one exactly.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
 import logging
 import math
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -320,17 +324,30 @@ class Trainer:
         return metrics
 
     def run(self) -> list[dict[str, Any]]:
-        """Steps until rl.steps; returns this call's per-step metrics."""
+        """Steps until rl.steps; returns this call's per-step metrics. SIGTERM or SIGUSR1 (a scheduler's
+        preemption or time-limit notice, e.g. SLURM's --signal) ends the run after its current step, with that
+        step's checkpoint saved (TrainingStopped)."""
         history = []
         try:
-            if self.cfg.rl.eval_every_steps and self.step == 0:
-                history.append({"step": 0, **self._evaluation()})
-                self.metrics.log(history[-1])
-            while self.step < self.cfg.rl.steps:
-                history.append(self.run_step())
+            with _stop_signals() as received:
+                if self.cfg.rl.eval_every_steps and self.step == 0:
+                    history.append({"step": 0, **self._evaluation()})
+                    self.metrics.log(history[-1])
+                while self.step < self.cfg.rl.steps:
+                    history.append(self.run_step())
+                    if self.step < self.cfg.rl.steps and _any_process(bool(received)):
+                        self._stop(received[0] if received else "another process's stop signal")
         finally:
             self.close()
         return history
+
+    def _stop(self, why: str) -> None:
+        saved = self.checkpointer is not None
+        if saved and self.step % self.cfg.rl.checkpoint_every_steps:  # else run_step saved it
+            self.save()
+        raise TrainingStopped(f"{why}: stopped after step {self.step} of {self.cfg.rl.steps}"
+                              + ("; its checkpoint is saved and --resume continues the run" if saved
+                                 else " (rl.checkpoint_every_steps is 0: nothing saved)"))
 
     # ---- checkpoints --------------------------------------------------------------------------
     def _arrays(self) -> dict[str, Any]:
@@ -500,6 +517,37 @@ def _state_from(module: nnx.Module, pure: dict) -> nnx.State:
     state = nnx.state(module)
     nnx.replace_by_pure_dict(state, pure)
     return state
+
+
+@contextlib.contextmanager
+def _stop_signals() -> Iterator[list[str]]:
+    """The names of SIGTERM / SIGUSR1 received while the block runs, which then no longer end the process at
+    once (the previous handlers come back after it). Only the main thread can take signals: elsewhere the
+    list stays empty."""
+    received: list[str] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def note(signum, frame):
+        received.append(signal.Signals(signum).name)
+        print(f"[fastrl-jax] {received[-1]} received: stopping after this step, with its checkpoint", file=sys.stderr)
+
+    previous = {s: signal.signal(s, note) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        yield received
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _any_process(flag: bool) -> bool:
+    """Whether `flag` holds on any process (all processes call it at the same step: they stop together)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.process_allgather(np.array([flag], np.int32)).any())
 
 
 def preflight(cfg: Config, mesh_rows: int, files: bool = True) -> None:
