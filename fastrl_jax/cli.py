@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -678,6 +679,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _terminated(signum, frame) -> None:
+    """SIGTERM (a scheduler's kill, `timeout`) takes Ctrl-C's paths: a collection under way is saved, a checkpoint
+    being written completes. `train` stops after its current step instead (Trainer.run)."""
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="[%(name)s] %(message)s")
     parser = build_parser()
@@ -686,6 +693,7 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides += extra  # KEY=VALUE on both sides of a flag, as Hydra (verl) takes them
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         return args.func(args) or 0  # a command returns 1 when part of its work failed (and says so)
     except (ConfigError, FileNotFoundError, ValueError) as e:
@@ -705,6 +713,8 @@ def main(argv: list[str] | None = None) -> int:
         if pool := sys.modules.get("fastrl_jax.rollout.pool"):  # not imported yet: nothing is compiling
             pool.cancel_background_compiles()  # else exit waits for every queued program
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -121,6 +121,19 @@ def test_a_reader_that_goes_away_ends_the_command_quietly():
     assert proc.wait(timeout=60) == 1 and err == "", err
 
 
+def test_sigterm_takes_the_paths_of_ctrl_c():
+    """A scheduler's SIGTERM saves what Ctrl-C saves (a collection under way, a checkpoint being written): one line
+    and exit 130, not a silent death."""
+    script = ("import sys, time; from fastrl_jax import cli; "
+              "cli.cmd_generate = lambda args: print('ready', flush=True) or time.sleep(60); "
+              "sys.exit(cli.main(['generate', '--prompt', 'hi']))")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready\n"
+    proc.terminate()
+    assert proc.wait(timeout=30) == 130
+    assert "fastrl-jax generate: interrupted" in proc.stderr.read()
+
+
 def test_eval_names_the_setting_of_a_missing_prompt_set(tmp_path):
     run = fastrl_jax("eval", "--prompts", "chat", *NO_CACHE)
     assert run.returncode == 2 and "--prompts chat not found; give 'math'" in run.stderr, run.stderr
