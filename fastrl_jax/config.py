@@ -380,11 +380,12 @@ class RewardConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    """optax AdamW with global-norm clipping and a learning-rate schedule over rl.steps."""
+    """optax AdamW with global-norm clipping and a learning-rate schedule over the optimizer updates
+    (rl.steps x rl.minibatches_per_step: verl counts its warm-up in steps, so divide by the mini-batches)."""
 
     learning_rate: float = 1e-6
-    schedule: str = "constant"  # constant | cosine | linear (decay to 0 at the last step)
-    warmup_steps: int = 0
+    schedule: str = "constant"  # constant | cosine | linear (decay to 0 at the last update)
+    warmup_steps: int = 0  # optimizer updates
     weight_decay: float = 0.0
     b1: float = 0.9
     b2: float = 0.999

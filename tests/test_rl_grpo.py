@@ -42,6 +42,14 @@ def test_group_advantages_properties(seed):
         grpo.group_advantages(jnp.zeros(10), 4)
 
 
+def test_group_of_one_is_verls():
+    """verl's compute_grpo_outcome_advantage gives a group of one sample mean 0 and std 1: A = r / (1 + eps), or r
+    without the std; not 0, which would silently train nothing (and the sample std of one sample is NaN)."""
+    r = jnp.asarray([0.0, 1.0, -0.5, 1.1])
+    np.testing.assert_allclose(grpo.group_advantages(r, 1), np.asarray(r) / (1 + 1e-6), rtol=1e-7)
+    np.testing.assert_array_equal(grpo.group_advantages(r, 1, std_normalize=False), np.asarray(r))
+
+
 def test_padding_slots_cannot_make_the_loss_nan():
     """Log-probs at masked slots are never trained; a ratio there that overflows exp() must not reach the loss or
     its gradient (inf x 0 is NaN)."""
@@ -87,6 +95,25 @@ def test_decoupled_clip(ratio, adv, zero):
     g = surrogate_grad(logp, old, jnp.asarray([adv]))
     assert (float(g[0, 0]) == 0.0) == zero
     assert bool(grpo.clipped_surrogate(logp, old, jnp.asarray([adv]), 0.2, 0.28)[1][0, 0]) == zero
+
+
+@pytest.mark.parametrize("lo, hi", [(0.2, 0.28), (0.0, 0.28), (0.2, 0.0), (0.0, 0.0)])
+def test_surrogate_gradient_is_torch_ppos_on_clip_bounds(lo, hi):
+    """d loss / d logp is -A x ratio where PPO keeps the token, 0 where a clip removes it, as torch's clamp and
+    where-free min/max give verl, also on a ratio that sits exactly on a clip bound: on-policy (ratio 1) with
+    clip_low or clip_high 0 the whole policy gradient, not the 0.75 of it JAX's tie-splitting min and clip gave."""
+    rng = np.random.default_rng(3)
+    old = jnp.asarray(rng.normal(size=(4, 8)), jnp.float32)
+    log_ratio = rng.normal(scale=0.4, size=(4, 8))
+    log_ratio[:, :3] = 0.0  # on-policy tokens
+    logp = old + jnp.asarray(log_ratio, jnp.float32)
+    adv = jnp.asarray([1.3, -0.7, 0.4, -2.0])
+    _, clipped, dual = grpo.clipped_surrogate(logp, old, adv, lo, hi, clip_ratio_c=3.0)
+    grad = jax.grad(lambda lp: grpo.clipped_surrogate(lp, old, adv, lo, hi, 3.0)[0].sum())(logp)
+    ratio = np.exp(np.asarray(logp - old))
+    want = np.where(np.asarray(clipped | dual), 0.0, -np.asarray(adv)[:, None] * ratio)
+    np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(grad[:, :3], -np.broadcast_to(np.asarray(adv)[:, None], (4, 3)), rtol=1e-6)
 
 
 def verl_policy_loss(logp, old, adv, lo, hi, c):

@@ -20,11 +20,13 @@ def group_advantages(rewards: jax.Array, group_size: int, std_normalize: bool = 
 
     A = (r - mean of its group) / (std of its group + eps), the sample std (ddof 1, as verl's and TRL's
     torch.std); a group whose samples all got the same reward has A = 0 and contributes no gradient.
-    std_normalize=False keeps r - mean (Dr. GRPO).
+    std_normalize=False keeps r - mean (Dr. GRPO). Groups of one sample get A = r / (1 + eps) (or r), as verl's.
     """
     if rewards.shape[0] % group_size:
         raise ValueError(f"{rewards.shape[0]} rewards do not split into groups of {group_size}")
     r = rewards.reshape(-1, group_size).astype(jnp.float32)
+    if group_size == 1:  # verl: a lone sample's baseline is 0 and its std 1 (the sample std of one is undefined)
+        return (r / (1.0 + eps) if std_normalize else r).reshape(-1)
     centred = r - r.mean(axis=1, keepdims=True)
     if std_normalize:
         centred = centred / (r.std(axis=1, ddof=1, keepdims=True) + eps)
@@ -63,10 +65,13 @@ def clipped_surrogate(
     ratio = jnp.exp(jnp.clip(logp - old_logp, -20.0, 20.0))
     adv = advantages[:, None]
     unclipped = ratio * adv
-    clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
-    loss = -jnp.minimum(unclipped, clipped)
+    clipped_value = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
+    clipped = clipped_value < unclipped  # PPO's min takes the clipped side, where the ratio is past a bound
+    # A where, not jnp.minimum: at a tie (ratio 1 on a bound of 1, on-policy with clip_low or clip_high 0) JAX's
+    # minimum and clip split the gradient between their sides, leaving 0.75 of the policy gradient.
+    loss = -jnp.where(clipped, clipped_value, unclipped)
     dual_clipped = (adv < 0) & (loss > -clip_ratio_c * adv) if clip_ratio_c else jnp.zeros_like(loss, bool)
-    return jnp.where(dual_clipped, -clip_ratio_c * adv, loss), clipped < unclipped, dual_clipped
+    return jnp.where(dual_clipped, -clip_ratio_c * adv, loss), clipped, dual_clipped
 
 
 def kl_penalty(logp: jax.Array, ref_logp: jax.Array, estimator: str) -> jax.Array:
