@@ -436,6 +436,7 @@ class RLConfig:
     eval_temperature: float = 0.0  # 0: greedy; > 0: sampled (with top_p / top_k), the same seeds at every evaluation
     eval_samples: int = 1  # samples per held-out prompt (eval_temperature > 0); accuracy is their mean
     tensorboard: bool = True
+    wandb_project: str = ""  # Weights & Biases project of the metrics ('' off; pip install 'fastrl-jax[wandb]')
 
     def __post_init__(self):
         _check_choice("rl.loss_aggregation", self.loss_aggregation, LOSS_AGGREGATIONS)
@@ -507,6 +508,7 @@ class DrafterTrainConfig:
     checkpoint_every_steps: int = 250
     keep_checkpoints: int = 2
     tensorboard: bool = True
+    wandb_project: str = ""  # Weights & Biases project of the metrics ('' off; pip install 'fastrl-jax[wandb]')
 
     def __post_init__(self):
         key = "drafter_train."

@@ -1,23 +1,31 @@
-"""Metric sinks shared by the trainers: one JSON line and TensorBoard scalars per logged step.
+"""Metric sinks shared by the trainers: one JSON line, TensorBoard scalars and Weights & Biases values per
+logged step.
 
 On resume, lines a killed run logged after its last checkpoint are dropped (and TensorBoard purges
 the same steps), so the resumed run's metrics continue the file as an uninterrupted run would have.
+A W&B run continues too (its id is kept in the out_dir); W&B keeps what it was sent, so a resume that
+falls back past a damaged checkpoint sends steps it already holds, which W&B ignores.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import uuid
 from pathlib import Path
 from typing import Any
 
 from fastrl_jax import files
+from fastrl_jax.config import ConfigError
 
 
 class MetricsSink:
-    """out_dir/metrics.jsonl and, with `tensorboard`, out_dir/tensorboard; resume_after: the step resumed from."""
+    """out_dir/metrics.jsonl, with `tensorboard` out_dir/tensorboard, with `wandb_project` a W&B run of that
+    project (named after out_dir, its config `config`); resume_after: the step resumed from."""
 
-    def __init__(self, out_dir: str | Path, tensorboard: bool = True, resume_after: int | None = None):
+    def __init__(self, out_dir: str | Path, tensorboard: bool = True, resume_after: int | None = None,
+                 wandb_project: str = "", config: dict | None = None):
         out_dir = Path(out_dir)
         self.path = out_dir / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -28,6 +36,7 @@ class MetricsSink:
 
             purge = None if resume_after is None else resume_after + 1
             self._tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=purge)
+        self._wandb = _wandb_run(out_dir, wandb_project, config) if wandb_project else None
 
     def drop_after(self, step: int) -> None:
         """Keeps the file's lines up to `step`: a resume that fell back past a damaged checkpoint runs the later
@@ -40,15 +49,36 @@ class MetricsSink:
         """metrics: JSON-able, with an int "step"; finite numbers also go to TensorBoard."""
         with open(self.path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
+        scalars = {k: v for k, v in metrics.items()
+                   if k != "step" and isinstance(v, (int, float)) and math.isfinite(v)}
         if self._tb is not None:
-            for key, value in metrics.items():
-                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    self._tb.add_scalar(key, value, metrics["step"])
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, metrics["step"])
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=metrics["step"])
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def check_wandb(key: str, project: str) -> None:
+    """Refuses a W&B project without the wandb package, before anything loads."""
+    if project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"{key}={project} logs to Weights & Biases: pip install 'fastrl-jax[wandb]' (or set it to '')")
+
+
+def _wandb_run(out_dir: Path, project: str, config: dict | None):
+    """The out_dir's W&B run: the id in out_dir/wandb_id, made on the first start, continues it on resume."""
+    import wandb
+
+    id_file = out_dir / "wandb_id"
+    run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
+    files.write_text(id_file, run_id + "\n")
+    return wandb.init(project=project, id=run_id, resume="allow", name=out_dir.name, dir=str(out_dir), config=config)
 
 
 def _step(line: str) -> int:

@@ -68,3 +68,35 @@ def test_summed_rollout_stats_keep_every_phase():
     total = (RolloutStats() + a + b).as_dict()
     assert total["tokens"] == 7
     assert total["seconds"] == {"prefill": 0.75, "compile": 0.0, "host": 0.25, "total": 1.0}
+
+
+def test_weights_and_biases_gets_the_finite_scalars_and_a_resume_continues_its_run(tmp_path, monkeypatch):
+    """Offline (no network): the run's id is kept in the out_dir, so a resumed start logs into the same W&B run."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    sink = MetricsSink(tmp_path, tensorboard=False, wandb_project="fastrl-test", config={"rl": {"steps": 3}})
+    logged = []
+    log = sink._wandb.log
+    monkeypatch.setattr(sink._wandb, "log", lambda values, step: logged.append((step, values)) or log(values, step=step))
+    sink.write({"step": 1, "loss": 0.5, "digest": "ab12", "acceptance_length": math.nan})
+    sink.close()
+    assert logged == [(1, {"loss": 0.5})]
+    run_id = (tmp_path / "wandb_id").read_text().strip()
+    again = MetricsSink(tmp_path, tensorboard=False, resume_after=1, wandb_project="fastrl-test")
+    assert again._wandb.id == run_id
+    again.write({"step": 2, "loss": 0.25})
+    again.close()
+    runs = sorted(p.name for p in (tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(run_id in name for name in runs)
+
+
+def test_a_wandb_project_without_the_package_is_refused_before_loading(monkeypatch):
+    import importlib.util
+
+    from fastrl_jax.config import ConfigError
+    from fastrl_jax.metric_sink import check_wandb
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match=r"rl.wandb_project=p logs to Weights & Biases: pip install 'fastrl-jax\[wandb\]'"):
+        check_wandb("rl.wandb_project", "p")
+    check_wandb("rl.wandb_project", "")  # off

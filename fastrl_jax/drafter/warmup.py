@@ -33,12 +33,12 @@ from tqdm import tqdm
 
 from fastrl_jax import files
 from fastrl_jax.checkpoint import RunCheckpointer, checkpoint_steps, read_arrays, write_arrays
-from fastrl_jax.config import Config, SpecConfig, save_config
+from fastrl_jax.config import Config, SpecConfig, save_config, to_dict
 from fastrl_jax.data.prompts import drafter_training_prompts, held_out_sets
 from fastrl_jax.drafter.buffer import SampleBuffer
 from fastrl_jax.drafter.train import LossSettings, drafter_optimizer, make_train_step
 from fastrl_jax.drafter.vocab import coverage, select_draft_vocab
-from fastrl_jax.metric_sink import MetricsSink
+from fastrl_jax.metric_sink import MetricsSink, check_wandb
 from fastrl_jax.models.decoder import DTYPES, Decoder, cast_floating
 from fastrl_jax.models.drafter import Drafter, feature_layers
 from fastrl_jax.models.drafter_io import save_drafter
@@ -148,6 +148,7 @@ def check_restart(cfg: Config, resume: bool) -> None:
     prompts = cfg.drafter_train.prompts
     if prompts != "builtin" and not Path(prompts).expanduser().is_file():
         raise FileNotFoundError(f"drafter_train.prompts: no file {prompts} ('builtin' or a JSONL file of prompts)")
+    check_wandb("drafter_train.wandb_project", cfg.drafter_train.wandb_project)
     data_file = Path(cfg.drafter_train.out_dir).expanduser() / "data.npz"
     if data_file.is_file():
         check_data(cfg, data_file)
@@ -195,7 +196,8 @@ def train_drafter(cfg: Config, policy: Decoder, tokenizer, *, resume: bool = Tru
         print(f"[train-drafter] draft vocabulary: {len(vocab)} tokens cover "
               f"{summary['data']['draft_vocab_coverage']:.2%} of completion tokens", file=sys.stderr)
     ckpt = RunCheckpointer(out_dir / "checkpoints", keep=dt.keep_checkpoints)
-    sink = MetricsSink(out_dir, dt.tensorboard, ckpt.latest_step())  # a resumed run drops the later lines
+    # A resumed run drops the later lines
+    sink = MetricsSink(out_dir, dt.tensorboard, ckpt.latest_step(), dt.wandb_project, to_dict(cfg))
     evaluate = HeldOutEvaluator(cfg, policy, tokenizer, stop, sink)
     drafter = Drafter(policy.cfg, nnx.Rngs(cfg.seed), DTYPES[cfg.model.dtype], draft_vocab=vocab, kind=dt.kind)
     t_train = time.perf_counter()

@@ -77,12 +77,12 @@ def table_row(metrics: dict[str, Any]) -> str:
 
 
 class MetricsLog:
-    """Writes each step's metrics to stdout (one table row), out_dir/metrics.jsonl and TensorBoard."""
+    """Writes each step's metrics to stdout (one table row), out_dir/metrics.jsonl, TensorBoard and W&B."""
 
     def __init__(self, out_dir: str | Path, tensorboard: bool = True, resume_after: int | None = None,
-                 enabled: bool = True, stream=sys.stdout):
+                 enabled: bool = True, stream=sys.stdout, wandb_project: str = "", config: dict | None = None):
         self.stream = stream
-        self._sink = MetricsSink(out_dir, tensorboard, resume_after) if enabled else None
+        self._sink = MetricsSink(out_dir, tensorboard, resume_after, wandb_project, config) if enabled else None
         if enabled:
             print(table_header(), file=self.stream, flush=True)
 

@@ -33,6 +33,7 @@ from fastrl_jax.data import pipeline
 from fastrl_jax.data.prompt_files import read_records
 from fastrl_jax.data.prompts import record_prompt_ids
 from fastrl_jax.drafter.online import SpotTrainer
+from fastrl_jax.metric_sink import check_wandb
 from fastrl_jax.models.decoder import Decoder
 from fastrl_jax.models.drafter_io import drafter_accept_prior, drafter_dir, make_drafter
 from fastrl_jax.models.loading import load_policy
@@ -137,7 +138,8 @@ class Trainer:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.out_dir / "config.yaml")
         self.metrics = MetricsLog(self.out_dir, rl.tensorboard, self.step if resume else None,
-                                  enabled=jax.process_index() == 0, stream=stream)
+                                  enabled=jax.process_index() == 0, stream=stream, wandb_project=rl.wandb_project,
+                                  config=to_dict(cfg))
 
     # ---- set-up -------------------------------------------------------------------------------
     def _prompt(self, record: dict) -> list[int]:
@@ -564,6 +566,7 @@ def preflight(cfg: Config, mesh_rows: int, files: bool = True) -> None:
                                        draft_margin(cfg.sd)):
             raise ConfigError(f"{problem} (rl.max_new_tokens, {name}, rl.top_k, rl.top_p)")
     rewards.combined(cfg.reward.functions, cfg.reward.weights)
+    check_wandb("rl.wandb_project", rl.wandb_project)
     d = cfg.data
     for name in ("source", "eval_source")[: (1 + bool(rl.eval_every_steps)) * files]:
         path = getattr(d, name)
