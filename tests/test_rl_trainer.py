@@ -166,6 +166,18 @@ def test_a_stop_signal_ends_the_run_after_its_step_with_that_step_saved(tmp_path
     again.close()
 
 
+def test_prompts_longer_than_the_largest_bucket_are_left_out_at_the_start(tmp_path, caplog):
+    """verl's filter_overlong_prompts: said once at the start, not found by the step that draws one hours in."""
+    prompts = tmp_path / "long.jsonl"
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(6)] + [{"prompt": "1+" * 20 + "1=", "answer": "21"}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    trainer = make_trainer(tmp_path, f"data.source={prompts}", f"data.eval_source={prompts}", "rl.eval_every_steps=1")
+    assert trainer.num_records == 6 and len(trainer.eval_records) == 6
+    assert f"data.source {prompts}: 1 of 7 prompts are longer than the largest rollout.prompt_buckets (16 tokens)" \
+        in caplog.text
+    trainer.close()
+
+
 def test_failed_checkpoint_write_keeps_previous(tmp_path, capsys):
     """Step 2's write fails behind the training (Orbax reports it at the next wait): the message names
     step 2, and step 3 is still saved."""

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm import tqdm
 
 from fastrl_jax.checkpoint import RunCheckpointer, UnreadableCheckpoint, read_step_file, write_step_file
 from fastrl_jax.config import Config, ConfigError, TrainingStopped, check_trainable, save_config, to_dict
@@ -123,9 +124,12 @@ class Trainer:
         d = cfg.data
         fields = dict(prompt_field=d.prompt_field, messages_field=d.messages_field, answer_field=d.answer_field)
         train_src = pipeline.source(d.source, cfg.seed, d.math_levels, **fields)
+        if isinstance(train_src, list):  # a prompt file (the built-in problems all fit)
+            train_src = self._fitting(train_src, f"data.source {d.source}")
         self.data = pipeline.PromptIterator(pipeline.prompt_batches(train_src, rl.prompts_per_step, cfg.seed, d.shuffle))
         self.num_records = len(train_src)  # the stream's order depends on it: a resume checks it
-        self.eval_records = held_out_records(cfg, rl.eval_prompts) if rl.eval_every_steps else []
+        self.eval_records = (self._fitting(held_out_records(cfg, rl.eval_prompts), f"data.eval_source {d.eval_source}")
+                             if rl.eval_every_steps else [])
 
         self.out_dir = Path(rl.out_dir).expanduser()
         self.checkpointer = RunCheckpointer(self.out_dir / "checkpoints", rl.keep_checkpoints) if rl.checkpoint_every_steps else None
@@ -144,12 +148,20 @@ class Trainer:
     # ---- set-up -------------------------------------------------------------------------------
     def _prompt(self, record: dict) -> list[int]:
         d = self.cfg.data
-        ids = record_prompt_ids(record, self.tokenizer, d.instruction, d.chat_template)
+        return record_prompt_ids(record, self.tokenizer, d.instruction, d.chat_template)
+
+    def _fitting(self, records: list[dict], what: str) -> list[dict]:
+        """The records whose prompt fits the largest prompt bucket; the others are left out with a warning (verl's
+        data.filter_overlong_prompts), not found by the step that draws one."""
         limit = self.cfg.rollout.prompt_buckets[-1]
-        if len(ids) > limit:
-            raise ValueError(f"a prompt has {len(ids)} tokens, more than the largest rollout.prompt_buckets ({limit}): "
-                             f"raise rollout.prompt_buckets or shorten it: {str(record)[:120]}")
-        return ids
+        kept = [r for r in tqdm(records, desc="prompt lengths", unit="prompt", file=sys.stderr,
+                                disable=len(records) < 10_000) if len(self._prompt(r)) <= limit]
+        if not kept:
+            raise ConfigError(f"{what}: no prompt fits the largest rollout.prompt_buckets ({limit} tokens); raise it")
+        if len(kept) < len(records):
+            log.warning("%s: %d of %d prompts are longer than the largest rollout.prompt_buckets (%d tokens) and are "
+                        "left out; raise it to keep them", what, len(records) - len(kept), len(records), limit)
+        return kept
 
     # ---- one step -----------------------------------------------------------------------------
     def rollout(self, records: list[dict], step: int):
