@@ -416,3 +416,15 @@ def test_chat_prompt_ids_without_template_is_plain_encoding():
             return [len(text)]
 
     assert chat_prompt_ids(Plain(), "abc") == [3]
+
+
+def test_a_partial_rotary_embedding_is_refused(tmp_path):
+    """llama.cpp rotates only rope.dimension_count dimensions of each head; the layers rotate whole heads, so a
+    smaller count is refused, not ignored."""
+    path = tmp_path / "rope.gguf"
+    hf = tiny_hf_tensors("llama", True, np.random.default_rng(0))
+    write_tiny_gguf(path, "llama", hf, lambda writer: writer.add_rope_dimension_count(TINY["head_dim"] // 2))
+    with pytest.raises(ValueError, match=r"llama.rope.dimension_count = 2: a partial rotary embedding"):
+        gguf_loader.read_gguf_config(path)
+    write_tiny_gguf(path, "llama", hf, lambda writer: writer.add_rope_dimension_count(TINY["head_dim"]))
+    assert gguf_loader.read_gguf_config(path)["head_dim"] == TINY["head_dim"]

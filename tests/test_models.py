@@ -307,6 +307,10 @@ _ROPE_CASES = {
     # transformers' own max_position_embeddings, where YaRN without an original length reads it
     "llama yarn, no lengths": ("llama", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})),
     "qwen2 yarn, no lengths": ("qwen2", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0})),
+    # transformers reads a missing original length as max_position_embeddings for llama3 too
+    "llama3, no original length": ("llama", dict(max_position_embeddings=8192, rope_scaling={
+        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0})),
+    "linear via rope_scaling type": ("llama", dict(rope_theta=1e4, rope_scaling={"type": "linear", "factor": 4.0})),
 }
 
 
@@ -342,3 +346,75 @@ def test_a_safetensors_dtype_we_cannot_read_is_named(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(16))
     with pytest.raises(ValueError, match=r"tensor model.embed_tokens.weight has dtype F8_E4M3, which fastrl-jax cannot load"):
         SafetensorsDir(tmp_path).get("model.embed_tokens.weight")
+
+
+@pytest.mark.parametrize("extra,key", [
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16}, "use_sliding_window"),
+    ({"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic'"),
+])
+def test_config_features_the_layers_lack_are_refused_by_key(extra, key):
+    """The layers run SiLU, rotate whole heads with a fixed RoPE table and attend to every earlier token: another
+    activation, a rotary fraction (which transformers' Llama / Qwen ignore and vLLM honours), a sliding window or
+    dynamic RoPE would give other logits than the checkpoint's; refused, naming the key."""
+    base = transformers.LlamaConfig(**TINY).to_dict()
+    with pytest.raises(ValueError, match=key):
+        ModelConfig.from_hf_dict({**base, **extra})
+    for same in ({"hidden_act": "silu"}, {"hidden_act": "swish"}, {"partial_rotary_factor": 1.0}):
+        ModelConfig.from_hf_dict({**base, **same})
+
+
+def test_a_tied_config_over_a_distinct_lm_head_is_refused(tmp_path):
+    """transformers 5 does not tie an lm_head.weight the checkpoint holds with other values than the embedding
+    (it warns and keeps both), so tying it here would silently compute other logits."""
+    import json
+
+    hf = save_random_hf_model("llama", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    with pytest.raises(ValueError, match="tie_word_embeddings: true.*lm_head.weight"):
+        load_model(tmp_path, single_device_mesh())
+    with torch.no_grad():  # the same values in both: transformers ties them, and so do we
+        hf.lm_head.weight.copy_(hf.model.embed_tokens.weight)
+    hf.config.tie_word_embeddings = False  # save both tensors
+    hf.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    model, cfg = load_model(tmp_path, single_device_mesh())
+    assert cfg.tie_word_embeddings
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 5))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert relative_error(prefill(model, cfg, tokens)[0], hf_logits(theirs, tokens)) < model_rtol()
+
+
+def test_rope_scaling_added_beside_rope_parameters_is_refused(tmp_path):
+    """Qwen2.5's README says to add a YaRN rope_scaling block to config.json; a config.json written by transformers 5
+    already holds rope_parameters. transformers then reads rope_scaling alone (losing rope_theta 1e6 for 10000), and
+    reading rope_parameters alone would drop the YaRN scaling: neither is what the user meant, so it is refused."""
+    import json
+
+    from fastrl_jax.models.loading import read_model_config
+
+    transformers.Qwen2Config(**TINY, rope_theta=1e6).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["rope_parameters"] == {"rope_theta": 1e6, "rope_type": "default"}
+    yarn = {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"}
+    (tmp_path / "config.json").write_text(json.dumps({**config, "rope_scaling": yarn}))
+    with pytest.raises(ValueError, match="both rope_parameters .* and rope_scaling"):
+        read_model_config(tmp_path)
+    # the same settings in both (rope_scaling's old `type` spelling included) are one RoPE, not a conflict
+    same = {**config, "rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0,
+                                          "original_max_position_embeddings": 32768}, "rope_scaling": yarn}
+    (tmp_path / "config.json").write_text(json.dumps(same))
+    assert read_model_config(tmp_path).rope_params["factor"] == 4.0
+
+
+def test_a_checkpoint_that_is_not_a_causal_lm_is_refused():
+    """A reward or classification model of a supported family (Qwen2ForSequenceClassification, with its score head)
+    would load as a policy that reads its tied embedding as the LM head: refused by its architectures."""
+    for arch in ("Qwen2ForSequenceClassification", "Qwen2ForRewardModel"):
+        config = transformers.Qwen2Config(**TINY, tie_word_embeddings=True, architectures=[arch]).to_dict()
+        with pytest.raises(ValueError, match=f"architectures=\\['{arch}'\\].*ForCausalLM"):
+            ModelConfig.from_hf_dict(config)
+    ModelConfig.from_hf_dict(transformers.Qwen2Config(**TINY, architectures=["Qwen2ForCausalLM"]).to_dict())

@@ -67,6 +67,11 @@ class ModelConfig:
                 f"unknown architecture model_type={family!r} (architectures={d.get('architectures')}); "
                 f"fastrl-jax supports {', '.join(FAMILIES)}: point the model path at a checkpoint of one of them"
             )
+        architectures = d.get("architectures") or []
+        if architectures and not any(a.endswith("ForCausalLM") for a in architectures):
+            # A reward / classification model's own head (score.weight) would be dropped for the LM head.
+            raise ValueError(f"architectures={architectures} is not a causal language model; fastrl-jax loads "
+                             f"{family} checkpoints whose config.json names a ...ForCausalLM architecture")
         if d.get("use_sliding_window"):
             raise ValueError("sliding-window attention (use_sliding_window: true) is not supported")
         if d.get("mlp_bias"):
@@ -74,14 +79,28 @@ class ModelConfig:
         if family != "qwen2" and d.get("attention_bias"):
             raise ValueError(f"attention biases on {family} (attention_bias: true, q/k/v and o_proj biases) are not supported; "
                              "the layers have Qwen2's q/k/v biases only")
+        if d.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers' ACT2FN runs SiLU for both
+            raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported; the MLP runs SwiGLU (hidden_act: silu)")
         num_heads = d["num_attention_heads"]
         # transformers' defaults where config.json leaves it out: Qwen3Config's 128, else hidden / heads
         head_dim = d.get("head_dim") or (128 if family == "qwen3" else d["hidden_size"] // num_heads)
         # transformers >= 5 nests RoPE settings in rope_parameters; older config.json files use
         # rope_theta + rope_scaling. Either may leave rope_theta at the top level, or out (10000).
-        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        params, scaling = d.get("rope_parameters") or {}, d.get("rope_scaling") or {}
+        if params and any(params.get("rope_type" if k == "type" else k) != v for k, v in scaling.items()):
+            # A hand-added rope_scaling (Qwen2.5's README adds YaRN so) beside transformers 5's rope_parameters:
+            # transformers then reads rope_scaling alone, rope_theta falling back to the top level or 10000.
+            raise ValueError(f"config.json sets both rope_parameters ({params}) and rope_scaling ({scaling}), which "
+                             "disagree; merge the scaling into rope_parameters and remove rope_scaling")
+        rope = dict(params or scaling)
         rope.setdefault("rope_theta", d.get("rope_theta", 10000.0))
         rope.setdefault("rope_type", rope.pop("type", "default"))
+        # transformers' Llama / Qwen default RoPE rotates whole heads whatever this says, vLLM rotates the fraction:
+        # engines disagree on what such a checkpoint computes.
+        partial = rope.get("partial_rotary_factor", d.get("partial_rotary_factor"))
+        if partial not in (None, 1, 1.0):
+            raise ValueError(f"partial_rotary_factor {partial} is not supported; the layers rotate the whole head "
+                             "(partial_rotary_factor: 1.0)")
         return cls(
             family=family,
             vocab_size=d["vocab_size"],
@@ -133,13 +152,13 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[np.ndarray, float]:
     if kind == "linear":
         return inv_freq / p["factor"], 1.0
     if kind == "llama3":
-        return _llama3(inv_freq, p), 1.0
+        return _llama3(inv_freq, p, cfg.max_position_embeddings), 1.0
     return _yarn(inv_freq, base, dim, p, cfg.max_position_embeddings)
 
 
-def _llama3(inv_freq: np.ndarray, p: dict) -> np.ndarray:
+def _llama3(inv_freq: np.ndarray, p: dict, max_pos: int) -> np.ndarray:
     factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
-    old_len = p["original_max_position_embeddings"]
+    old_len = p.get("original_max_position_embeddings") or max_pos  # transformers' default, as for YaRN
     low_wavelen, high_wavelen = old_len / low, old_len / high
     wavelen = 2 * math.pi / inv_freq
     scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)

@@ -421,6 +421,10 @@ def _config(reader: gguf.GGUFReader, path: Path) -> dict[str, Any]:
         "bos_token_id": meta("tokenizer.ggml.bos_token_id"),
         "eos_token_id": _eos_ids(meta),
     }
+    # llama.cpp rotates the first rope.dimension_count dimensions of each head; the layers rotate whole heads.
+    if (rotated := meta(f"{arch}.rope.dimension_count")) not in (None, config["head_dim"]):
+        raise ValueError(f"{path} has {arch}.rope.dimension_count = {rotated}: a partial rotary embedding, which the "
+                         f"decoder does not support (it rotates all head_dim = {config['head_dim']} dimensions)")
     rope_scaling = _rope_scaling(meta, arch)
     if rope_scaling:
         config["rope_scaling"] = rope_scaling

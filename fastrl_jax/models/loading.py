@@ -74,7 +74,18 @@ def load_model(path: str | Path, mesh: Mesh, dtype: str = "float32", attention: 
 
         tensors = gguf_loader.tensor_getter(path, gguf_loader.read_gguf_tensors(path))
         return decoder_from_hf_tensors(cfg, tensors, mesh, dtype), cfg
-    return decoder_from_hf_tensors(cfg, SafetensorsDir(path).get, mesh, dtype), cfg
+    tensors = SafetensorsDir(path)
+    if cfg.tie_word_embeddings and "lm_head.weight" in tensors.entries and not _equal_by_rows(
+            tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")):
+        # transformers 5 then keeps the two apart (and warns); tying here would compute other logits.
+        raise ValueError(f"{path / 'config.json'} says tie_word_embeddings: true, but the checkpoint's lm_head.weight "
+                         "differs from model.embed_tokens.weight: set tie_word_embeddings to false there to load both")
+    return decoder_from_hf_tensors(cfg, tensors.get, mesh, dtype), cfg
+
+
+def _equal_by_rows(a: np.ndarray, b: np.ndarray, rows: int = 4096) -> bool:
+    """np.array_equal of two memory-mapped matrices, a block of rows at a time (no vocab-sized temporaries)."""
+    return a.shape == b.shape and all(np.array_equal(a[i:i + rows], b[i:i + rows]) for i in range(0, len(a), rows))
 
 
 def read_model_config(path: str | Path) -> ModelConfig:
