@@ -365,10 +365,15 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RewardConfig:
-    """Reward = sum of weight x registered reward function (fastrl_jax.rl.rewards)."""
+    """Reward = sum of weight x registered reward function (fastrl_jax.rl.rewards), plus DAPO's overlong
+    shaping when overlong_buffer > 0 (rewards.overlong_penalty)."""
 
     functions: tuple[str, ...] = ("correct",)
     weights: tuple[float, ...] = (1.0,)
+    # DAPO's soft overlong punishment (verl reward_model.overlong_buffer): completions longer than
+    # rl.max_new_tokens - overlong_buffer lose up to overlong_penalty, linearly over the buffer's tokens; 0 off
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
 
     def __post_init__(self):
         if not self.functions or len(self.functions) != len(self.weights):
@@ -376,6 +381,9 @@ class RewardConfig:
                 f"reward.functions ({list(self.functions)}) and reward.weights ({list(self.weights)}) "
                 "must be non-empty lists of the same length"
             )
+        if self.overlong_buffer < 0 or self.overlong_penalty < 0:
+            raise ConfigError(f"reward.overlong_buffer and reward.overlong_penalty must be >= 0, got "
+                              f"{self.overlong_buffer}, {self.overlong_penalty}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -137,3 +137,12 @@ def test_text_wrappers_and_degrees(completion, truth):
     """\\text{}/\\textbf{}/\\mathrm{}/\\mathbf{} around a whole answer is typesetting, and a degree sign a unit (as
     12\\text{ cm} is 12): both MATH-style ground truths and completions write them either way."""
     assert rewards.correctness_reward(completion, truth) == 1.0
+
+
+def test_overlong_penalty_is_dapos():
+    from fastrl_jax.rl.rewards import overlong_penalty
+
+    # verl: expected = max_resp_len - buffer; min(-(length - expected) / buffer * factor, 0)
+    assert [overlong_penalty(n, 100, 20, 1.0) for n in (50, 80, 90, 100)] == [0.0, 0.0, -0.5, -1.0]
+    assert overlong_penalty(95, 100, 20, 0.5) == -0.375
+    assert overlong_penalty(100, 100, 0, 1.0) == 0.0  # off

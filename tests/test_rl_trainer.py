@@ -26,7 +26,7 @@ from fastrl_jax.models.drafter_io import load_drafter
 from fastrl_jax.models.loading import load_model, read_model_config
 from fastrl_jax.models.tokenizer import load_tokenizer
 from fastrl_jax.rl import dry_run, update
-from fastrl_jax.rl.trainer import NonFiniteLoss, Trainer
+from fastrl_jax.rl.trainer import NonFiniteLoss, Trainer, preflight
 from fastrl_jax.sharding import make_mesh
 
 TESTS = Path(__file__).parent
@@ -176,6 +176,25 @@ def test_prompts_longer_than_the_largest_bucket_are_left_out_at_the_start(tmp_pa
     assert f"data.source {prompts}: 1 of 7 prompts are longer than the largest rollout.prompt_buckets (16 tokens)" \
         in caplog.text
     trainer.close()
+
+
+def test_dapos_overlong_penalty_shapes_the_step_reward(tmp_path):
+    trainer = make_trainer(tmp_path, "reward.overlong_buffer=6", "reward.overlong_penalty=0.5", steps=1)
+    trainer.reward_fn = lambda completion, answer: 0.0
+    lengths, rollout = [], trainer.rollout
+
+    def record(records, step):
+        out = rollout(records, step)
+        lengths.extend(len(c.tokens) for c in out[1])
+        return out
+
+    trainer.rollout = record
+    metrics = trainer.run_step()
+    trainer.close()
+    expected = [min(-(n - 6) / 6 * 0.5, 0.0) for n in lengths]  # rl.max_new_tokens 12
+    assert min(expected) < 0 and metrics["reward_mean"] == pytest.approx(np.mean(expected))
+    with pytest.raises(ConfigError, match=r"reward.overlong_buffer \(12\) must be below rl.max_new_tokens \(12\)"):
+        preflight(load_config(None, [*tiny_overrides(tmp_path), "reward.overlong_buffer=12"]), 1)
 
 
 def test_failed_checkpoint_write_keeps_previous(tmp_path, capsys):

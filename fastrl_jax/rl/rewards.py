@@ -157,6 +157,12 @@ def format_reward(completion: str, answer: str) -> float:
     return float(last_boxed(completion) is not None or bool(_ANSWER_IS.search(completion)))
 
 
+def overlong_penalty(length: int, max_new_tokens: int, buffer: int, factor: float) -> float:
+    """DAPO's soft overlong punishment (verl's overlong_buffer): 0 up to max_new_tokens - buffer completion tokens,
+    then falling linearly to -factor at max_new_tokens; 0 with buffer 0."""
+    return min(-(length - (max_new_tokens - buffer)) / buffer * factor, 0.0) if buffer else 0.0
+
+
 def combined(names: tuple[str, ...], weights: tuple[float, ...]) -> Callable[[str, str], float]:
     """sum_i weights[i] * reward names[i]; unknown names fail here, at start-up."""
     if len(names) != len(weights):

@@ -306,7 +306,10 @@ class Trainer:
         rollout_s = time.perf_counter() - t0
         texts = [self._text(c) for c in completions]
         answers = [records[i // rl.samples_per_prompt]["answer"] for i in range(len(requests))]
-        reward = np.array([self.reward_fn(t, a) for t, a in zip(texts, answers)], np.float32)
+        shaping = self.cfg.reward
+        reward = np.array([self.reward_fn(t, a) + rewards.overlong_penalty(len(c.tokens), rl.max_new_tokens,
+                                                                           shaping.overlong_buffer, shaping.overlong_penalty)
+                           for t, a, c in zip(texts, answers, completions)], np.float32)
         correct = [rewards.correctness_reward(t, a) for t, a in zip(texts, answers)]
         adv = np.asarray(grpo.group_advantages(jnp.asarray(reward), rl.samples_per_prompt, rl.advantage_std_normalize))
         tokens, pad, mask, adv, _ = self.build_batch(requests, completions, adv)
@@ -578,6 +581,9 @@ def preflight(cfg: Config, mesh_rows: int, files: bool = True) -> None:
                                        draft_margin(cfg.sd)):
             raise ConfigError(f"{problem} (rl.max_new_tokens, {name}, rl.top_k, rl.top_p)")
     rewards.combined(cfg.reward.functions, cfg.reward.weights)
+    if cfg.reward.overlong_buffer >= rl.max_new_tokens:
+        raise ConfigError(f"reward.overlong_buffer ({cfg.reward.overlong_buffer}) must be below rl.max_new_tokens "
+                          f"({rl.max_new_tokens}): the penalty starts that many tokens before the limit")
     check_wandb("rl.wandb_project", rl.wandb_project)
     d = cfg.data
     for name in ("source", "eval_source")[: (1 + bool(rl.eval_every_steps)) * files]:
