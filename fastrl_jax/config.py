@@ -424,6 +424,10 @@ class RLConfig:
     top_p: float = 1.0
     top_k: int = 0
     minibatches_per_step: int = 1  # optimizer updates per rollout batch; > 1 makes later ones off-policy
+    # DAPO's dynamic sampling (verl algorithm.filter_groups): prompt groups whose rewards are all equal are
+    # dropped and more prompts drawn, at most max_gen_batches batches a step (0: no limit)
+    filter_groups: bool = False
+    max_gen_batches: int = 10
     micro_batch_size: int = 8  # sequences per forward/backward; gradients accumulate over a mini-batch
     clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high] (DAPO's clip-higher)
     clip_high: float = 0.28
@@ -451,6 +455,7 @@ class RLConfig:
         _check_choice("rl.kl_estimator", self.kl_estimator, ("k1", "k3"))
         _check_at_least("rl", self, ("steps", "prompts_per_step", "max_new_tokens", "minibatches_per_step",
                                      "micro_batch_size", "keep_checkpoints", "eval_prompts", "eval_samples"), 1)
+        _check_at_least("rl", self, ("max_gen_batches",), 0)
         if self.samples_per_prompt < 2:
             raise ConfigError(f"rl.samples_per_prompt must be >= 2 (GRPO compares samples of a prompt), got {self.samples_per_prompt}")
         for problem in (temperature_problem("rl.temperature", self.temperature, greedy=False),

@@ -44,8 +44,8 @@ def run_recording(trainer: Trainer):
     rollouts = []
     original = trainer.rollout
 
-    def record(records, step):
-        out = original(records, step)
+    def record(records, step, first=0):
+        out = original(records, step, first)
         rollouts.append([(c.tokens, c.finish_reason) for c in out[1]])
         return out
 
@@ -152,9 +152,9 @@ def test_a_stop_signal_ends_the_run_after_its_step_with_that_step_saved(tmp_path
     trainer = make_trainer(tmp_path, "rl.checkpoint_every_steps=10", steps=3)
     original = trainer.rollout
 
-    def preempted(records, step):
+    def preempted(records, step, first=0):
         os.kill(os.getpid(), signal.SIGTERM)  # without the trainer's handler this ends the test process
-        return original(records, step)
+        return original(records, step, first)
 
     trainer.rollout = preempted
     with pytest.raises(TrainingStopped, match=r"SIGTERM: stopped after step 1 of 3; its checkpoint is saved and --resume"):
@@ -183,8 +183,8 @@ def test_dapos_overlong_penalty_shapes_the_step_reward(tmp_path):
     trainer.reward_fn = lambda completion, answer: 0.0
     lengths, rollout = [], trainer.rollout
 
-    def record(records, step):
-        out = rollout(records, step)
+    def record(records, step, first=0):
+        out = rollout(records, step, first)
         lengths.extend(len(c.tokens) for c in out[1])
         return out
 
@@ -195,6 +195,29 @@ def test_dapos_overlong_penalty_shapes_the_step_reward(tmp_path):
     assert min(expected) < 0 and metrics["reward_mean"] == pytest.approx(np.mean(expected))
     with pytest.raises(ConfigError, match=r"reward.overlong_buffer \(12\) must be below rl.max_new_tokens \(12\)"):
         preflight(load_config(None, [*tiny_overrides(tmp_path), "reward.overlong_buffer=12"]), 1)
+
+
+@pytest.mark.parametrize("filter_groups", [False, True])
+def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ(tmp_path, filter_groups):
+    """DAPO's dynamic sampling: prompts with an even answer get reward 0 from every sample (no gradient); with
+    rl.filter_groups their groups are dropped and further prompts drawn until 4 groups with a signal remain."""
+    trainer = make_trainer(tmp_path, f"rl.filter_groups={str(filter_groups).lower()}", "rl.max_gen_batches=20", steps=1)
+    trainer.reward_fn = lambda completion, answer: float(len(completion) % 3) if int(answer) % 2 else 0.0
+    advantages, build = [], trainer.build_batch
+
+    def record(requests, completions, adv):
+        advantages.append(adv.reshape(-1, 4))
+        return build(requests, completions, adv)
+
+    trainer.build_batch = record
+    metrics = trainer.run_step()
+    trainer.close()
+    silent = int((np.abs(advantages[0]).sum(1) == 0).sum())  # groups without a gradient
+    assert len(advantages[0]) == 4
+    if filter_groups:
+        assert silent == 0 and metrics["gen_batches"] > 1
+    else:
+        assert silent > 0 and "gen_batches" not in metrics  # the draw this test relies on has even answers
 
 
 def test_failed_checkpoint_write_keeps_previous(tmp_path, capsys):

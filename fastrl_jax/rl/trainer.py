@@ -47,6 +47,7 @@ from fastrl_jax.rl.workers import RolloutWorkers, request_seed
 from fastrl_jax.rollout.engine import Completion, Request
 from fastrl_jax.rollout.history import HistoryStore
 from fastrl_jax.rollout.requests import draft_margin, sampling_problem
+from fastrl_jax.rollout.stats import RolloutStats
 from fastrl_jax.sharding import make_mesh, shardings_for, to_host_local, to_replicated
 
 log = logging.getLogger(__name__)
@@ -164,11 +165,12 @@ class Trainer:
         return kept
 
     # ---- one step -----------------------------------------------------------------------------
-    def rollout(self, records: list[dict], step: int):
+    def rollout(self, records: list[dict], step: int, first: int = 0):
+        """first: the step's index of the first request (a step's later batches, rl.filter_groups)."""
         rl = self.cfg.rl
         requests = [
             Request(self._prompt(r), rl.max_new_tokens, rl.temperature, rl.top_k, rl.top_p,
-                    request_seed(self.cfg.seed, step, g * rl.samples_per_prompt + s), self.stop_ids)
+                    request_seed(self.cfg.seed, step, first + g * rl.samples_per_prompt + s), self.stop_ids)
             for g, r in enumerate(records) for s in range(rl.samples_per_prompt)
         ]
         spot, report = self.spot, {}
@@ -298,19 +300,46 @@ class Trainer:
         return {"eval_accuracy": accuracy, "eval_temperature": self.cfg.rl.eval_temperature,
                 "eval_s": time.perf_counter() - t0}
 
-    def run_step(self) -> dict[str, Any]:
-        rl, step = self.cfg.rl, self.step + 1
-        t0 = time.perf_counter()
-        records = next(self.data)
-        requests, completions, stats, spot_report = self.rollout(records, step)
-        rollout_s = time.perf_counter() - t0
+    def _rewards(self, records: list[dict], completions: list[Completion]) -> tuple[np.ndarray, list[float]]:
+        """Each completion's reward (reward.functions, DAPO's overlong shaping) and correctness."""
+        rl, shaping = self.cfg.rl, self.cfg.reward
         texts = [self._text(c) for c in completions]
-        answers = [records[i // rl.samples_per_prompt]["answer"] for i in range(len(requests))]
-        shaping = self.cfg.reward
+        answers = [records[i // rl.samples_per_prompt]["answer"] for i in range(len(completions))]
         reward = np.array([self.reward_fn(t, a) + rewards.overlong_penalty(len(c.tokens), rl.max_new_tokens,
                                                                            shaping.overlong_buffer, shaping.overlong_penalty)
                            for t, a, c in zip(texts, answers, completions)], np.float32)
-        correct = [rewards.correctness_reward(t, a) for t, a in zip(texts, answers)]
+        return reward, [rewards.correctness_reward(t, a) for t, a in zip(texts, answers)]
+
+    def _sample(self, step: int):
+        """The step's rl.prompts_per_step groups: (requests, completions, rewards, correctness, stats, the online
+        drafter's report, batches drawn). With rl.filter_groups (DAPO's dynamic sampling) a group whose rewards are
+        all equal (no gradient) is dropped and further batches are drawn, up to rl.max_gen_batches; short of
+        groups then, equal-reward ones fill the step, with a warning."""
+        rl, n = self.cfg.rl, self.cfg.rl.samples_per_prompt
+        kept, spare, stats, report, drawn = [], [], RolloutStats(), {}, 0
+        while len(kept) < rl.prompts_per_step and not (drawn and drawn == rl.max_gen_batches):
+            records = next(self.data)
+            requests, completions, batch_stats, batch_report = self.rollout(records, step, drawn * len(records) * n)
+            drawn, stats = drawn + 1, stats + batch_stats
+            report = {k: report.get(k, 0) + v if k in _SUMMED_REPORT else v for k, v in batch_report.items()}
+            reward, correct = self._rewards(records, completions)
+            for g in range(len(records)):
+                part = slice(g * n, (g + 1) * n)
+                group = (requests[part], completions[part], reward[part], correct[part])
+                (kept if not rl.filter_groups or np.ptp(reward[part]) > 0 else spare).append(group)
+        if len(kept) < rl.prompts_per_step:
+            log.warning("step %d: %d of %d prompt groups have rewards that differ after %d batches "
+                        "(rl.max_gen_batches); equal-reward groups fill the step", step, len(kept), rl.prompts_per_step, drawn)
+        groups = (kept + spare)[: rl.prompts_per_step]
+        requests, completions = [x for g in groups for x in g[0]], [x for g in groups for x in g[1]]
+        return (requests, completions, np.concatenate([g[2] for g in groups]), [x for g in groups for x in g[3]],
+                stats, report, drawn)
+
+    def run_step(self) -> dict[str, Any]:
+        rl, step = self.cfg.rl, self.step + 1
+        t0 = time.perf_counter()
+        requests, completions, reward, correct, stats, spot_report, drawn = self._sample(step)
+        rollout_s = time.perf_counter() - t0
         adv = np.asarray(grpo.group_advantages(jnp.asarray(reward), rl.samples_per_prompt, rl.advantage_std_normalize))
         tokens, pad, mask, adv, _ = self.build_batch(requests, completions, adv)
 
@@ -326,6 +355,8 @@ class Trainer:
         metrics |= rollout_summary(reward, correct, [len(c.tokens) for c in completions],
                                    [c.finish_reason for c in completions], stats)
         metrics["rollout_digest"] = token_digest(c.tokens for c in completions)
+        if rl.filter_groups:
+            metrics["gen_batches"] = drawn
         metrics |= spot_report  # the online drafter trainer's steps during the rollout
         metrics |= {"rollout_s": rollout_s, "train_s": train_s, "rollout_tokens_per_s": metrics["tokens"] / rollout_s, "lr": lr}
         metrics |= train
@@ -534,6 +565,10 @@ def _state_from(module: nnx.Module, pure: dict) -> nnx.State:
     state = nnx.state(module)
     nnx.replace_by_pure_dict(state, pure)
     return state
+
+
+# The online drafter's report of a step's several rollouts (rl.filter_groups): these add up, the rest are the last's.
+_SUMMED_REPORT = ("drafter_steps", "drafter_spot_s", "drafter_preempt_s")
 
 
 @contextlib.contextmanager
