@@ -12,6 +12,7 @@ from flax import nnx
 from helpers.checkpoints import damage
 from helpers.tiny import TINY, tiny_model
 
+from fastrl_jax.checkpoint import checkpoint_steps
 from fastrl_jax.config import Config, DrafterTrainConfig, RolloutConfig
 from fastrl_jax.drafter import warmup
 from fastrl_jax.drafter.train import LossSettings, drafter_loss, drafter_optimizer, make_train_step, smooth_l1
@@ -281,6 +282,14 @@ def test_resume_continues_the_same_run(policy, tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         warmup.train_drafter(cfg, policy, FakeTokenizer(), progress=False)
     monkeypatch.setattr(warmup, "make_train_step", real)
+    # Interrupted (Ctrl-C, SIGTERM) before its first checkpoint is due: the finished steps are saved on the way out.
+    late = run_config(tmp_path, "late")
+    late = dataclasses.replace(late, drafter_train=dataclasses.replace(late.drafter_train, checkpoint_every_steps=4))
+    monkeypatch.setattr(warmup, "make_train_step", crashing)
+    with pytest.raises(KeyboardInterrupt):
+        warmup.train_drafter(late, policy, FakeTokenizer(), progress=False)
+    monkeypatch.setattr(warmup, "make_train_step", real)
+    assert checkpoint_steps(tmp_path / "late") == [2]
     warmup.train_drafter(cfg, policy, FakeTokenizer(), progress=False)
 
     a = load_drafter(tmp_path / "whole" / "drafter", TINY)

@@ -315,20 +315,32 @@ def train(cfg: Config, policy: Decoder, drafter: Drafter, buffer: SampleBuffer, 
     log = _StepLog(sink)
     base_key = jax.random.key(cfg.seed)
     bar = tqdm(total=dt.steps, initial=start, desc="train-drafter", unit="step", file=sys.stderr, disable=not progress)
-    for step in range(start, dt.steps):
-        batch = buffer.sample(np.random.default_rng([cfg.seed, step]), dt.batch_rows, dt.seq_len_tokens)
-        batch = {k: jnp.asarray(v) for k, v in dataclasses.asdict(batch).items()}
-        params, opt_state, m = train_step(dgraphdef, params, rest, opt_state, pgraphdef, pstate, batch,
-                                          jax.random.fold_in(base_key, step))
-        log.pending.append(m)
-        bar.update(1)
-        done = step + 1
-        if done % dt.log_every_steps == 0 or done == dt.steps:
-            bar.set_postfix(log.flush(done))
-        if done % dt.checkpoint_every_steps == 0 or done == dt.steps:
-            ckpt.save(done, {"params": nnx.to_pure_dict(params), "opt_state": opt_state}, {"trainer": {"step": done}})
-        if dt.eval_every_steps and done % dt.eval_every_steps == 0 and done != dt.steps:
-            log.last_eval = evaluate(nnx.merge(dgraphdef, params, rest), done)
+    def save(done, params, opt_state):
+        ckpt.save(done, {"params": nnx.to_pure_dict(params), "opt_state": opt_state}, {"trainer": {"step": done}})
+
+    last = (start, params, opt_state)  # the latest finished step, assigned at once: an interrupt sees one whole
+    saved = start
+    try:
+        for step in range(start, dt.steps):
+            batch = buffer.sample(np.random.default_rng([cfg.seed, step]), dt.batch_rows, dt.seq_len_tokens)
+            batch = {k: jnp.asarray(v) for k, v in dataclasses.asdict(batch).items()}
+            *state, m = train_step(dgraphdef, params, rest, opt_state, pgraphdef, pstate, batch,
+                                   jax.random.fold_in(base_key, step))
+            last = (step + 1, *state)
+            done, params, opt_state = last
+            log.pending.append(m)
+            bar.update(1)
+            if done % dt.log_every_steps == 0 or done == dt.steps:
+                bar.set_postfix(log.flush(done))
+            if done % dt.checkpoint_every_steps == 0 or done == dt.steps:
+                saved = done
+                save(*last)
+            if dt.eval_every_steps and done % dt.eval_every_steps == 0 and done != dt.steps:
+                log.last_eval = evaluate(nnx.merge(dgraphdef, params, rest), done)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (cli): the steps since the last checkpoint are kept too
+        if last[0] > saved:
+            save(*last)
+        raise
     bar.close()
     return nnx.merge(dgraphdef, params, rest)
 
