@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -310,19 +310,20 @@ class Trainer:
                            for t, a, c in zip(texts, answers, completions)], np.float32)
         return reward, [rewards.correctness_reward(t, a) for t, a in zip(texts, answers)]
 
-    def _sample(self, step: int):
-        """The step's rl.prompts_per_step groups: (requests, completions, rewards, correctness, stats, the online
-        drafter's report, batches drawn). With rl.filter_groups (DAPO's dynamic sampling) a group whose rewards are
-        all equal (no gradient) is dropped and further batches are drawn, up to rl.max_gen_batches; short of
-        groups then, equal-reward ones fill the step, with a warning."""
+    def _sample(self, step: int) -> _Sampled:
+        """The step's rl.prompts_per_step groups, rolled out and rewarded. With rl.filter_groups (DAPO's dynamic
+        sampling) a group whose rewards are all equal (no gradient) is dropped and further batches are drawn, up
+        to rl.max_gen_batches; short of groups then, equal-reward ones fill the step, with a warning."""
         rl, n = self.cfg.rl, self.cfg.rl.samples_per_prompt
-        kept, spare, stats, report, drawn = [], [], RolloutStats(), {}, 0
+        kept, spare, stats, report, drawn, reward_s = [], [], RolloutStats(), {}, 0, 0.0
         while len(kept) < rl.prompts_per_step and not (drawn and drawn == rl.max_gen_batches):
             records = next(self.data)
             requests, completions, batch_stats, batch_report = self.rollout(records, step, drawn * len(records) * n)
             drawn, stats = drawn + 1, stats + batch_stats
             report = {k: report.get(k, 0) + v if k in _SUMMED_REPORT else v for k, v in batch_report.items()}
+            t0 = time.perf_counter()
             reward, correct = self._rewards(records, completions)
+            reward_s += time.perf_counter() - t0
             for g in range(len(records)):
                 part = slice(g * n, (g + 1) * n)
                 group = (requests[part], completions[part], reward[part], correct[part])
@@ -331,15 +332,15 @@ class Trainer:
             log.warning("step %d: %d of %d prompt groups have rewards that differ after %d batches "
                         "(rl.max_gen_batches); equal-reward groups fill the step", step, len(kept), rl.prompts_per_step, drawn)
         groups = (kept + spare)[: rl.prompts_per_step]
-        requests, completions = [x for g in groups for x in g[0]], [x for g in groups for x in g[1]]
-        return (requests, completions, np.concatenate([g[2] for g in groups]), [x for g in groups for x in g[3]],
-                stats, report, drawn)
+        return _Sampled([x for g in groups for x in g[0]], [x for g in groups for x in g[1]],
+                        np.concatenate([g[2] for g in groups]), [x for g in groups for x in g[3]], stats, report, drawn,
+                        reward_s)
 
     def run_step(self) -> dict[str, Any]:
         rl, step = self.cfg.rl, self.step + 1
         t0 = time.perf_counter()
-        requests, completions, reward, correct, stats, spot_report, drawn = self._sample(step)
-        rollout_s = time.perf_counter() - t0
+        requests, completions, reward, correct, stats, spot_report, drawn, reward_s = self._sample(step)
+        rollout_s = time.perf_counter() - t0 - reward_s
         adv = np.asarray(grpo.group_advantages(jnp.asarray(reward), rl.samples_per_prompt, rl.advantage_std_normalize))
         tokens, pad, mask, adv, _ = self.build_batch(requests, completions, adv)
 
@@ -355,6 +356,7 @@ class Trainer:
         metrics |= rollout_summary(reward, correct, [len(c.tokens) for c in completions],
                                    [c.finish_reason for c in completions], stats)
         metrics["rollout_digest"] = token_digest(c.tokens for c in completions)
+        metrics["reward_s"] = reward_s
         if rl.filter_groups:
             metrics["gen_batches"] = drawn
         metrics |= spot_report  # the online drafter trainer's steps during the rollout
@@ -565,6 +567,19 @@ def _state_from(module: nnx.Module, pure: dict) -> nnx.State:
     state = nnx.state(module)
     nnx.replace_by_pure_dict(state, pure)
     return state
+
+
+class _Sampled(NamedTuple):
+    """A step's rollout groups (Trainer._sample)."""
+
+    requests: list[Request]
+    completions: list[Completion]
+    reward: np.ndarray
+    correct: list[float]
+    stats: RolloutStats
+    spot_report: dict[str, float]  # the online drafter trainer's phase
+    gen_batches: int  # prompt batches drawn
+    reward_s: float  # seconds in the reward functions
 
 
 # The online drafter's report of a step's several rollouts (rl.filter_groups): these add up, the rest are the last's.
