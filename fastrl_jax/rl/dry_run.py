@@ -176,7 +176,7 @@ def memory_warning(cfg: Config, devices: int, bytes_limit: int | None) -> str | 
     """Why a run may not fit when the memory plan per device exceeds what JAX may allocate on one (the device's
     memory_stats()["bytes_limit"]; None on CPU, which plans nothing), else None."""
     total = memory_plan(cfg, devices)["total"] if bytes_limit else 0
-    if total <= (bytes_limit or 0):
+    if not bytes_limit or total <= bytes_limit:
         return None
     return (f"the memory plan needs {total / GiB:.1f} GiB a device (`train --dry-run` itemises it) and JAX may allocate "
             f"{bytes_limit / GiB:.1f} GiB of one (XLA_PYTHON_CLIENT_MEM_FRACTION={_memory_fraction():g}): raise the "
