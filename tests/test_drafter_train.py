@@ -245,7 +245,7 @@ class FakeTokenizer:
     eos_token_id = 3
 
 
-def run_config(tmp_path, name, steps=4):
+def run_config(tmp_path, name, steps=4, checkpoint_every=2):
     prompts = tmp_path / "prompts.jsonl"
     rng = np.random.default_rng(0)
     prompts.write_text("".join(json.dumps({"prompt_ids": rng.integers(4, 128, 6).tolist()}) + "\n" for _ in range(6)))
@@ -254,7 +254,7 @@ def run_config(tmp_path, name, steps=4):
     dt = DrafterTrainConfig(
         out_dir=str(tmp_path / name), prompts=str(prompts), num_prompts=6, max_new_tokens=24, draft_vocab_size=32,
         steps=steps, batch_rows=2, seq_len_tokens=32, warmup_steps=1, learning_rate=1e-3, log_every_steps=1,
-        eval_every_steps=0, eval_prompts=0, checkpoint_every_steps=2, keep_checkpoints=2, tensorboard=False,
+        eval_every_steps=0, eval_prompts=0, checkpoint_every_steps=checkpoint_every, keep_checkpoints=2, tensorboard=False,
         unroll_steps=2, buffer_max_tokens=4096,
     )
     return Config(rollout=rollout, drafter_train=dt)
@@ -277,18 +277,16 @@ def test_resume_continues_the_same_run(policy, tmp_path, monkeypatch):
 
         return wrapped
 
+    def interrupted(cfg):
+        monkeypatch.setattr(warmup, "make_train_step", crashing)
+        with pytest.raises(KeyboardInterrupt):
+            warmup.train_drafter(cfg, policy, FakeTokenizer(), progress=False)
+        monkeypatch.setattr(warmup, "make_train_step", real)
+
     cfg = run_config(tmp_path, "killed")
-    monkeypatch.setattr(warmup, "make_train_step", crashing)
-    with pytest.raises(KeyboardInterrupt):
-        warmup.train_drafter(cfg, policy, FakeTokenizer(), progress=False)
-    monkeypatch.setattr(warmup, "make_train_step", real)
+    interrupted(cfg)
     # Interrupted (Ctrl-C, SIGTERM) before its first checkpoint is due: the finished steps are saved on the way out.
-    late = run_config(tmp_path, "late")
-    late = dataclasses.replace(late, drafter_train=dataclasses.replace(late.drafter_train, checkpoint_every_steps=4))
-    monkeypatch.setattr(warmup, "make_train_step", crashing)
-    with pytest.raises(KeyboardInterrupt):
-        warmup.train_drafter(late, policy, FakeTokenizer(), progress=False)
-    monkeypatch.setattr(warmup, "make_train_step", real)
+    interrupted(run_config(tmp_path, "late", checkpoint_every=4))
     assert checkpoint_steps(tmp_path / "late") == [2]
     warmup.train_drafter(cfg, policy, FakeTokenizer(), progress=False)
 
@@ -302,12 +300,8 @@ def test_resume_continues_the_same_run(policy, tmp_path, monkeypatch):
 
     # Killed the same way with checkpoints at steps 1 and 2, the latest damaged: the rerun falls back to step 1,
     # sets step 2 aside and runs it again (its line too), and keep-k does not prune the good step.
-    cfg = run_config(tmp_path, "damaged")
-    cfg = dataclasses.replace(cfg, drafter_train=dataclasses.replace(cfg.drafter_train, checkpoint_every_steps=1))
-    monkeypatch.setattr(warmup, "make_train_step", crashing)
-    with pytest.raises(KeyboardInterrupt):
-        warmup.train_drafter(cfg, policy, FakeTokenizer(), progress=False)
-    monkeypatch.setattr(warmup, "make_train_step", real)
+    cfg = run_config(tmp_path, "damaged", checkpoint_every=1)
+    interrupted(cfg)
     damage(tmp_path / "damaged" / "checkpoints" / "2")
     warmup.train_drafter(cfg, policy, FakeTokenizer(), progress=False)
     c = load_drafter(tmp_path / "damaged" / "drafter", TINY)
