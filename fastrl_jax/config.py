@@ -438,6 +438,7 @@ class RLConfig:
     advantage_std_normalize: bool = True
     kl_coef: float = 0.0  # > 0 keeps a frozen reference policy
     kl_estimator: str = "k3"  # k1 (verl kl) | k3 (verl low_var_kl, clamped as it)
+    entropy_coeff: float = 0.0  # entropy bonus (verl actor.entropy_coeff): the loss subtracts it x the entropy
     remat: bool = False  # recompute layer activations in the backward pass
     drafter_path: str = ""  # drafter checkpoint for sd.mode != off; '' = randomly initialised (lossless, slow)
     out_dir: str = "runs/grpo"  # checkpoints, metrics.jsonl, tensorboard/
@@ -464,8 +465,9 @@ class RLConfig:
                 raise ConfigError(problem)
         if not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ConfigError(f"rl needs 0 < top_p <= 1, top_k >= 0; got {self.top_p}, {self.top_k}")
-        if not 0 <= self.clip_low < 1 or self.clip_high < 0 or self.kl_coef < 0:
-            raise ConfigError(f"rl needs 0 <= clip_low < 1, clip_high >= 0, kl_coef >= 0; got {self.clip_low}, {self.clip_high}, {self.kl_coef}")
+        if not 0 <= self.clip_low < 1 or self.clip_high < 0 or self.kl_coef < 0 or self.entropy_coeff < 0:
+            raise ConfigError(f"rl needs 0 <= clip_low < 1, clip_high >= 0, kl_coef >= 0, entropy_coeff >= 0; got "
+                              f"{self.clip_low}, {self.clip_high}, {self.kl_coef}, {self.entropy_coeff}")
         if self.clip_ratio_c != 0 and not self.clip_ratio_c > 1:
             raise ConfigError(f"rl.clip_ratio_c (dual-clip PPO's bound) must be > 1, or 0 for off; got {self.clip_ratio_c}")
         if self.checkpoint_every_steps < 0 or self.eval_every_steps < 0:

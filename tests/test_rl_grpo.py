@@ -246,9 +246,10 @@ def test_kl_matches_verl_and_stays_finite():
     assert np.isfinite(float(value)) and np.isfinite(np.asarray(grad)).all()
 
 
-def _reference_logp(graphdef, params, rows, width, temperature):
+def _reference_logp(graphdef, params, rows, width, temperature, entropy=False):
     """log p(completion) [N, width] (0 past each completion's end) by the engine's prefill: each row's prompt and
-    completion from slot 0 (no left padding), positions = slots, causal attention."""
+    completion from slot 0 (no left padding), positions = slots, causal attention; with `entropy`, also each
+    position's entropy."""
     model = nnx.merge(graphdef, params)
     N, L = len(rows), max(len(p) + len(c) for p, c in rows)
     seq = np.zeros((N, L), np.int32)
@@ -263,16 +264,18 @@ def _reference_logp(graphdef, params, rows, width, temperature):
                          KVCache.zeros(model.cfg, N, L, jnp.float32), jnp.zeros(N, jnp.int32))
     logp = jax.nn.log_softmax(jnp.take_along_axis(logits, jnp.asarray(first)[..., None], axis=1) / temperature, axis=-1)
     live = np.arange(width)[None] < np.asarray([len(c) for _, c in rows])[:, None]
-    return jnp.where(live, jnp.take_along_axis(logp, jnp.asarray(target)[..., None], axis=-1)[..., 0], 0.0)
+    out = jnp.where(live, jnp.take_along_axis(logp, jnp.asarray(target)[..., None], axis=-1)[..., 0], 0.0)
+    return (out, -jnp.sum(jnp.exp(logp) * logp, axis=-1)) if entropy else out
 
 
-def _reference_loss(params, graphdef, ref_params, rows, old, adv, aggregation, lo, hi, c, kl_coef, temperature):
+def _reference_loss(params, graphdef, ref_params, rows, old, adv, aggregation, lo, hi, c, kl_coef, temperature,
+                    entropy_coeff):
     """The whole mini-batch's GRPO loss written out from verl's definitions (compute_policy_loss_vanilla,
     kl_penalty low_var_kl, agg_loss token-mean / seq-mean-token-mean / seq-mean-token-sum / seq-mean-token-sum-norm
-    with loss_scale_factor LENGTH_SCALE)."""
+    with loss_scale_factor LENGTH_SCALE, the entropy bonus)."""
     width = old.shape[1]
     mask = jnp.asarray(np.arange(width)[None] < np.asarray([len(c) for _, c in rows])[:, None], jnp.float32)
-    lp = _reference_logp(graphdef, params, rows, width, temperature)
+    lp, entropy = _reference_logp(graphdef, params, rows, width, temperature, entropy=True)
     ref = jax.lax.stop_gradient(_reference_logp(graphdef, ref_params, rows, width, temperature))
     ratio = jnp.exp(jnp.clip(lp - old, -20.0, 20.0))
     a = adv[:, None]
@@ -288,7 +291,7 @@ def _reference_loss(params, graphdef, ref_params, rows, old, adv, aggregation, l
             return jnp.mean(jnp.sum(x * mask, axis=1) / jnp.sum(mask, axis=1))
         return jnp.mean(jnp.sum(x * mask, axis=1) / (LENGTH_SCALE if aggregation == "sequence_sum_norm" else 1.0))
 
-    return agg(pg) + kl_coef * agg(kl)
+    return agg(pg) + kl_coef * agg(kl) - entropy_coeff * agg(entropy)
 
 
 LENGTH_SCALE = 16.0
@@ -319,7 +322,7 @@ def test_accumulated_off_policy_step_matches_verl_loss_on_the_whole_minibatch(ag
     old[mask == 0] = 50.0
     adv = rng.normal(size=N).astype(np.float32)
     opts = update.StepOptions(T, 0.2, 0.28, 3.0, aggregation, 0.05, "k3", remat=True, on_policy=False,
-                              length_scale=LENGTH_SCALE)
+                              length_scale=LENGTH_SCALE, entropy_coeff=0.01)
     tx = optax.sgd(1.0)  # new params = params - gradient
     K = 4
     batch = update.GRPOBatch(tokens.reshape(K, N // K, -1), pad.reshape(K, -1), mask.reshape(K, N // K, -1),
@@ -328,9 +331,9 @@ def test_accumulated_off_policy_step_matches_verl_loss_on_the_whole_minibatch(ag
     new, _, metrics = step(graphdef, tx, opts, params, tx.init(params), ref_params, batch)
     assert 0 < float(metrics["clip_fraction"]) < 1 and 0 < float(metrics["dual_clip_fraction"]) < 1
 
-    value, grad = jax.jit(jax.value_and_grad(_reference_loss), static_argnums=(1, 3, 6, 7, 8, 9, 10, 11))(
+    value, grad = jax.jit(jax.value_and_grad(_reference_loss), static_argnums=(1, 3, 6, 7, 8, 9, 10, 11, 12))(
         params, graphdef, ref_params, tuple((tuple(p), tuple(c)) for p, c in rows), jnp.asarray(old), jnp.asarray(adv),
-        aggregation, 0.2, 0.28, 3.0, 0.05, T)
+        aggregation, 0.2, 0.28, 3.0, 0.05, T, 0.01)
     assert float(metrics["loss"]) == pytest.approx(float(value), rel=1e-4)
     scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grad))
     jax.tree.map(lambda g, p, n: np.testing.assert_allclose(p - n, g, atol=2e-4 * scale), grad, params, new)

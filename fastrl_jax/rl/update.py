@@ -128,11 +128,13 @@ class StepOptions:
     remat: bool
     on_policy: bool  # the batch was sampled by exactly these params: old_logp = stop_gradient(logp)
     length_scale: float = 1.0  # sequence_sum_norm's constant divisor (grpo.aggregate)
+    entropy_coeff: float = 0.0  # the loss subtracts entropy_coeff x the entropy, aggregated as the loss (verl's)
 
     @classmethod
     def from_config(cls, rl: RLConfig) -> StepOptions:
         return cls(rl.temperature, rl.clip_low, rl.clip_high, rl.clip_ratio_c, rl.loss_aggregation, rl.kl_coef,
-                   rl.kl_estimator, rl.remat, on_policy=rl.minibatches_per_step == 1, length_scale=float(rl.max_new_tokens))
+                   rl.kl_estimator, rl.remat, on_policy=rl.minibatches_per_step == 1, length_scale=float(rl.max_new_tokens),
+                   entropy_coeff=rl.entropy_coeff)
 
 
 def _micro_loss(params, graphdef, ref_params, mb: GRPOBatch, normalizer, opts: StepOptions):
@@ -148,6 +150,8 @@ def _micro_loss(params, graphdef, ref_params, mb: GRPOBatch, normalizer, opts: S
         kl_coef=opts.kl_coef, kl_estimator=opts.kl_estimator, length_scale=opts.length_scale,
     )
     metrics["entropy"] = grpo.aggregate(ent, mb.mask, grpo.per_token_mode(opts.aggregation), normalizer)
+    if opts.entropy_coeff:  # an entropy bonus, verl's policy_loss = pg_loss - entropy_coeff x agg_loss(entropy)
+        loss = loss - opts.entropy_coeff * grpo.aggregate(ent, mb.mask, opts.aggregation, normalizer, opts.length_scale)
     metrics["loss"] = loss
     return loss, metrics
 
