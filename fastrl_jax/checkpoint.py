@@ -68,8 +68,11 @@ class UnreadableCheckpoint(ValueError):
 def checkpoint_steps(run_dir: str | Path) -> list[int]:
     """The complete checkpoint steps in RUN_DIR/checkpoints, without opening Orbax (a step's directory
     is renamed to its number only when complete)."""
-    ckpt = Path(run_dir).expanduser() / "checkpoints"
-    return sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit() and p.is_dir()) if ckpt.is_dir() else []
+    return _complete_steps(Path(run_dir).expanduser() / "checkpoints")
+
+
+def _complete_steps(directory: Path) -> list[int]:
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir()) if directory.is_dir() else []
 
 
 class RunCheckpointer:
@@ -80,17 +83,15 @@ class RunCheckpointer:
     JSON-able dicts (data iterator position, metrics, RNG seeds) with JsonSave. Orbax writes
     each step into a temporary directory and renames it when complete, so a crash or a full
     disk mid-save leaves the previous checkpoint as the latest valid one; a writer removes the
-    temporary directories that crashed saves left (each as large as a checkpoint) when it opens.
+    temporary directories that crashed or failed saves left (each as large as a checkpoint) when
+    it opens and when a save fails.
     """
 
     def __init__(self, directory: str | Path, keep: int | None = 3, async_save: bool = True, read_only: bool = False):
         """keep: steps kept (None: all); read_only: for reading a run's checkpoints (nothing is created or deleted)."""
         self.directory = Path(directory).expanduser().resolve()
-        if not read_only and jax.process_index() == 0 and self.directory.is_dir():
-            # Not Orbax's cleanup_tmp_directories: one it cannot remove (another user's files) fails every save.
-            for path in self.directory.iterdir():
-                if ocp.utils.is_tmp_checkpoint(path):
-                    shutil.rmtree(path, ignore_errors=True)
+        if not read_only:
+            self._remove_unfinished_saves()
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
@@ -101,7 +102,10 @@ class RunCheckpointer:
         return self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
-        return sorted(self._manager.all_steps())
+        """The checkpoint steps on disk. While a save is in flight Orbax lists its step and no longer the older
+        steps it prunes once complete: those are listed too (the latest valid checkpoints until then, and after
+        it if it fails)."""
+        return sorted(set(self._manager.all_steps()) | set(_complete_steps(self.directory)))
 
     def items(self, step: int) -> set[str]:
         """The names of the items saved at `step` (Orbax writes each item of a step into its own directory)."""
@@ -139,11 +143,17 @@ class RunCheckpointer:
             raise FileNotFoundError(f"no checkpoint step {step} in {self.directory}; its steps: {_listed(steps)}")
         failures: list[tuple[int, str]] = []
         for candidate in [step] if step is not None else steps[::-1]:
+            why = None
             try:
                 restored = self._restore(candidate, arrays, meta)
             except Exception as e:  # noqa: BLE001 - Orbax/TensorStore raise bare Exceptions for damaged files
-                failures.append((candidate, _first_line(e)))
+                why = _first_line(e)
                 _drop_abandoned_reads(self.directory / str(candidate))
+            # Each process reads only its own shards: one that cannot read its part fails every process's
+            # restore of that step, else processes would go on from different steps.
+            why = _first_failure(why)
+            if why is not None:
+                failures.append((candidate, why))
                 continue
             for bad, why in failures:
                 log.warning("checkpoint step %d in %s is unreadable (%s); using step %d", bad, self.directory, why, candidate)
@@ -154,7 +164,13 @@ class RunCheckpointer:
         targets = {name: jax.tree.map(_abstract, tree) for name, tree in arrays.items()}
         items = {name: ocp.args.StandardRestore(tree) for name, tree in targets.items()}
         items |= {name: ocp.args.JsonRestore() for name in meta}
-        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        # The handler, not the manager: the manager's restore ends in a barrier that a process whose read failed
+        # never reaches, and restore() agrees on the outcome in its own collective.
+        handler = ocp.CompositeCheckpointHandler()
+        try:
+            restored = handler.restore(self.directory / str(step), args=ocp.args.Composite(**items))
+        finally:
+            handler.close()
         return {n: restored[n] for n in arrays}, {n: restored[n] for n in meta}
 
     def set_aside(self, steps: Sequence[int]) -> Path | None:
@@ -194,14 +210,27 @@ class RunCheckpointer:
     def _failed_writes(self):
         """A failed save (reported at the next save or wait) as _disk_errors says. Orbax has by then dropped
         the failed step from its list of steps, and with it the older steps that save was to prune: those are
-        still on disk (the newest valid checkpoints) and would never be pruned, so the list is read again."""
+        still on disk (the newest valid checkpoints) and would never be pruned, so the list is read again.
+        The failed save's temporary directory is removed: training goes on, and it would hold space (a full
+        disk's) the next save needs."""
         try:
             with _disk_errors():
                 yield
         except Exception:
             with contextlib.suppress(OSError):  # a directory that cannot be listed: the write's error says more
                 self._manager.reload()
+                if not self._manager.is_saving_in_progress():  # a save refused before it waited for the previous one
+                    self._remove_unfinished_saves()
             raise
+
+    def _remove_unfinished_saves(self) -> None:
+        """Removes the temporary directories of saves that never completed (process 0; each as large as a
+        checkpoint). Not Orbax's cleanup_tmp_directories: one it cannot remove (another user's files) fails
+        every save."""
+        if jax.process_index() == 0 and self.directory.is_dir():
+            for path in self.directory.iterdir():
+                if ocp.utils.is_tmp_checkpoint(path):
+                    shutil.rmtree(path, ignore_errors=True)
 
     def __enter__(self) -> "RunCheckpointer":
         return self
@@ -243,6 +272,23 @@ def _disk_errors():
             if text in str(e):
                 raise OSError(code, f"{text}: {_first_line(e)}") from e
         raise
+
+
+def _first_failure(why: str | None) -> str | None:
+    """`why` (None: this process succeeded) as every process agrees on it: a failure on any process fails
+    them all (with this process's reason, else another's)."""
+    if jax.process_count() == 1:
+        return why
+    from jax.experimental import multihost_utils
+
+    size = 1024
+    text = np.zeros(size, np.uint8)
+    if why is not None:  # non-empty: _first_line always names the exception's type
+        data = why.encode()[:size]
+        text[: len(data)] = np.frombuffer(data, np.uint8)
+    failed = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in multihost_utils.process_allgather(text)
+              if row.any()]
+    return why if why is not None else f"on another process: {failed[0]}" if failed else None
 
 
 def _first_line(e: BaseException) -> str:

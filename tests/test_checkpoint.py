@@ -2,6 +2,7 @@
 
 import errno
 import os
+import threading
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -74,8 +75,10 @@ def test_a_failed_background_write_keeps_the_older_step_listed_and_prunes_it_lat
         monkeypatch.undo()
         assert raised.value.errno == errno.ENOSPC
         assert ckpt.all_steps() == [1] and ckpt.latest_step() == 1
+        # Training goes on: the failed save's temporary directory would hold space the next save needs.
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["1"]
         ckpt.save(3, {"policy": {"w": jnp.full(2, 3.0)}})
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit()) == ["3"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["3"]
 
 
 def test_a_full_disk_in_the_background_write_is_an_os_error(tmp_path, monkeypatch):
@@ -153,3 +156,30 @@ def test_step_files_of_dropped_steps_and_a_killed_writes_leftovers_are_removed(t
     (tmp_path / ".3.npz.999.tmp.npz").write_bytes(b"killed mid-write")
     write_step_file(tmp_path, 3, {"a": np.arange(3)}, keep={2, 3})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["2.npz", "3.npz"]
+
+
+def test_a_save_in_flight_keeps_the_steps_it_would_prune_listed(tmp_path, monkeypatch):
+    """While step 2 is written, step 1 (which it prunes when complete) is still the latest valid checkpoint: the
+    files kept beside the checkpoints on disk (write_step_file's `keep`) must keep its own, in case step 2 fails."""
+    rename, release = os.rename, threading.Event()
+
+    def slow_full_disk(src, dst, *args, **kwargs):
+        if Path(dst).name == "2":
+            release.wait(30)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return rename(src, dst, *args, **kwargs)
+
+    with RunCheckpointer(tmp_path / "checkpoints", keep=1) as ckpt:
+        ckpt.save(1, {"policy": {"w": jnp.ones(2)}})
+        write_step_file(tmp_path / "history", 1, {"a": np.arange(1)}, {1, *ckpt.all_steps()})
+        ckpt.wait()
+        monkeypatch.setattr(os, "rename", slow_full_disk)
+        ckpt.save(2, {"policy": {"w": jnp.full(2, 2.0)}})
+        assert ckpt.all_steps() == [1, 2]
+        write_step_file(tmp_path / "history", 2, {"a": np.arange(2)}, {2, *ckpt.all_steps()})
+        release.set()
+        with pytest.raises(OSError):
+            ckpt.wait()
+        monkeypatch.undo()
+        assert ckpt.all_steps() == [1]
+    assert sorted(p.name for p in (tmp_path / "history").iterdir()) == ["1.npz", "2.npz"]

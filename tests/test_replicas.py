@@ -1,6 +1,7 @@
 """Rollout replicas across processes: the split of requests, the gather of completions (errors included) and
-stats, the bandit states and the drafter a checkpoint saves, and SLURM start-up. Two CPU processes (gloo) stand
-in for two hosts; their engines are stand-ins, so only the workers' bookkeeping runs."""
+stats, the bandit states and the drafter a checkpoint saves, a checkpoint step one process cannot read, and
+SLURM start-up. Two CPU processes (gloo) stand in for two hosts; their engines are stand-ins, so only the
+workers' bookkeeping runs."""
 
 import json
 import subprocess
@@ -54,6 +55,7 @@ def run_process(port: int, pid: int, out: str) -> None:
         _, arrays, _ = ckpt.restore(1, {"drafter": to_replicated(drafter, mesh)})
     back = to_host_local(arrays["drafter"])["fc"]
     saved = {"values": np.asarray(back).tolist(), "devices": [d.process_index for d in back.devices()]}
+    resumed = resume_past_a_shard_one_process_cannot_read(mesh, Path(out).parent / "sharded", pid)
 
     workers = object.__new__(RolloutWorkers)
     workers.num_replicas = 2
@@ -64,8 +66,34 @@ def run_process(port: int, pid: int, out: str) -> None:
     Path(out).write_text(json.dumps({
         "tokens": [c.tokens for c in completions], "finish": [c.finish_reason for c in completions],
         "errors": [c.error for c in completions], "stats": stats.as_dict(),
-        "controller": workers.controller_state(), "drafter": saved,
+        "controller": workers.controller_state(), "drafter": saved, "resumed": resumed,
     }))
+
+
+def resume_past_a_shard_one_process_cannot_read(mesh, directory: Path, pid: int) -> dict:
+    """Steps 1 and 2 of an array split over both processes; step 2's data file of process 1's shard is cut short
+    (as an interrupted copy leaves it): only process 1 reads that file, yet both must fall back to step 1."""
+    import jax
+    import numpy as np
+    from helpers.checkpoints import damage
+    from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from fastrl_jax.checkpoint import RunCheckpointer
+
+    sharding = NamedSharding(mesh, PartitionSpec("data"))
+    rng = np.random.default_rng(0)  # random values: compressed, ones would fit a file too small to damage
+    with RunCheckpointer(directory, keep=3) as ckpt:
+        for step in (1, 2):
+            host = rng.random((2, 256 * 256), np.float32) + step
+            ckpt.save(step, {"policy": {"w": jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])}})
+    if pid == 0:
+        damage(directory / "2" / "policy" / "ocdbt.process_1")
+    multihost_utils.sync_global_devices("step 2 damaged")
+    target = {"policy": {"w": jax.ShapeDtypeStruct((2, 256 * 256), np.float32, sharding=sharding)}}
+    with RunCheckpointer(directory, keep=3) as ckpt:
+        step, arrays, _ = ckpt.restore(None, target)
+    return {"step": step, "min": float(np.asarray(arrays["policy"]["w"].addressable_data(0)).min())}
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +143,13 @@ def test_stats_sum_every_process(two_processes):
 def test_a_host_local_drafter_checkpoints_from_every_process(two_processes):
     for pid, r in enumerate(two_processes):
         assert r["drafter"] == {"values": [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], "devices": [pid]}
+
+
+def test_a_step_one_process_cannot_read_is_skipped_by_every_process(two_processes):
+    # each process reads only its own shards: were each to fall back on its own, process 0 would go on from
+    # step 2 and process 1 from step 1, one model made of two steps' halves
+    for r in two_processes:
+        assert r["resumed"]["step"] == 1 and 1 <= r["resumed"]["min"] < 2
 
 
 def test_slurm_one_task_per_node_sees_every_gpu_of_the_node():
