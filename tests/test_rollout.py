@@ -146,6 +146,17 @@ def test_rows_done_at_their_prefill_and_a_short_queue_wait_for_no_call(model):
     assert engine.timeline[0].steps == 2  # row 0's end frees the row the one queued request needs
 
 
+def test_rows_done_at_their_prefill_are_collected_before_the_table_shrinks(model):
+    """With the queue empty, a row that ended at its prefill (max_new_tokens 1, or a stop id first) is collected
+    before the next call: kept, it held the table in a larger batch bucket for a whole call (4 live rows decoded
+    at batch 16; adaptive SD could run at a batch bucket outside its strategy's warmed range)."""
+    engine = RolloutEngine(model, CFG, progress=False)  # batch buckets 1, 4, 16
+    requests = [Request(p, max_new_tokens=1 if i == 4 else 20) for i, p in enumerate(prompts(5, seed=2))]
+    out = engine.generate(requests)
+    assert [len(o.tokens) for o in out] == [20, 20, 20, 20, 1]
+    assert all(c.batch == 4 for c in engine.timeline)
+
+
 def test_stats_describe_the_latest_stream_only(model):
     """An empty, all-error or abandoned stream does not report the one before; rows that finish at their
     prefill need no decode call; a row counts idle only from the step after its last token."""

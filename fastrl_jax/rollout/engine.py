@@ -547,8 +547,10 @@ class RolloutEngine:
                 # Rows still decoding: an admitted row may have finished at its prefill (max_new_tokens 1, or a
                 # stop id first); it is collected at the next visit, and a table of such rows needs no decode call.
                 live = int(np.sum(jax.device_get(table.slots.live)))
-                if not live or queue and live < sum(r >= 0 for r in table.row_req):
-                    continue  # rows done at their prefill are collected and refilled before the next call
+                if not live or live < table.busy():
+                    # Collected (and refilled) before the next call: kept, a done row would also hold the table in a
+                    # larger batch bucket than its live rows need for a whole call.
+                    continue
                 if not queue:
                     self._compact(table, rec)
                 self._advance(table, *self._plan(live, bool(queue)), rec, refill=len(queue), live=live)
