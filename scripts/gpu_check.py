@@ -778,11 +778,10 @@ def markdown(results: dict) -> str:
 def write(ctx: Ctx) -> None:
     """JSON and markdown before and after every section: a run cut short still leaves what it measured. Each
     file is replaced whole, so a kill in the middle of a write leaves the last one."""
-    for name, text in (("gpu_check.json", json.dumps(ctx.results, indent=1, default=str) + "\n"),
-                       ("gpu_check.md", markdown(ctx.results))):
-        partial = ctx.out / f"{name}.partial"
-        partial.write_text(text)
-        os.replace(partial, ctx.out / name)
+    from fastrl_jax import files
+
+    files.write_text(ctx.out / "gpu_check.json", json.dumps(ctx.results, indent=1, default=str) + "\n")
+    files.write_text(ctx.out / "gpu_check.md", markdown(ctx.results))
 
 
 @contextlib.contextmanager
