@@ -162,6 +162,21 @@ def test_slurm_one_task_per_node_sees_every_gpu_of_the_node():
     assert not one_slurm_task_per_node({"SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_NUM_NODES": "4"})
 
 
+def test_a_coordinator_that_never_answers_is_one_error_that_names_the_fix():
+    """JAX's own wait for the coordinator aborts the process with a C++ stack trace (DEADLINE_EXCEEDED)."""
+    import socket
+
+    from fastrl_jax.rl.distributed import wait_for_coordinator
+
+    with socket.socket() as listening:  # process 0's coordinator, up
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        wait_for_coordinator(f"127.0.0.1:{listening.getsockname()[1]}", 5)
+    port = free_port()  # nothing there
+    with pytest.raises(ConnectionError, match=rf"--coordinator 127.0.0.1:{port}: nothing answered for 1s .*Start process 0"):
+        wait_for_coordinator(f"127.0.0.1:{port}", 1)
+
+
 @pytest.mark.parametrize("explicit", [False, True], ids=["detected", "explicit-coordinator"])
 def test_slurm_start_up_leaves_every_gpu_visible(explicit):
     # A one-node, one-task SLURM step as srun sets it up; JAX's detection alone would show the process GPU 0 only.

@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import os
+import socket
+import time
 from collections.abc import Mapping
 
 import jax
 
 
-def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None) -> None:
+def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
+               timeout_s: float = 300.0) -> None:
     """Joins the job: explicit coordinator/num_processes/process_id, or auto-detected (SLURM, TPU pods).
 
-    Must run before any other JAX call. CPU processes need gloo for cross-process collectives.
+    Must run before any other JAX call. CPU processes need gloo for cross-process collectives. A process other
+    than 0 first waits up to timeout_s (JAX's own wait) for an explicit coordinator to answer.
     """
+    if coordinator and process_id:
+        wait_for_coordinator(coordinator, timeout_s)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
     if one_slurm_task_per_node(os.environ):
@@ -29,3 +35,22 @@ def one_slurm_task_per_node(env: Mapping[str, str]) -> bool:
     tasks = env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS"))
     nodes = env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES"))
     return "SLURM_JOB_ID" in env and "JAX_LOCAL_DEVICE_IDS" not in env and tasks is not None and tasks == nodes
+
+
+def wait_for_coordinator(address: str, timeout_s: float) -> None:
+    """Returns once something accepts connections at HOST:PORT (process 0's coordinator), else raises
+    ConnectionError naming the fix: JAX's own wait ends the process with a C++ stack trace and
+    DEADLINE_EXCEEDED, which names none."""
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=min(5.0, timeout_s)):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise ConnectionError(
+                    f"--coordinator {address}: nothing answered for {timeout_s:.0f}s ({e}). Start process 0 "
+                    "(--process-id 0) with the same --coordinator, on the host it names, and check that the host name "
+                    "resolves and the port is open from this node") from None
+            time.sleep(min(1.0, max(deadline - time.monotonic(), 0.0)))
