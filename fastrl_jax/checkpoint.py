@@ -18,6 +18,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from fastrl_jax.files import replacing
+from fastrl_jax.sharding import allgather_json
 
 log = logging.getLogger(__name__)
 
@@ -279,15 +280,7 @@ def _first_failure(why: str | None) -> str | None:
     them all (with this process's reason, else another's)."""
     if jax.process_count() == 1:
         return why
-    from jax.experimental import multihost_utils
-
-    size = 1024
-    text = np.zeros(size, np.uint8)
-    if why is not None:  # non-empty: _first_line always names the exception's type
-        data = why.encode()[:size]
-        text[: len(data)] = np.frombuffer(data, np.uint8)
-    failed = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in multihost_utils.process_allgather(text)
-              if row.any()]
+    failed = [w for w in allgather_json(why) if w is not None]
     return why if why is not None else f"on another process: {failed[0]}" if failed else None
 
 

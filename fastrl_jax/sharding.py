@@ -9,6 +9,7 @@ table maps each logical name to mesh axes, so one model definition runs on any m
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import math
 from collections.abc import Sequence
@@ -194,3 +195,15 @@ def reshard(tree: Any, shardings: Any) -> Any:
         return jax.device_put(x, target)
 
     return jax.tree.map(one, tree, shardings)
+
+
+def allgather_json(value: Any) -> list[Any]:
+    """A JSON-able value of every process, in process order (on every process)."""
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    sizes = multihost_utils.process_allgather(np.array([data.size], np.int32))[:, 0]
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: data.size] = data
+    g = multihost_utils.process_allgather(padded)
+    return [json.loads(g[p, : sizes[p]].tobytes()) for p in range(len(sizes))]

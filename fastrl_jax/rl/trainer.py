@@ -48,7 +48,7 @@ from fastrl_jax.rollout.engine import Completion, Request
 from fastrl_jax.rollout.history import HistoryStore
 from fastrl_jax.rollout.requests import draft_margin, sampling_problem
 from fastrl_jax.rollout.stats import RolloutStats
-from fastrl_jax.sharding import make_mesh, shardings_for, to_host_local, to_replicated
+from fastrl_jax.sharding import allgather_json, make_mesh, shardings_for, to_host_local, to_replicated
 
 log = logging.getLogger(__name__)
 
@@ -610,11 +610,7 @@ def _stop_signals() -> Iterator[list[str]]:
 
 def _any_process(flag: bool) -> bool:
     """Whether `flag` holds on any process (all processes call it at the same step: they stop together)."""
-    if jax.process_count() == 1:
-        return flag
-    from jax.experimental import multihost_utils
-
-    return bool(multihost_utils.process_allgather(np.array([flag], np.int32)).any())
+    return flag if jax.process_count() == 1 else any(allgather_json(flag))
 
 
 def preflight(cfg: Config, mesh_rows: int, files: bool = True) -> None:

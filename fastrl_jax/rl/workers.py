@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -34,7 +33,7 @@ from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.rollout.engine import Completion, Request, RolloutEngine
 from fastrl_jax.rollout.history import HistoryStore
 from fastrl_jax.rollout.stats import RolloutStats, StrategyStats
-from fastrl_jax.sharding import replica_meshes, reshard, shardings_for
+from fastrl_jax.sharding import allgather_json, replica_meshes, reshard, shardings_for
 
 _FINISH = ("stop", "length", "error")
 
@@ -116,7 +115,7 @@ class RolloutWorkers:
         every process must call it (a collective): a checkpoint's JSON is written by process 0 alone."""
         states = {str(r.index): r.engine.chooser.state() for r in self.replicas if r.engine.chooser is not None}
         if jax.process_count() > 1:
-            states = {k: v for part in _allgather_json(states) for k, v in part.items()}
+            states = {k: v for part in allgather_json(states) for k, v in part.items()}
         return states
 
     def restore_controller(self, states: dict[str, dict]) -> None:
@@ -186,7 +185,7 @@ def _allgather(local: list[Completion | None], requests, owner, num_replicas) ->
             logprobs[i, : len(c.logprobs)] = c.logprobs
             lengths[i], finish[i], have[i] = len(c.tokens), _FINISH.index(c.finish_reason), 1
     g = multihost_utils.process_allgather((tokens, logprobs, lengths, finish, have))
-    errors = {k: v for part in _allgather_json({str(i): c.error for i, c in enumerate(local) if c and c.error})
+    errors = {k: v for part in allgather_json({str(i): c.error for i, c in enumerate(local) if c and c.error})
               for k, v in part.items()}
     out = []
     for i in range(n):
@@ -204,19 +203,7 @@ def _allgather_stats(stats: RolloutStats) -> RolloutStats:
     fields = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
     fields["strategies"] = {k: dataclasses.astuple(v) for k, v in stats.strategies.items()}
     total = RolloutStats()
-    for d in _allgather_json(fields):
+    for d in allgather_json(fields):
         total += RolloutStats(**d | {"calls": Counter(d["calls"]), "seconds": Counter(d["seconds"]),
                                      "strategies": {k: StrategyStats(*v) for k, v in d["strategies"].items()}})
     return total
-
-
-def _allgather_json(value: Any) -> list[Any]:
-    """A JSON-able value of every process, in process order (on every process)."""
-    from jax.experimental import multihost_utils
-
-    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
-    sizes = multihost_utils.process_allgather(np.array([data.size], np.int32))[:, 0]
-    padded = np.zeros(int(sizes.max()), np.uint8)
-    padded[: data.size] = data
-    g = multihost_utils.process_allgather(padded)
-    return [json.loads(g[p, : sizes[p]].tobytes()) for p in range(len(sizes))]
