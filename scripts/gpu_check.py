@@ -297,7 +297,10 @@ def greedy_vs_hf(ctx: Ctx) -> dict:
 
 
 def sd_lossless(ctx: Ctx) -> dict:
-    """bench.run_bench's same-token check: plain vs SD with a random drafter, per dtype and temperature."""
+    """bench.run_bench's same-token check: plain vs SD with a random drafter, per dtype and temperature. float32
+    runs at highest matmul precision (the parity we claim; TF32 would be another precision). Each request whose
+    tokens differ records where, and the plain model's scores there (_first_difference)."""
+    import jax
     from flax import nnx
 
     from fastrl_jax.config import StrategySpec
@@ -306,18 +309,76 @@ def sd_lossless(ctx: Ctx) -> dict:
     from fastrl_jax.models.drafter import Drafter
 
     policy = ctx.policy("float32")
-    prompts = {"facts": _check_prompts(ctx, policy.tokenizer)}
+    prompts = _check_prompts(ctx, policy.tokenizer)
     rows = []
     for dtype in ctx.sizes.sd_dtypes:
         model = cast_floating(policy.model, DTYPES[dtype])
         drafter = Drafter(policy.cfg, nnx.Rngs(0), DTYPES[dtype])
-        for row in bench.run_bench(
-                model, drafter, prompts, policy.stop_ids, base_cfg=ctx.config().rollout,
-                batch_sizes=[len(prompts["facts"])], strategies=[StrategySpec(ctx.sizes.strategies[-1])], temperatures=[0.0, 0.7],
-                vocabs=["full"], new_tokens=ctx.sizes.check_tokens, repeats=1, log=lambda line: None):
-            rows.append({"dtype": dtype, **row})
-    return {"summary": ", ".join(f"{r['dtype']} T={r['temperature']:g} {r['same_tokens']}/{r['requests']}" for r in rows),
-            "rows": rows}
+        precision = "highest" if dtype == "float32" else "default"
+        with jax.default_matmul_precision("highest") if precision == "highest" else contextlib.nullcontext():
+            outputs = {}
+            found = bench.run_bench(
+                model, drafter, {"facts": prompts}, policy.stop_ids, base_cfg=ctx.config().rollout,
+                batch_sizes=[len(prompts)], strategies=[StrategySpec(ctx.sizes.strategies[-1])], temperatures=[0.0, 0.7],
+                vocabs=["full"], new_tokens=ctx.sizes.check_tokens, repeats=1, log=lambda line: None, completions=outputs)
+            forward = _teacher_forced(model, max(map(len, prompts)) + ctx.sizes.check_tokens)
+            for i, row in enumerate(found):
+                differences = [_first_difference(forward, prompts[r], a.tokens, b.tokens, row["temperature"], seed=r)
+                               for r, (a, b) in enumerate(zip(*outputs[i])) if r < len(prompts) and a.tokens != b.tokens]
+                rows.append({"dtype": dtype, "matmul_precision": precision, **row, "differences": differences})
+    return {"summary": ", ".join(_lossless_summary(r) for r in rows), "rows": rows}
+
+
+def _lossless_summary(row: dict) -> str:
+    gaps = [abs(d["gap"]) for d in row["differences"] if "gap" in d]
+    parted = f" (largest score gap where they part: {max(gaps):.3g})" if gaps else ""
+    return f"{row['dtype']} T={row['temperature']:g} {row['same_tokens']}/{row['requests']}{parted}"
+
+
+def _teacher_forced(model, length: int):
+    """ids -> the model's float32 logits [V] after them: one forward over the ids padded to `length` (one
+    program for every request; causal attention keeps the padding out of the positions read)."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from fastrl_jax.models.decoder import KVCache
+
+    @nnx.jit
+    def logits(model, ids):
+        cache = KVCache.zeros(model.cfg, 1, length, model.embed[...].dtype)
+        return model(ids, jnp.arange(length)[None], cache, jnp.zeros(1, jnp.int32))[0][0]
+
+    def forward(ids: list[int]):
+        padded = np.zeros((1, length), np.int32)
+        padded[0, : len(ids)] = ids
+        return logits(model, jnp.asarray(padded))[len(ids) - 1]
+
+    return forward
+
+
+def _first_difference(forward, prompt: list[int], plain: list[int], sd: list[int], temperature: float, seed: int) -> dict:
+    """Where the plain and SD tokens of one request part, and the scores sampling compares there (the logits, or
+    logits / T plus the position's Gumbel noise), recomputed teacher-forced over the prompt and the plain tokens
+    before it. gap: how far the plain token's score led the SD token's (in logits, i.e. times T); margin: the
+    lead of the best score over the second. A gap near 0 is a near-tie that rounding (the verify forward's
+    shapes and kernels against the 1-token step's) flips; a large one would be a real difference."""
+    import jax.numpy as jnp
+
+    from fastrl_jax.rollout.sampling import position_gumbel
+
+    t = next((i for i, (x, y) in enumerate(zip(plain, sd)) if x != y), min(len(plain), len(sd)))
+    if t >= min(len(plain), len(sd)):  # one ended (stop or budget) where the other went on
+        return {"position": t, "plain_length": len(plain), "sd_length": len(sd)}
+    ids = [*prompt, *plain[:t]]
+    scores = forward(ids)
+    if temperature > 0:
+        scores = scores / temperature + position_gumbel(jnp.uint32(seed), jnp.int32(len(ids)), scores.shape[-1])
+    top2 = jnp.sort(scores)[-2:]
+    scale = temperature if temperature > 0 else 1.0
+    return {"position": t, "plain_token": plain[t], "sd_token": sd[t],
+            "gap": float(scores[plain[t]] - scores[sd[t]]) * scale, "margin": float(top2[1] - top2[0]) * scale,
+            "plain_is_best": int(jnp.argmax(scores)) == plain[t]}
 
 
 def device_copy_gbs(nbytes: int, repeats: int = 5) -> float:

@@ -45,7 +45,7 @@ def test_reduced_gpu_check_runs_every_section(tmp_path):
     assert greedy["identical"] == greedy["prompts"] == 4, greedy  # the tiny model's logits are far from ties
     rows = results["sd_lossless"]["rows"]
     assert {(r["dtype"], r["temperature"]) for r in rows} == {("bfloat16", 0.0), ("bfloat16", 0.7)}  # float32: the suite's
-    assert all(r["same_tokens"] == r["requests"] for r in rows), rows
+    assert all(r["same_tokens"] == r["requests"] and r["differences"] == [] for r in rows), rows
     decode = results["plain_decode"]["rows"]
     assert [(r["layer_loop"], r["batch"]) for r in decode] == [("scan", 1), ("unrolled", 1)]
     assert all(r["tok_s"] > 0 and r["hf_tok_s"] > 0 for r in decode)
@@ -324,3 +324,30 @@ def test_every_run_names_its_machine(tmp_path):
     assert gpu_check.main(["--out", str(tmp_path), "--sections", "memory", "--budget-s", "30"]) == 0
     results = json.loads((tmp_path / "gpu_check.json").read_text())
     assert list(results) == ["environment", "memory"] and results["environment"]["device_kind"], results
+
+
+def test_first_difference_recomputes_the_scores_the_engine_sampled_from():
+    """sd_lossless's diagnosis of a differing request: teacher-forced over the prompt and the plain tokens, the
+    score it recomputes at each position (greedy logits; sampled logits / T + that position's noise for the
+    request's seed) ranks the engine's own token first, and a token that differs there trails it by `gap`."""
+    from helpers.tiny import prompts, tiny_model
+
+    from fastrl_jax.config import RolloutConfig
+    from fastrl_jax.rollout.engine import Request, RolloutEngine
+
+    gpu_check = load_script("gpu_check")
+    model = tiny_model()
+    cfg = RolloutConfig(batch_buckets=(4,), length_buckets=(32,), prompt_buckets=(16,), steps_per_call=8)
+    asked = prompts(2, seed=5)
+    forward = gpu_check._teacher_forced(model, 32)
+    for temperature in (0.0, 0.9):
+        done = RolloutEngine(model, cfg, progress=False).generate(
+            [Request(p, max_new_tokens=6, temperature=temperature, seed=s) for s, p in enumerate(asked)])
+        for seed, (prompt, c) in enumerate(zip(asked, done)):
+            for t in (0, 3, 5):
+                other = (c.tokens[t] + 1) % model.cfg.vocab_size
+                got = gpu_check._first_difference(forward, prompt, c.tokens, [*c.tokens[:t], other], temperature, seed)
+                assert got["position"] == t and got["plain_is_best"], (temperature, seed, t, got)
+                assert got["gap"] > 0 and got["margin"] > 0 and got["gap"] >= got["margin"] - 1e-6, got
+    ended = gpu_check._first_difference(forward, asked[0], [1, 2, 3], [1, 2], 0.0, 0)
+    assert ended == {"position": 2, "plain_length": 3, "sd_length": 2}

@@ -87,7 +87,8 @@ def _timed(engine: RolloutEngine, rounds: list[list[Request]], repeats: int) -> 
 def run_bench(policy: Decoder, drafter: Drafter | None, prompt_sets: dict[str, Sequence[Sequence[int]]], stop_ids: Sequence[int], *,
               base_cfg: RolloutConfig, batch_sizes: Sequence[int], strategies: Sequence[StrategySpec],
               temperatures: Sequence[float], vocabs: Sequence[str] | None, new_tokens: int, repeats: int,
-              samples_per_prompt: int = 1, sd: SpecConfig = SpecConfig(), log=print) -> list[dict]:
+              samples_per_prompt: int = 1, sd: SpecConfig = SpecConfig(), log=print,
+              completions: dict | None = None) -> list[dict]:
     """Rows {prompts, temperature, batch, strategy, vocab, plain_tok_s, sd_tok_s, acceptance_length,
     drafts_per_step, speedup, same_tokens, requests}: one per prompt set and cell. Sets are timed apart
     because the drafter's acceptance, and so the speedup, depends on the kind of text (math answers vs
@@ -95,7 +96,8 @@ def run_bench(policy: Decoder, drafter: Drafter | None, prompt_sets: dict[str, S
     an RL group: history strategies ('hD') draft from the earlier samples. vocabs None: the drafter's
     reduced draft vocabulary (when it has one) and the full one. sd: the accept rule and history settings
     (its mode and strategies are each cell's). With sd.accept 'rejection', sampled rows are exact in
-    distribution only, so same_tokens counts fewer at T > 0."""
+    distribution only, so same_tokens counts fewer at T > 0. completions, when given, receives each row's
+    (plain, SD) completions under the row's index."""
     empty = [name for name, prompts in prompt_sets.items() if not prompts]
     if empty or not prompt_sets:
         raise ValueError(f"bench-sd: no prompts to time in {empty or 'any set'}")
@@ -148,6 +150,8 @@ def run_bench(policy: Decoder, drafter: Drafter | None, prompt_sets: dict[str, S
                         "requests": len(out),
                     }
                     rows.append(row)
+                    if completions is not None:
+                        completions[len(rows) - 1] = (base_out, out)
                     log(format_row(row))
     return rows
 
