@@ -60,6 +60,7 @@ DTYPE_NAMES = ("float32", "bfloat16")
 # "auto" and kernels.backends.BACKENDS (config sits below kernels; tests/test_config.py keeps the two equal)
 ATTENTION_BACKENDS = ("auto", "reference", "pallas", "pallas_interpret", "triton")
 LOSS_AGGREGATIONS = ("token", "sequence", "sequence_sum", "sequence_sum_norm")  # rl/grpo.py aggregate
+KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "k1+", "k3+")  # rl/grpo.py kl_penalty
 
 
 @dataclasses.dataclass(frozen=True)
@@ -437,7 +438,7 @@ class RLConfig:
     loss_aggregation: str = "token"
     advantage_std_normalize: bool = True
     kl_coef: float = 0.0  # > 0 keeps a frozen reference policy
-    kl_estimator: str = "k3"  # k1 (verl kl) | k3 (verl low_var_kl, clamped as it)
+    kl_estimator: str = "k3"  # k1 (verl kl) | k2 (mse) | k3 (low_var_kl, clamped as it) | abs | k1+ | k3+ (k2 gradient)
     entropy_coeff: float = 0.0  # entropy bonus (verl actor.entropy_coeff): the loss subtracts it x the entropy
     remat: bool = False  # recompute layer activations in the backward pass
     drafter_path: str = ""  # drafter checkpoint for sd.mode != off; '' = randomly initialised (lossless, slow)
@@ -453,7 +454,7 @@ class RLConfig:
 
     def __post_init__(self):
         _check_choice("rl.loss_aggregation", self.loss_aggregation, LOSS_AGGREGATIONS)
-        _check_choice("rl.kl_estimator", self.kl_estimator, ("k1", "k3"))
+        _check_choice("rl.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         _check_at_least("rl", self, ("steps", "prompts_per_step", "max_new_tokens", "minibatches_per_step",
                                      "micro_batch_size", "keep_checkpoints", "eval_prompts", "eval_samples"), 1)
         _check_at_least("rl", self, ("max_gen_batches",), 0)

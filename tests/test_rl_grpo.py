@@ -161,7 +161,17 @@ def test_kl_estimators():
         expected = float(jnp.sum(p * grpo.kl_penalty(jnp.log(p), jnp.log(q), est)))
         assert expected == pytest.approx(exact, rel=1e-5)
     with pytest.raises(ValueError, match="k2"):
-        grpo.kl_penalty(logp, ref, "k2")
+        grpo.kl_penalty(logp, ref, "k4")
+    # k2's gradient is the KL's in expectation on-policy: sum_x p(x) d/dtheta k2 = d/dtheta KL(p_theta || q)
+    theta = jnp.log(p)  # logits of a softmax policy
+    for est in ("k2", "k1+", "k3+"):
+        surrogate = jax.grad(lambda t: jnp.sum(jax.lax.stop_gradient(jax.nn.softmax(t))
+                                               * grpo.kl_penalty(jax.nn.log_softmax(t), jnp.log(q), est)))(theta)
+        exact_grad = jax.grad(lambda t: jnp.sum(jax.nn.softmax(t) * (jax.nn.log_softmax(t) - jnp.log(q))))(theta)
+        np.testing.assert_allclose(surrogate, exact_grad, rtol=1e-5, atol=1e-6, err_msg=est)
+    # the straight-through forms keep their estimator's value
+    for est in ("k1", "k3"):
+        np.testing.assert_allclose(grpo.kl_penalty(logp, ref, est + "+"), grpo.kl_penalty(logp, ref, est), rtol=1e-6)
 
 
 def test_aggregation_modes():
@@ -225,9 +235,15 @@ def test_schedules():
 
 
 def verl_kl_penalty(logp, ref, estimator):
-    """verl's kl_penalty in numpy: "kl"/"k1" and "low_var_kl"/"k3" (log-ratio clamped to +-20, value to +-10)."""
+    """verl's kl_penalty's value in numpy: "kl"/"k1", "mse"/"k2", "abs", "low_var_kl"/"k3" (log-ratio clamped to
+    +-20, value to +-10); its "+" forms have their base's value."""
+    estimator = estimator.rstrip("+")
     if estimator == "k1":
         return logp - ref
+    if estimator == "k2":
+        return 0.5 * np.square(logp - ref)
+    if estimator == "abs":
+        return np.abs(logp - ref)
     kl = np.clip(ref - logp, -20.0, 20.0)
     return np.clip(np.exp(kl) - kl - 1.0, -10.0, 10.0)
 
@@ -237,7 +253,7 @@ def test_kl_matches_verl_and_stays_finite():
     overflow to inf) and the estimate (a bounded penalty, no gradient past it); ours is the same function."""
     logp = jnp.asarray([[-0.5, -1.0, -3.0, -120.0, -0.1, -2.0]])
     ref = jnp.asarray([[-0.6, -4.0, -0.2, -1.0, -30.0, -2.0]])
-    for est in ("k1", "k3"):
+    for est in grpo.KL_ESTIMATORS:
         np.testing.assert_allclose(grpo.kl_penalty(logp, ref, est), verl_kl_penalty(np.asarray(logp), np.asarray(ref), est),
                                    rtol=1e-4, atol=1e-6)
     value, grad = jax.value_and_grad(lambda lp: grpo.grpo_loss(

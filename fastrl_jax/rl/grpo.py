@@ -10,9 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fastrl_jax.config import LOSS_AGGREGATIONS
-
-KL_ESTIMATORS = ("k1", "k3")
+from fastrl_jax.config import KL_ESTIMATORS, LOSS_AGGREGATIONS
 
 
 def group_advantages(rewards: jax.Array, group_size: int, std_normalize: bool = True, eps: float = 1e-6) -> jax.Array:
@@ -75,16 +73,26 @@ def clipped_surrogate(
 
 
 def kl_penalty(logp: jax.Array, ref_logp: jax.Array, estimator: str) -> jax.Array:
-    """Per-token estimate of KL(policy || reference) from the sampled tokens' log-probs [B, T].
+    """Per-token estimate of KL(policy || reference) from the sampled tokens' log-probs [B, T]; verl's names in
+    parentheses.
 
-    k1 = log p - log q (an unbiased estimate of the KL's value, can be negative; as a loss term its gradient is
-    zero in expectation on-policy, as with verl's "kl" loss type); k3 = q/p - log(q/p) - 1 (unbiased, >= 0, lower
-    variance; Schulman's estimator, GRPO's choice), clamped as verl's "low_var_kl": log(q/p) to [-20, 20] and the
+    k1 = log p - log q ("kl"; an unbiased estimate of the KL's value, can be negative; as a loss term its gradient
+    is zero in expectation on-policy); k2 = (log p - log q)^2 / 2 ("mse"; biased in value, but its gradient is the
+    KL's gradient in expectation on-policy); k3 = q/p - log(q/p) - 1 ("low_var_kl"; unbiased, >= 0, lower
+    variance; Schulman's estimator, GRPO's choice), clamped as verl clamps it: log(q/p) to [-20, 20] and the
     estimate to at most 10, so a token the policy has drifted far from cannot overflow exp() or, with a gradient
-    of ~q/p, swamp the batch's gradient (past the bound it gets none).
+    of ~q/p, swamp the batch's gradient (past the bound it gets none); abs = |log p - log q| ("abs"). "k1+" and
+    "k3+" are verl's straight-through forms: k1's / k3's value with k2's gradient.
     """
+    if estimator in ("k1+", "k3+"):
+        value, k2 = kl_penalty(logp, ref_logp, estimator[:-1]), kl_penalty(logp, ref_logp, "k2")
+        return k2 - jax.lax.stop_gradient(k2) + jax.lax.stop_gradient(value)
     if estimator == "k1":
         return logp - ref_logp
+    if estimator == "k2":
+        return 0.5 * jnp.square(logp - ref_logp)
+    if estimator == "abs":
+        return jnp.abs(logp - ref_logp)
     if estimator == "k3":
         log_ratio = jnp.clip(ref_logp - logp, -20.0, 20.0)
         return jnp.minimum(jnp.exp(log_ratio) - log_ratio - 1.0, 10.0)
