@@ -9,7 +9,7 @@ import logging
 import shutil
 import sys
 import zipfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -129,11 +129,13 @@ class RunCheckpointer:
             self._manager.save(step, args=ocp.args.Composite(**items))
 
     def restore(
-        self, step: int | None, arrays: dict[str, Any], meta: Sequence[str] = ()
+        self, step: int | None, arrays: dict[str, Any], meta: Sequence[str] = (), optional: Collection[str] = ()
     ) -> tuple[int, dict[str, Any], dict[str, Any]]:
         """Restores `step`, or with None the latest step that reads back (newer unreadable ones are
         skipped with a warning that names them). `arrays` maps names to abstract targets (pytrees of
-        jax.ShapeDtypeStruct with shardings, or concrete arrays to mirror). Returns (step, arrays, meta).
+        jax.ShapeDtypeStruct with shardings, or concrete arrays to mirror). Returns (step, arrays, meta);
+        an `optional` item that the step restored does not hold is left out of them (each step is asked
+        for what it holds: an older step may lack what the run turned on later, or hold what it turned off).
 
         Raises FileNotFoundError when there is no checkpoint, UnreadableCheckpoint when the step (or
         every step) fails to read."""
@@ -146,7 +148,9 @@ class RunCheckpointer:
         for candidate in [step] if step is not None else steps[::-1]:
             why = None
             try:
-                restored = self._restore(candidate, arrays, meta)
+                held = self.items(candidate) if optional else set()
+                restored = self._restore(candidate, {n: a for n, a in arrays.items() if n not in optional or n in held},
+                                         [n for n in meta if n not in optional or n in held])
             except Exception as e:  # noqa: BLE001 - Orbax/TensorStore raise bare Exceptions for damaged files
                 why = _first_line(e)
                 _drop_abandoned_reads(self.directory / str(candidate))

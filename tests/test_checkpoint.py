@@ -130,6 +130,25 @@ def test_a_damaged_latest_step_falls_back_to_the_previous_one_and_says_so(tmp_pa
     assert sorted(p.name for p in aside.iterdir()) == ["2", "2.1"]  # set aside, not deleted
 
 
+def test_optional_items_are_asked_of_the_step_that_reads_back(tmp_path):
+    """A run turned the drafter on at step 2, whose checkpoint is damaged: the fallback to step 1 restores what
+    step 1 holds (no drafter) instead of failing every step for the drafter it never had; and a step holding
+    an optional item restores it."""
+    w = jnp.asarray(np.random.default_rng(0).random((256, 256), np.float32))  # random: compressed, it stays damageable
+    with RunCheckpointer(tmp_path, keep=3) as ckpt:
+        ckpt.save(1, {"policy": {"w": w + 1}}, {"data": {"position": 1}})
+        ckpt.save(2, {"policy": {"w": w + 2}, "drafter": {"w": jnp.full(2, 2.0)}}, {"data": {"position": 2}, "history": {"n": 2}})
+        ckpt.wait()
+        want = {"policy": {"w": jnp.zeros((256, 256))}, "drafter": {"w": jnp.zeros(2)}}
+        step, arrays, meta = ckpt.restore(None, want, ["data", "history"], optional=("drafter", "history"))
+        assert step == 2 and float(arrays["drafter"]["w"][0]) == 2.0 and meta["history"] == {"n": 2}
+    damage(tmp_path / "2")
+    with RunCheckpointer(tmp_path, keep=3) as ckpt:
+        step, arrays, meta = ckpt.restore(None, want, ["data", "history"], optional=("drafter", "history"))
+    assert step == 1 and set(arrays) == {"policy"} and meta == {"data": {"position": 1}}
+    np.testing.assert_array_equal(arrays["policy"]["w"], w + 1)
+
+
 def test_no_readable_step_is_one_clear_error(tmp_path):
     _save_steps(tmp_path, [3], keep=1)
     damage(tmp_path / "3")

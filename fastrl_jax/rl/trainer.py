@@ -487,13 +487,10 @@ class Trainer:
         saved = (ckpt.read_meta(latest, "run") or {}) if latest is not None else {}
         now = to_dict(self.cfg)
         changed = _config_changes(saved.get("config", {}), now, STATE_KEYS)
-        # What a run may turn on between resumes starts fresh where the checkpoint has none of it.
-        absent = [n for n in OPTIONAL_ITEMS if (n in arrays or n in names) and latest is not None
-                  and n not in ckpt.items(latest)]
-        arrays = {n: a for n, a in arrays.items() if n not in absent}
-        names = [n for n in names if n not in absent]
+        # What a run may turn on between resumes starts fresh where the checkpoint restored has none of it.
+        wanted = [n for n in OPTIONAL_ITEMS if n in arrays or n in names]
         try:
-            step, arrays, meta = ckpt.restore(latest if changed else None, arrays, meta=names)
+            step, arrays, meta = ckpt.restore(latest if changed else None, arrays, meta=names, optional=OPTIONAL_ITEMS)
         except UnreadableCheckpoint as e:
             if changed:
                 raise ConfigError(f"--resume: checkpoint step {latest} does not fit this config: {', '.join(changed)} "
@@ -512,6 +509,7 @@ class Trainer:
                               f"{records} when the run started; its saved data position counts batches of that "
                               "shuffled stream, so prompts would be skipped or repeated. Put the file back as it was, "
                               "or start a new run")
+        absent = [n for n in wanted if n not in arrays and n not in meta]
         unreadable = [s for s in ckpt.all_steps() if s > step]
         if unreadable:
             where = ckpt.set_aside(unreadable)
