@@ -708,20 +708,29 @@ def longtail(ctx: Ctx) -> dict:
 
 
 def grpo(ctx: Ctx) -> dict:
-    """GRPO steps with SD off and adaptive (the drafter trained above if any), the same seeds."""
+    """GRPO steps with SD off and adaptive (the drafter trained above if any), the same seeds. A run cut by the
+    budget keeps the steps it finished (each run's metrics.jsonl), so a lease learns how far it got."""
     ctx.checkpoint()
     from fastrl_jax.rl.trainer import train
 
-    runs = {}
-    for mode in ("off", "adaptive"):
-        extra = [f"sd.mode={mode}", f"rl.steps={ctx.sizes.grpo_steps}", f"rl.out_dir={ctx.files / ('grpo_' + mode)}",
-                 "rl.checkpoint_every_steps=0", "rl.tensorboard=false", "rl.eval_every_steps=0"]
-        if mode != "off" and ctx.shared.get("drafter_dir"):
-            extra.append(f"rl.drafter_path={ctx.shared['drafter_dir']}")
-        with open(os.devnull, "w") as devnull:
-            history = train(ctx.config(*extra), stream=devnull)
-        runs[mode] = {key: [h[key] for h in history] for key in ("rollout_s", "train_s", "tokens", "reward_mean")}
-        runs[mode]["sd_share"] = [h.get("sd_share", 0.0) for h in history]
+    keys = ("rollout_s", "train_s", "tokens", "reward_mean", "sd_share")
+    runs, cut = {}, None
+    try:
+        for mode in ("off", "adaptive"):
+            out_dir = ctx.files / ("grpo_" + mode)
+            extra = [f"sd.mode={mode}", f"rl.steps={ctx.sizes.grpo_steps}", f"rl.out_dir={out_dir}",
+                     "rl.checkpoint_every_steps=0", "rl.tensorboard=false", "rl.eval_every_steps=0"]
+            if mode != "off" and ctx.shared.get("drafter_dir"):
+                extra.append(f"rl.drafter_path={ctx.shared['drafter_dir']}")
+            runs[mode] = out_dir
+            with open(os.devnull, "w") as devnull:
+                train(ctx.config(*extra), stream=devnull)
+    except BudgetSpent as e:
+        cut = str(e)
+    runs = {mode: _grpo_steps(out_dir / "metrics.jsonl", keys) for mode, out_dir in runs.items()}
+    if cut:
+        done = ", ".join(f"{m} {len(r['rollout_s'])} of {ctx.sizes.grpo_steps} steps" for m, r in runs.items())
+        return {"status": "cut", "summary": f"{done} (cut: {cut})", "runs": runs}
     # The first step compiles the update; later steps compare like for like.
     later = slice(1, None) if ctx.sizes.grpo_steps > 1 else slice(None)
     step = {m: sum(r["rollout_s"][later]) + sum(r["train_s"][later]) for m, r in runs.items()}
@@ -732,6 +741,12 @@ def grpo(ctx: Ctx) -> dict:
                        f"same token counts {same}",
             "step_speedup": step["off"] / step["adaptive"], "rollout_speedup": rollout["off"] / rollout["adaptive"],
             "same_token_counts": same, "runs": runs}
+
+
+def _grpo_steps(metrics: Path, keys: tuple[str, ...]) -> dict:
+    """{key: [value per finished step]} from a run's metrics.jsonl (none yet: empty lists)."""
+    steps = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    return {key: [h.get(key, 0.0) for h in steps] for key in keys}
 
 
 def memory(ctx: Ctx) -> dict:

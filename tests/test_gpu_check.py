@@ -351,3 +351,31 @@ def test_first_difference_recomputes_the_scores_the_engine_sampled_from():
                 assert got["gap"] > 0 and got["margin"] > 0 and got["gap"] >= got["margin"] - 1e-6, got
     ended = gpu_check._first_difference(forward, asked[0], [1, 2, 3], [1, 2], 0.0, 0)
     assert ended == {"position": 2, "plain_length": 3, "sd_length": 2}
+
+
+def test_grpo_cut_by_the_budget_keeps_the_steps_it_finished(tmp_path, monkeypatch):
+    """GRPO compiles for minutes on a GPU (2026-11-27: cut after 133 s with nothing recorded): the steps each run
+    finished, as its metrics.jsonl holds them, stay in the results."""
+    import fastrl_jax.rl.trainer as trainer
+
+    gpu_check = load_script("gpu_check")
+    ctx = _ctx(gpu_check, tmp_path, config=str(ROOT / "configs" / "smollm2_cpu.yaml"))
+    ctx.shared["checkpoint"] = tmp_path  # no GGUF needed: train is replaced
+    calls = []
+
+    def train(cfg, stream):
+        calls.append(cfg.sd.mode)
+        out = Path(cfg.rl.out_dir)
+        out.mkdir(parents=True)
+        steps = [{"rollout_s": 2.0, "train_s": 1.0, "tokens": 640, "reward_mean": 0.5}] * (2 if cfg.sd.mode == "off" else 1)
+        (out / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+        if cfg.sd.mode == "adaptive":
+            raise gpu_check.BudgetSpent("gpu_check budget of 1s (+15s grace) spent")
+        return steps
+
+    monkeypatch.setattr(trainer, "train", train)
+    got = gpu_check.grpo(ctx)
+    assert calls == ["off", "adaptive"] and got["status"] == "cut", got
+    assert got["runs"]["off"]["rollout_s"] == [2.0, 2.0] and got["runs"]["adaptive"]["tokens"] == [640], got
+    assert got["runs"]["off"]["sd_share"] == [0.0, 0.0]
+    assert got["summary"].startswith(f"off 2 of {gpu_check.REDUCED.grpo_steps} steps, adaptive 1 of"), got["summary"]
