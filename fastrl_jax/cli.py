@@ -299,7 +299,7 @@ def cmd_export_drafter(args: argparse.Namespace) -> None:
     with export_into(out) as partial:  # a failed export leaves nothing behind
         save_drafter(partial / "orbax", drafter)
         if drafter.kind == "eagle3":  # its lm_head.weight is the policy's head rows: the one export that reads the weights
-            export_eagle3(drafter, _policy(cfg).model, partial / eagle)
+            export_eagle3(drafter, _drafter_policy(args, cfg, source), partial / eagle)
         else:
             export_eagle(drafter, model_cfg, partial / eagle)
     print(f"[fastrl-jax] wrote {out / 'orbax'} (Orbax, fastrl-jax generate --drafter) and {out / eagle} "
@@ -307,6 +307,21 @@ def cmd_export_drafter(args: argparse.Namespace) -> None:
     if (out / eagle / "token_map.pt").is_file():  # SGLang's EAGLE reads the draft vocabulary from this flag alone
         print(f"[fastrl-jax] serve it with --speculative-algorithm EAGLE --speculative-draft-model-path {out / eagle} "
               f"--speculative-token-map {out / eagle / 'token_map.pt'}", file=sys.stderr)
+
+
+def _drafter_policy(args: argparse.Namespace, cfg, source: Path):
+    """The policy whose head rows an EAGLE-3 export writes (its lm_head.weight): for the drafter of a train run's
+    checkpoint (source: RUN/checkpoints/STEP/drafter), that checkpoint's policy, whose head RL moved away from the
+    base model's and which the drafter scored with; else the base model. On _export_mesh, as export-policy: the
+    run's own mesh may need more devices than this machine has."""
+    from fastrl_jax.models.loading import load_policy
+
+    if source.parent.parent.name == "checkpoints" and (source.parent / "policy").is_dir():
+        from fastrl_jax.rl.run_dir import load_run_policy
+
+        model = [f"model.path={json.dumps(args.model)}"] if args.model else []  # a base model that moved
+        return load_run_policy(source.parents[2], _export_mesh(), int(source.parent.name), [*model, *args.set])[0].model
+    return load_policy(cfg.model, _export_mesh(), cfg.model.engine_dtype).model
 
 
 def _export_mesh():

@@ -368,3 +368,50 @@ def test_an_eagle3_drafter_with_a_qwen_layer_says_to_train_again(tmp_path):
     save_drafter(tmp_path / "d", old)
     with pytest.raises(ValueError, match="EAGLE-3 drafter whose layer has the policy's bq .* train it again"):
         load_drafter(tmp_path / "d", QWEN["qwen2"])
+
+
+def test_export_drafter_of_a_train_run_writes_the_head_rows_of_that_checkpoints_policy(tmp_path):
+    """A `train` run's EAGLE-3 drafter learned to score with the RL-updated policy's head; export-drafter --drafter RUN
+    wrote the base model's head rows as its lm_head.weight instead (SGLang scores with those, ours with the trained
+    ones). The policy loads on the devices here (as export-policy), not on the mesh of the run's config (2 devices):
+    that refused to export on a machine of fewer devices, as for a drafter of the base model."""
+    from helpers.cli import fastrl_jax
+    from helpers.tiny_run import write_tiny_checkpoint
+    from safetensors.numpy import load_file
+
+    from fastrl_jax.checkpoint import RunCheckpointer
+    from fastrl_jax.config import load_config, save_config
+    from fastrl_jax.models.loading import load_model
+
+    base = write_tiny_checkpoint(tmp_path / "policy")
+    trained_mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+    trained, _ = load_model(base, trained_mesh)
+    trained.lm_head.set_value(trained.lm_head[...] + 1.0)  # RL moved the head
+    drafter = random_drafter(VOCAB, kind="eagle3")
+    run = tmp_path / "run"
+    run.mkdir()
+    save_config(load_config(None, [f"model.path={base}", "mesh.data=2"]), run / "config.yaml")
+    with RunCheckpointer(run / "checkpoints") as ckpt:
+        ckpt.save(3, {"policy": nnx.to_pure_dict(nnx.state(trained)), "drafter": nnx.to_pure_dict(nnx.state(drafter))})
+    res = fastrl_jax("export-drafter", "--drafter", str(run), "--out", str(tmp_path / "out"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    head = load_file(str(tmp_path / "out" / "eagle3" / "model.safetensors"))["lm_head.weight"]
+    np.testing.assert_array_equal(head, np.asarray(drafter.head_weight(trained)))
+    save_drafter(tmp_path / "d", drafter)  # a drafter of the base model: its head rows, on the device here too
+    res = fastrl_jax("export-drafter", "--model", str(base), "--drafter", str(tmp_path / "d"), "--out", str(tmp_path / "out2"),
+                     "--set", "mesh.data=2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    head = load_file(str(tmp_path / "out2" / "eagle3" / "model.safetensors"))["lm_head.weight"]
+    np.testing.assert_array_equal(head, np.asarray(drafter.head_weight(load_model(base, trained_mesh)[0])))
+
+
+def test_an_eagle_drafter_of_another_family_is_refused_and_writes_nothing(tmp_path):
+    """A Qwen2 policy's EAGLE drafter (q/k/v biases) exported with a Llama policy of the same widths was written as
+    LlamaForCausalLMEagle with the bias tensors, which SGLang's Llama loader skips (it has no place for them):
+    served without its biases, it drafts other tokens than it was trained to. The other way round, Qwen2's layer
+    would keep uninitialised biases."""
+    for drafter_cfg, policy_cfg, wrong in ((QWEN["qwen2"], TINY, r"qkv_bias True \(policy: False\)"),
+                                           (TINY, QWEN["qwen2"], r"qkv_bias False \(policy: True\)")):
+        with pytest.raises(ValueError, match=rf"of another policy: its {wrong}"):
+            export_eagle(random_drafter(cfg=drafter_cfg), policy_cfg, tmp_path / "e")
+        assert not any(tmp_path.iterdir())

@@ -141,3 +141,24 @@ def test_smollm2_export_decodes_like_generate(tmp_path):
                                  max_new_tokens=40, do_sample=False)[0, len(ids):].tolist()
         assert theirs == row["completion_ids"] + ([eos] if row["finish_reason"] == "stop" else [])
         assert len(theirs) > 5
+
+
+def test_tokenizer_files_keep_extra_special_tokens_in_a_form_transformers_4_reads(tmp_path):
+    """transformers 5 saves extra special tokens (Qwen2.5's <|im_start|> ...) as a list under extra_special_tokens;
+    transformers 4.x, which vLLM and SGLang pin, expects a dict there and fails to load the tokenizer ('list'
+    object has no attribute 'keys'). The export lists them under additional_special_tokens, which both read."""
+    from helpers.tiny_run import write_tokenizer
+
+    from fastrl_jax.models.export import save_tokenizer
+
+    write_tokenizer(tmp_path / "source")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "source")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    save_tokenizer(tokenizer, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    assert isinstance(config.get("extra_special_tokens", {}), dict), config  # what transformers 4.x requires
+    assert config["additional_special_tokens"] == ["<|im_start|>", "<|im_end|>"]
+    back = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert back.all_special_tokens == tokenizer.all_special_tokens
+    text = "<|im_start|>12+34=<|im_end|>"
+    assert back.encode(text) == tokenizer.encode(text) and len(back.encode(text)) == 8

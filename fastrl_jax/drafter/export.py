@@ -17,7 +17,8 @@ Layout (as SafeAILab EAGLE checkpoints; no embedding, no head: SGLang takes both
 Weights are in torch nn.Linear layout [out, in]; q/k use HF's half-split RoPE layout, as ours do.
 Features are the target's last hidden state after its final norm, as SGLang captures them.
 An export goes to a new or empty directory, written whole or not at all (models.export.export_into), and
-only for the policy the drafter was made for (same widths, and layers for its EAGLE-3 features).
+only for the policy the drafter was made for (same widths, an EAGLE layer's family, and layers for its EAGLE-3
+features).
 
 EAGLE-3 (export_eagle3; SGLang python/sglang/srt/models/llama_eagle3.py, for Qwen policies too: the drafter's
 layer is Llama's whatever the policy's family):
@@ -70,6 +71,9 @@ def _eagle_layer_names(cfg: ModelConfig) -> dict[str, HFTensor]:
 def _check_policy(drafter: Drafter, cfg: ModelConfig) -> None:
     """Refuses a drafter of another policy than `cfg`: config.json would describe `cfg`, the tensors the drafter."""
     fields = ("vocab_size", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim")
+    if drafter.kind == "eagle":  # its layer is its policy's family's (an EAGLE-3 layer is Llama's for every policy):
+        # SGLang's Llama loader skips q/k/v biases, Qwen2's keeps uninitialised ones for missing biases
+        fields += ("qkv_bias", "qk_norm")
     wrong = [f"{f} {getattr(drafter.cfg, f)} (policy: {getattr(cfg, f)})" for f in fields
              if getattr(drafter.cfg, f) != getattr(cfg, f)]
     if drafter.feature_layers and max(drafter.feature_layers) >= cfg.num_layers:

@@ -155,12 +155,18 @@ def write_weights(plan: list[PlannedTensor], out: Path, dtype, max_shard_bytes: 
 def save_tokenizer(tokenizer, out: Path) -> None:
     """The tokenizer's files (tokenizer.json, tokenizer_config.json, the chat template), readable by
     transformers 4.x too (vLLM and SGLang pin it): transformers 5 names its fast class TokenizersBackend,
-    which 4.x does not know, and older 4.x reads the chat template only from tokenizer_config.json."""
+    which 4.x does not know; it writes the extra special tokens (Qwen's <|im_start|> ...) as a list under
+    extra_special_tokens, where 4.x expects a dict of named tokens and fails to load the tokenizer
+    ('list' object has no attribute 'keys'), so they go under additional_special_tokens, which both read;
+    and older 4.x reads the chat template only from tokenizer_config.json."""
     tokenizer.save_pretrained(out)
     config_file = out / "tokenizer_config.json"
     config = json.loads(config_file.read_text())
     if config.get("tokenizer_class") == "TokenizersBackend":
         config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    if isinstance(config.get("extra_special_tokens"), list):
+        # Only the one key: transformers 5 drops additional_special_tokens when extra_special_tokens is there too
+        config["additional_special_tokens"] = config.pop("extra_special_tokens")
     if tokenizer.chat_template and "chat_template" not in config:
         config["chat_template"] = tokenizer.chat_template
     config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
