@@ -435,6 +435,9 @@ def bench_longtail(args) -> int:
     adaptive = run("adaptive", adaptive_sd)
     runs = [plain, *on_runs, adaptive]
     summary = longtail_summary(args, runs, adaptive_sd.threshold_live_batch, drafter_name)
+    # float32: every run's tokens must equal plain decoding's; bfloat16 equals it up to near-ties of the top two
+    # logits, which the verify forward's rounding settles its own way (docs/measurements.md): counted, not required
+    summary["dtype"], summary["identical_required"] = cfg.model.engine_dtype, cfg.model.engine_dtype == "float32"
     summary["machine"] = machine_facts()
     summary["backend"] = jax.default_backend()
     summary |= {"rollout": dataclasses.asdict(rollout_cfg), "sd": dataclasses.asdict(adaptive_sd)}
@@ -448,7 +451,11 @@ def bench_longtail(args) -> int:
     best_on = min(on_runs, key=lambda r: r["seconds"]) if on_runs else None
     if plot_timelines([r for r in (plain, best_on, adaptive) if r is not None], adaptive_sd.threshold_live_batch, title, plot):
         print(f"timeline plot: {plot}")
-    return 0 if all(r["identical_to_plain"] == len(requests) and r["identical_across_repeats"] is not False for r in runs) else 1
+    repeatable = all(r["identical_across_repeats"] is not False for r in runs)
+    identical = all(r["identical_to_plain"] == len(requests) for r in runs)
+    if not identical and not summary["identical_required"]:
+        print(f"{summary['dtype']}: outputs equal plain decoding's up to near-ties (the identical column counts them)")
+    return 0 if repeatable and (identical or not summary["identical_required"]) else 1
 
 
 def longtail_summary(args, runs, k: int, drafter_name: str) -> dict:

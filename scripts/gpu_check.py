@@ -701,10 +701,14 @@ def longtail(ctx: Ctx) -> dict:
         argv += ["--set", *ctx.args.set]
     if _bench_rollout().main(argv) != 0:
         raise RuntimeError("bench_rollout --workload longtail failed")
-    s = json.loads(out.read_text())["summary"]
+    result = json.loads(out.read_text())
+    s = result["summary"]
+    identical = {r["name"]: r["identical_to_plain"] for r in result["runs"]}  # bfloat16: up to near-ties
     return {"summary": f"adaptive {s['adaptive_vs_plain']:.2f}x plain, {s['adaptive_vs_best_on']:.2f}x best always-on "
-                       f"({s['best_on']}); drafter {s['drafter']}", **{k: s[k] for k in (
-                           "workload", "drafter", "adaptive_vs_plain", "adaptive_vs_best_on", "best_on", "response_tokens")}}
+                       f"({s['best_on']}); drafter {s['drafter']}; requests identical to plain, adaptive "
+                       f"{identical['adaptive']} ({s['dtype']})", "identical_to_plain": identical, **{k: s[k] for k in (
+                           "workload", "drafter", "adaptive_vs_plain", "adaptive_vs_best_on", "best_on", "response_tokens",
+                           "dtype")}}
 
 
 def grpo(ctx: Ctx) -> dict:
