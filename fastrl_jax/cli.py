@@ -370,9 +370,12 @@ def cmd_export_policy(args: argparse.Namespace) -> None:
               max_shard_bytes=args.max_shard_mb * 10**6, base_config=base_config,
               base_generation_config=base_generation,
               on_file=lambda name: print(f"[fastrl-jax] wrote {name}", file=sys.stderr))
+    dtype = args.dtype or cfg.model.dtype
     print(f"[fastrl-jax] exported {source} to {out} in {time.perf_counter() - t0:.1f}s (HF safetensors, "
-          f"{args.dtype or cfg.model.dtype}; transformers.AutoModelForCausalLM.from_pretrained loads it)",
-          file=sys.stderr)
+          f"{dtype}; transformers.AutoModelForCausalLM.from_pretrained loads it)", file=sys.stderr)
+    if dtype == "float32":  # their `auto` serves float32 checkpoints in float16, which overflows in some models
+        print("[fastrl-jax] SGLang and vLLM serve a float32 checkpoint in float16 under --dtype auto: pass --dtype "
+              "bfloat16 to them, or export with --dtype bfloat16", file=sys.stderr)
 
 
 def _eval_policy_config(args: argparse.Namespace, defaults: list[str]):

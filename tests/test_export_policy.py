@@ -121,6 +121,7 @@ def test_smollm2_export_decodes_like_generate(tmp_path):
     out = tmp_path / "smollm2-hf"
     run = fastrl_jax("export-policy", "--model", "smollm2", "--out", str(out))
     assert run.returncode == 0, run.stderr[-3000:]
+    assert "serve a float32 checkpoint in float16 under --dtype auto: pass --dtype bfloat16" in run.stderr  # the default
     texts = ["What is 12 * 7? Answer briefly.", "Write one sentence about the sea."]
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
