@@ -309,3 +309,51 @@ def test_an_online_drafter_saved_over_the_mesh_loads_on_fewer_devices(tmp_path: 
     assert out.returncode == 0, out.stderr[-2000:]
     devices, total = out.stdout.split()[-2:]
     assert devices == "1" and float(total) == pytest.approx(float(jnp.abs(params["fc"][...]).sum()), rel=1e-6)
+
+
+@pytest.mark.parametrize("overrides, mesh_data, message", [
+    (["drafter_online.min_buffer_tokens=5000", "drafter_online.buffer_max_tokens=4096"], 1, "min_buffer_tokens"),
+    (["drafter_online.min_idle_replicas=2"], 2, "min_idle_replicas"),
+])
+def test_settings_under_which_the_drafter_never_trains_are_refused(tmp_path: Path, monkeypatch, overrides, mesh_data,
+                                                                     message):
+    """A buffer that never reaches min_buffer_tokens, or replicas never idle in the number asked for while others
+    still decode, used to leave online training on in name only: no step, no error, a frozen drafter."""
+    from fastrl_jax.config import ConfigError
+    from fastrl_jax.rl.trainer import train
+
+    cfg = load_config(None, [*tiny_overrides(tmp_path), f"mesh.data={mesh_data}", "mesh.fsdp=-1", "sd.mode=adaptive",
+                             *overrides])
+
+    def load_policy(*args):
+        raise AssertionError("the run loaded its policy before refusing the settings")
+
+    with monkeypatch.context() as m, pytest.raises(ConfigError, match=message):  # a run says so before it loads anything
+        m.setattr("fastrl_jax.rl.trainer.load_policy", load_policy)
+        train(cfg)
+    mesh = make_mesh(cfg.mesh)
+    model, _ = load_model(cfg.model.path, mesh, cfg.model.dtype)
+    graphdef, state = nnx.split(model)
+    monkeypatch.setattr(SpotTrainer, "_compile", lambda self, block: None)  # no drafter step runs here
+    with pytest.raises(ConfigError, match=message):
+        SpotTrainer(cfg, Drafter(model.cfg, nnx.Rngs(0)), graphdef, nnx.to_pure_dict(state), mesh, seed=0)
+
+
+def test_a_step_of_several_rollouts_reports_the_loss_of_all_its_drafter_steps():
+    """rl.filter_groups draws several rollout batches per RL step: the step's drafter loss is the mean over every
+    drafter step they ran (it was the last batch's alone, NaN when that one ran none)."""
+    from fastrl_jax.drafter.online import merge_reports
+
+    def report(steps, loss):
+        return {"drafter_bank_s": 1.0 * steps, "drafter_steps": steps, "drafter_spot_s": 0.5 * steps,
+                "drafter_loss": loss, "drafter_preempt_s": 0.25, "drafter_replicas_lent": steps,
+                "drafter_buffer_tokens": 100}
+
+    merged = report(0, float("nan"))
+    for batch in (report(2, 4.0), report(1, 1.0), report(0, float("nan"))):
+        merged = merge_reports(merged, batch)
+    assert merged["drafter_steps"] == 3 and merged["drafter_spot_s"] == 1.5 and merged["drafter_preempt_s"] == 1.0
+    assert merged["drafter_loss"] == pytest.approx(3.0)
+    assert merged["drafter_buffer_tokens"] == 100 and merged["drafter_bank_s"] == 0.0  # the last phase's
+    assert merge_reports({}, report(1, 2.0)) == report(1, 2.0)
+    assert np.isnan(merge_reports(report(0, float("nan")), report(0, float("nan")))["drafter_loss"])

@@ -44,7 +44,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fastrl_jax.checkpoint import read_step_file, write_step_file
-from fastrl_jax.config import Config
+from fastrl_jax.config import Config, ConfigError, DrafterOnlineConfig
 from fastrl_jax.drafter.buffer import PackedBatch, SampleBuffer
 from fastrl_jax.drafter.train import LossSettings, chain_acceptance, drafter_optimizer, make_train_step
 from fastrl_jax.models.drafter import Drafter
@@ -59,6 +59,32 @@ def aligned_blocks(num_replicas: int, rows: int) -> list[tuple[int, ...]]:
     dividing rows."""
     sizes = [s for s in (2**i for i in range(num_replicas.bit_length())) if s <= num_replicas and rows % s == 0]
     return [tuple(range(k * s, (k + 1) * s)) for s in sorted(sizes, reverse=True) for k in range(num_replicas // s)]
+
+
+def check_settings(c: DrafterOnlineConfig, num_replicas: int) -> None:
+    """Refuses settings under which no drafter step could ever run on `num_replicas` rollout replicas (online
+    training would be on in name only)."""
+    if c.min_buffer_tokens > c.buffer_max_tokens:
+        raise ConfigError(f"drafter_online.min_buffer_tokens ({c.min_buffer_tokens}) exceeds buffer_max_tokens "
+                          f"({c.buffer_max_tokens}): the buffer never holds that many, so the drafter would never train")
+    if num_replicas > 1 and c.min_idle_replicas >= num_replicas:
+        raise ConfigError(f"drafter_online.min_idle_replicas ({c.min_idle_replicas}) must be below the {num_replicas} "
+                          "rollout replicas (mesh.data): drafter steps run on idle replicas while others still decode, "
+                          "so the drafter would never train (set drafter_online.enabled=false to keep it frozen)")
+
+
+def merge_reports(earlier: dict[str, float], later: dict[str, float]) -> dict[str, float]:
+    """One RL step's report (SpotTrainer.end) over two of its rollout phases (rl.filter_groups draws several):
+    steps and seconds add up, the loss is the mean over both phases' steps, the rest are the later phase's."""
+    if not earlier:
+        return dict(later)
+    out = dict(later)
+    for k in ("drafter_steps", "drafter_spot_s", "drafter_preempt_s"):
+        out[k] = earlier[k] + later[k]
+    steps = [(earlier["drafter_steps"], earlier["drafter_loss"]), (later["drafter_steps"], later["drafter_loss"])]
+    out["drafter_loss"] = (sum(n * loss for n, loss in steps if n) / out["drafter_steps"] if out["drafter_steps"]
+                           else float("nan"))
+    return out
 
 
 @dataclasses.dataclass
@@ -88,6 +114,7 @@ class SpotTrainer:
         self.cfg, dt = cfg.drafter_online, cfg.drafter_train
         self.mesh = mesh
         self.num_replicas = mesh.shape["data"]
+        check_settings(self.cfg, self.num_replicas)
         self.seed = seed
         self.buffer = SampleBuffer(self.cfg.buffer_max_tokens, drafter.feature_size, keep_steps=self.cfg.keep_steps)
         self.dgraphdef, params, self.rest = nnx.split(drafter, nnx.Param, ...)

@@ -33,7 +33,7 @@ from fastrl_jax.config import Config, ConfigError, TrainingStopped, check_traina
 from fastrl_jax.data import pipeline
 from fastrl_jax.data.prompt_files import read_records
 from fastrl_jax.data.prompts import record_prompt_ids
-from fastrl_jax.drafter.online import SpotTrainer
+from fastrl_jax.drafter.online import SpotTrainer, check_settings, merge_reports
 from fastrl_jax.metric_sink import check_wandb
 from fastrl_jax.models.decoder import Decoder
 from fastrl_jax.models.drafter_io import drafter_accept_prior, drafter_dir, make_drafter
@@ -320,7 +320,7 @@ class Trainer:
             records = next(self.data)
             requests, completions, batch_stats, batch_report = self.rollout(records, step, drawn * len(records) * n)
             drawn, stats = drawn + 1, stats + batch_stats
-            report = {k: report.get(k, 0) + v if k in _SUMMED_REPORT else v for k, v in batch_report.items()}
+            report = merge_reports(report, batch_report)
             t0 = time.perf_counter()
             reward, correct = self._rewards(records, completions)
             reward_s += time.perf_counter() - t0
@@ -580,10 +580,6 @@ class _Sampled(NamedTuple):
     reward_s: float  # seconds in the reward functions
 
 
-# The online drafter's report of a step's several rollouts (rl.filter_groups): these add up, the rest are the last's.
-_SUMMED_REPORT = ("drafter_steps", "drafter_spot_s", "drafter_preempt_s")
-
-
 @contextlib.contextmanager
 def _stop_signals() -> Iterator[list[str]]:
     """The names of SIGTERM / SIGUSR1 received while the block runs, which then no longer end the process at
@@ -651,6 +647,8 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, stream=
     tokenizer named by cfg.model, then runs GRPO to cfg.rl.steps."""
     mesh = make_mesh(cfg.mesh)
     preflight(cfg, mesh.shape["data"] * mesh.shape["fsdp"])  # before loading a model, or touching a run
+    if cfg.sd.uses_drafter() and cfg.drafter_online.enabled and jax.process_count() == 1:  # as Trainer turns it on
+        check_settings(cfg.drafter_online, mesh.shape["data"])
     if warning := memory_warning(cfg, mesh.size, (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")):
         log.warning(warning)
     run_dir.prepare_run_dir(cfg, resume=resume, overwrite=overwrite)
