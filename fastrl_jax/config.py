@@ -580,7 +580,7 @@ class DrafterOnlineConfig:
     warmup_steps: int = 10  # then constant
     min_idle_replicas: int = 1  # several replicas: lend devices once this many replicas are idle
     max_steps_per_rollout: int = 0  # drafter steps per RL step at most; 0 = as many as the idle time allows
-    tail_time_share: float = 0.25  # one replica: share of the tail's wall time given to drafter steps
+    tail_time_share: float = 0.25  # one replica: drafter steps may take this share of the rollout's wall time so far, in its tail
     # One replica: 'saved' spends on drafter steps (and on acceptance estimates) only the seconds speculation
     # saved against plain decoding so far in the run, so adaptive SD never costs more than SD off; 'share'
     # gives them tail_time_share of every rollout, an investment that pays once the drafter has learned.
