@@ -1,7 +1,9 @@
 """K GRPO steps with speculative decoding off and adaptive (+ the online drafter), from the same seeds.
 
 Both runs must produce the same rollouts (token ids, by digest) and rewards at every step: lossless
-SD changes the time, not the training. Reports the time of each step split into rollout, policy
+SD changes the time, not the training. That is required with float32 rollouts; with bfloat16 ones
+(model.rollout_dtype) SD equals plain decoding up to near-ties of the top two logits, and a rollout that
+parts at one trains on other samples from then on (docs/measurements.md): reported, not required. Reports the time of each step split into rollout, policy
 update and drafter work (online training in the tail is part of the rollout's wall time on one
 device; the per-step acceptance estimate is drafter work), adaptive's speed-up (SD off's seconds /
 adaptive's: step_time_ratio and rollout_ratio, > 1 when adaptive is faster) over all steps and over
@@ -128,6 +130,7 @@ def main(argv=None) -> int:
     result = {"summary": summary(off, adaptive, runs["off"], runs["adaptive"]), "machine": machine_facts(),
               "backend": jax.default_backend(), "config": args.config, "overrides": args.set, "runs": runs}
     s = result["summary"]
+    s["dtype"], s["identical_required"] = cfg.model.engine_dtype, cfg.model.engine_dtype == "float32"
     print(f"{'step':>4} {'off s':>7} {'adapt s':>7} {'rollout':>8} {'update':>7} {'drafter':>7} {'sd':>5} {'accept':>6} {'same':>5}")
     for a, b in zip(off["steps"], adaptive["steps"]):
         print(f"{a['step']:>4} {a['step_s']:>7.1f} {b['step_s']:>7.1f} {b['rollout_s']:>8.1f} {b['update_s']:>7.1f} "
@@ -141,7 +144,9 @@ def main(argv=None) -> int:
     png = args.plot or str(Path(args.out).with_suffix(".png"))
     if plot(off, adaptive, png):
         print(f"[bench-rl] wrote {args.out} and {png}", file=sys.stderr)
-    return 0 if s["identical_rollouts_and_rewards"] else 1
+    if not s["identical_rollouts_and_rewards"] and not s["identical_required"]:
+        print(f"{s['dtype']} rollouts: SD equals plain decoding up to near-ties, so the runs may part (not required)")
+    return 0 if s["identical_rollouts_and_rewards"] or not s["identical_required"] else 1
 
 
 if __name__ == "__main__":

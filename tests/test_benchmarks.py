@@ -34,6 +34,22 @@ def _rl_run(digests, rewards, seconds=30.0):
                       for i, (d, r) in enumerate(zip(digests, rewards))]}
 
 
+@pytest.mark.parametrize("dtype, status", [("float32", 1), ("bfloat16", 0)])
+def test_bench_rl_requires_identical_rollouts_in_float32_only(tmp_path, monkeypatch, dtype, status):
+    """With bfloat16 rollouts SD equals plain decoding up to near-ties, and a run that parts at one trains on
+    other samples from then on: the runs' difference is reported, and fails the benchmark in float32 only."""
+    bench_rl = load_script("bench_rl")
+    fake = {"off": _rl_run(["a", "b"], [0.5, 0.6]), "adaptive": _rl_run(["a", "X"], [0.5, 0.4])}
+    monkeypatch.setattr(bench_rl, "run", lambda cfg, policy, mode, out_dir: fake[mode])
+    monkeypatch.setattr(bench_rl, "plot", lambda *args: False)
+    out = tmp_path / "bench_rl.json"
+    overrides = [o for o in tiny_overrides(tmp_path) if not o.startswith("rl.steps=")] + ["mesh.fsdp=-1"]
+    code = bench_rl.main(["--config", "", "--steps", "2", "--out", str(out), "--set", *overrides,
+                          f"model.rollout_dtype={dtype}"])
+    summary = json.loads(out.read_text())["summary"]
+    assert code == status and not summary["identical_rollouts_and_rewards"] and summary["dtype"] == dtype
+
+
 def test_bench_rl_compares_every_run_of_both_modes(capsys):
     """Identical means every run of either mode, step by step (a median run of SD off that differs, or a
     run with a step missing, is not identical); one step has no 'steps 2 on'; an even count of repeats
