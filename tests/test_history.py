@@ -81,6 +81,60 @@ def test_the_corpus_holds_earlier_completions_behind_the_prompt_tail():
     assert drafts[0] == [61, 62, 63]  # "41 42 60" matched: up to 6 drafts, the entry ends after 3
 
 
+def test_a_match_at_an_entrys_end_does_not_hide_one_that_continues():
+    """A completion cut by its length limit (or by the corpus) ends mid-text; the row reaching the same text must draft
+    what followed it in an entry that goes on, not nothing from the newer, cut one (equally long and later)."""
+    prompt = [40, 41, 42]
+    corpus = build_corpus(prompt, [[50, 51, 52, 53, 54, 55], [50, 51, 52]], size=16, prompt_tail=2)
+    drafts, _ = table([[40, 41, 42, 50, 51, 52]], groups=[0], corpora=[corpus])
+    assert drafts[0] == [53, 54, 55]
+    # A longer match at the cut entry's end loses to a shorter one that continues.
+    corpus = build_corpus(prompt, [[7, 51, 52, 60, 61], [50, 51, 52]], size=16, prompt_tail=2)
+    drafts, _ = table([[40, 41, 42, 50, 51, 52]], groups=[0], corpora=[corpus])
+    assert drafts[0] == [60, 61]
+
+
+def _propose_reference(history, length, group, corpus, max_draft, settings):
+    """propose() spelled out: every place a row's suffix may match, the longest one that a token follows; among equally
+    long ones the latest: the table after the corpus, a later position after an earlier one (then a later row)."""
+    B = len(history)
+    tokens, n = np.full((B, max_draft), -1), np.zeros(B, int)
+    for b in range(B):
+        query = [int(history[b][length[b] - j]) for j in range(min(settings.match_tokens, length[b] + 1))]
+        texts = [((0, 0), [t if t != SEPARATOR else None for t in corpus[b]])]
+        texts += [((1, r), list(history[r][: length[r] + 1])) for r in range(B) if group[r] == group[b]]
+        found = []
+        for (where, r), text in texts:
+            for p in range(len(text) - 1):
+                run = 0
+                while run < len(query) and p - run >= 0 and text[p - run] == query[run]:
+                    run += 1
+                follow = []
+                for t in text[p + 1:]:
+                    if t is None or len(follow) == max_draft:
+                        break
+                    follow.append(t)
+                if follow:
+                    found.append(((run, where, p, r), follow))
+        (run, *_), follow = max(found, key=lambda f: f[0]) if found else ((0,), [])
+        k = min(int(settings.spec_factor * run), len(follow)) if run >= settings.min_match else 0
+        tokens[b, :k], n[b] = follow[:k], k
+    return tokens, n
+
+
+def test_propose_equals_a_reference_on_random_tables():
+    rng = np.random.default_rng(0)
+    settings = MatchSettings(match_tokens=4, min_match=2, spec_factor=1.5)
+    for _ in range(40):  # a small vocabulary: many matches of every length
+        history = rng.integers(0, 3, (3, 12)).astype(np.int32)
+        length, group = rng.integers(0, 12, 3).astype(np.int32), rng.integers(0, 2, 3).astype(np.int32)
+        corpus = rng.integers(-1, 3, (3, 20)).astype(np.int32)
+        tokens, n = propose(jnp.asarray(history), jnp.asarray(length), jnp.asarray(group), jnp.asarray(corpus), 5, settings)
+        want_tokens, want_n = _propose_reference(history, length, group, corpus, 5, settings)
+        np.testing.assert_array_equal(np.asarray(n), want_n)
+        np.testing.assert_array_equal(np.asarray(tokens), want_tokens)
+
+
 def same_store(a: HistoryStore, b: HistoryStore) -> bool:
     x, y = a.arrays(), b.arrays()
     return x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)

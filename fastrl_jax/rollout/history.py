@@ -5,7 +5,7 @@ prompts come back in later RL steps. For each row the device matcher finds, amon
   - the row's corpus: earlier completions of its prompt (from earlier RL steps, and siblings of this
     rollout that have finished), each behind the prompt's last tokens, and
   - the live rows of its group in the table (siblings still generating, and the row itself),
-the longest match of the row's last `match_tokens` tokens (the latest one among equally long ones) and
+the longest match of the row's last `match_tokens` tokens that text follows (the latest among equally long ones) and
 proposes what followed it as a chain of draft tokens, as many as spec_factor x the match length (at
 most max_draft). It is a few vectorised compares inside the compiled step: no host round trip.
 The policy verifies every drafted token, so drafting from history is as lossless as any drafter.
@@ -61,8 +61,11 @@ def propose(history: jax.Array, length: jax.Array, group: jax.Array, corpus: jax
     pos = length[:, None] - jnp.arange(K)[None, :]  # [B, K]: the query, newest token first
     query = jnp.where(pos >= 0, jnp.take_along_axis(history, jnp.maximum(pos, 0), 1), -3)
 
-    # Match lengths ending at each corpus position and at each position of each table row.
-    in_corpus = _run_lengths(corpus[:, :, None], query, corpus[:, :, None] != SEPARATOR)[:, :, 0]  # [B, M]
+    # Match lengths ending at each corpus position and at each position of each table row, where a token follows
+    # the match: a longer match at an entry's end (a completion cut by its length limit or by the corpus) would
+    # otherwise win over one that has a continuation, and the row would draft nothing.
+    continues = jnp.concatenate([corpus[:, 1:], jnp.full((B, 1), SEPARATOR, corpus.dtype)], 1) != SEPARATOR
+    in_corpus = _run_lengths(corpus[:, :, None], query, ((corpus != SEPARATOR) & continues)[:, :, None])[:, :, 0]  # [B, M]
     rows_text = jnp.broadcast_to(history.T[None], (B, S1, B))  # [B, S1, Bt]: row r's text at p
     table_ok = (group[None, :] == group[:, None])[:, None, :] & (jnp.arange(S1)[None, :, None] < length[None, None, :])
     in_table = _run_lengths(rows_text, query, table_ok)  # [B, S1, Bt]
