@@ -427,7 +427,9 @@ def _eval_settings(args: argparse.Namespace, cfg) -> tuple[int, float, int, int]
 
 
 def _eval_requests(cfg, path: Path, records, samples: int, temperature: float, max_new: int):
-    """(tokenizer, requests) of the records, every prompt checked against the engine's rules."""
+    """(tokenizer, records, requests): the records whose prompt fits the largest prompt bucket (the set the
+    trainer's in-run evaluation scores, so eval of a run repeats its eval_accuracy) and their requests, every
+    prompt checked against the engine's rules."""
     from fastrl_jax.data.prompts import record_prompt_ids
     from fastrl_jax.models.loading import read_model_config
     from fastrl_jax.models.tokenizer import load_tokenizer, stop_ids
@@ -437,6 +439,13 @@ def _eval_requests(cfg, path: Path, records, samples: int, temperature: float, m
     tokenizer, model_cfg = load_tokenizer(path), read_model_config(path)
     d, rl = cfg.data, cfg.rl
     prompts = [record_prompt_ids(r, tokenizer, d.instruction, d.chat_template) for r in records]
+    limit = cfg.rollout.prompt_buckets[-1]
+    fits = [i for i, p in enumerate(prompts) if len(p) <= limit]
+    if fits and len(fits) < len(records):  # none fitting is refused below, with the reason
+        print(f"[fastrl-jax] {len(records) - len(fits)} of {len(records)} evaluation prompts are longer than the largest "
+              f"rollout.prompt_buckets ({limit} tokens) and are left out, as training's evaluation leaves them out; raise "
+              "it to keep them", file=sys.stderr)
+        records, prompts = [records[i] for i in fits], [prompts[i] for i in fits]
     requests = eval_requests(prompts, samples, max_new, temperature, rl.top_k, rl.top_p, cfg.seed,
                              stop_ids(model_cfg, tokenizer))
     margin = draft_margin(cfg.sd)
@@ -445,7 +454,7 @@ def _eval_requests(cfg, path: Path, records, samples: int, temperature: float, m
     if bad:
         listed = "; ".join(f"prompt {g}: {why}" for g, why in bad[:3])
         raise ConfigError(f"{len(bad)} of {len(records)} evaluation prompts cannot run ({listed})")
-    return tokenizer, requests
+    return tokenizer, records, requests
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -472,7 +481,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     records = held_out_records(cfg, num_prompts, source)
     if len(records) < num_prompts:
         print(f"[fastrl-jax] {source} holds {len(records)} records; evaluating all of them", file=sys.stderr)
-    tokenizer, requests = _eval_requests(cfg, path, records, samples, temperature, max_new)
+    tokenizer, records, requests = _eval_requests(cfg, path, records, samples, temperature, max_new)
     if args.run:
         from fastrl_jax.rl.run_dir import load_run_policy
         from fastrl_jax.sharding import make_mesh
@@ -596,7 +605,8 @@ def _add_eval(sub) -> None:
     ev.add_argument("--num-prompts", type=int, help="held-out prompts (default: rl.eval_prompts)")
     ev.add_argument("--samples", type=int, help="completions per prompt, n of pass@k (default: rl.eval_samples)")
     ev.add_argument("--temperature", type=float,
-                    help="default: rl.eval_temperature (0, greedy) for one sample, else rl.temperature")
+                    help="default: rl.eval_temperature (0: greedy); several samples at an rl.eval_temperature of 0 "
+                         "take rl.temperature")
     ev.add_argument("--max-new-tokens", type=int, help="default: rl.max_new_tokens")
     ev.add_argument("--sd", choices=["off", "on", "adaptive"], default="off",
                     help="speculative decoding (the same completions, sooner with a trained drafter)")

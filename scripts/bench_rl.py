@@ -1,13 +1,14 @@
 """K GRPO steps with speculative decoding off and adaptive (+ the online drafter), from the same seeds.
 
-Both runs must produce the same rollouts (token ids, by digest) and rewards at every step: lossless
-SD changes the time, not the training. That is required with float32 rollouts; with bfloat16 ones
+Both runs must produce the same rollouts (token ids, by digest) and rewards at every step: lossless SD
+changes the time, not the training. That is required with float32 rollouts; with bfloat16 ones
 (model.rollout_dtype) SD equals plain decoding up to near-ties of the top two logits, and a rollout that
-parts at one trains on other samples from then on (docs/measurements.md): reported, not required. Reports the time of each step split into rollout, policy
-update and drafter work (online training in the tail is part of the rollout's wall time on one
-device; the per-step acceptance estimate is drafter work), adaptive's speed-up (SD off's seconds /
-adaptive's: step_time_ratio and rollout_ratio, > 1 when adaptive is faster) over all steps and over
-steps 2.. (step 1 compiles), the median of --repeats runs, the machine's facts; JSON + PNG.
+parts at one trains on other samples from then on (docs/measurements.md): reported, not required. The
+adaptive runs must speculate at some step (else they compare SD off with itself: exit 1). Reports the time
+of each step split into rollout, policy update and drafter work (online training in the tail is part of the
+rollout's wall time on one device; the per-step acceptance estimate is drafter work), adaptive's speed-up
+(SD off's seconds / adaptive's: step_time_ratio and rollout_ratio, > 1 when adaptive is faster) over all
+steps and over steps 2.. (step 1 compiles), the median of --repeats runs, the machine's facts; JSON + PNG.
 
     python scripts/bench_rl.py --config configs/smollm2_cpu.yaml --steps 5 --repeats 3 --out bench_rl.json
 """
@@ -54,7 +55,10 @@ def summary(off: dict, adaptive: dict, all_off: list[dict], all_on: list[dict]) 
 
     reference = [(s["digest"], s["reward_mean"]) for s in all_off[0]["steps"]]
     identical = all([(s["digest"], s["reward_mean"]) for s in r["steps"]] == reference for r in all_off + all_on)
-    out = {"identical_rollouts_and_rewards": identical, "steps": len(off["steps"])}
+    # Identical rollouts show SD lossless only where it ran: adaptive runs that never speculated compare SD off
+    # with itself.
+    speculated = any(s["sd_share"] > 0 for r in all_on for s in r["steps"])
+    out = {"identical_rollouts_and_rewards": identical, "speculated": speculated, "steps": len(off["steps"])}
     for label, first in (("all_steps", 0), ("steps_2_on", 1))[: 1 + (len(off["steps"]) > 1)]:
         out[label] = {
             "step_time_ratio": total(off, "step_s", first) / total(adaptive, "step_s", first),
@@ -69,6 +73,7 @@ def summary(off: dict, adaptive: dict, all_off: list[dict], all_on: list[dict]) 
 
 
 def plot(off: dict, adaptive: dict, path: str) -> bool:
+    from fastrl_jax import files
     from fastrl_jax.plotting import pyplot
 
     if (plt := pyplot()) is None:
@@ -88,7 +93,8 @@ def plot(off: dict, adaptive: dict, path: str) -> bool:
     ax.set_ylabel("seconds")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with files.replacing(path) as tmp:  # keeps the suffix: savefig picks the format from it
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)
     return True
 
@@ -105,9 +111,18 @@ def main(argv=None) -> int:
     if args.steps < 1 or args.repeats < 1 or args.repeats % 2 == 0:
         parser.error("--steps must be >= 1 and --repeats odd: the figures come from the median run, one of the runs")
 
+    from fastrl_jax.cli import check_output_file
+
+    try:  # before the runs, not after them: a path that cannot be written would lose them all
+        out = check_output_file(args.out, "--out")
+        png = check_output_file(args.plot or str(out.with_suffix(".png")), "--plot")
+    except (OSError, ValueError) as e:
+        parser.error(str(e))
+
     import jax
 
-    from fastrl_jax.config import load_config
+    from fastrl_jax import files
+    from fastrl_jax.config import load_config, to_dict
     from fastrl_jax.machine import machine_facts
     from fastrl_jax.models.loading import load_policy
     from fastrl_jax.rollout.pool import enable_persistent_cache
@@ -128,7 +143,8 @@ def main(argv=None) -> int:
                 print(f"[bench-rl] run {r + 1}/{args.repeats} {mode}: {total:.1f}s over {args.steps} steps", file=sys.stderr)
     off, adaptive = median_run(runs["off"]), median_run(runs["adaptive"])
     result = {"summary": summary(off, adaptive, runs["off"], runs["adaptive"]), "machine": machine_facts(),
-              "backend": jax.default_backend(), "config": args.config, "overrides": args.set, "runs": runs}
+              "backend": jax.default_backend(), "config": args.config, "overrides": args.set,
+              "resolved_config": to_dict(cfg), "runs": runs}
     s = result["summary"]
     s["dtype"], s["identical_required"] = cfg.model.engine_dtype, cfg.model.engine_dtype == "float32"
     print(f"{'step':>4} {'off s':>7} {'adapt s':>7} {'rollout':>8} {'update':>7} {'drafter':>7} {'sd':>5} {'accept':>6} {'same':>5}")
@@ -140,13 +156,15 @@ def main(argv=None) -> int:
               f"{s[label]['step_time_ratio']:.2f}x, rollout {s[label]['rollout_ratio']:.2f}x")
     print(f"identical rollouts and rewards: {s['identical_rollouts_and_rewards']}; median of {args.repeats} "
           f"(step seconds off {[round(x, 1) for x in s['runs_step_s']['off']]}, adaptive {[round(x, 1) for x in s['runs_step_s']['adaptive']]})")
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    png = args.plot or str(Path(args.out).with_suffix(".png"))
-    if plot(off, adaptive, png):
-        print(f"[bench-rl] wrote {args.out} and {png}", file=sys.stderr)
+    files.write_text(out, json.dumps(result, indent=1) + "\n")
+    if plot(off, adaptive, str(png)):
+        print(f"[bench-rl] wrote {out} and {png}", file=sys.stderr)
     if not s["identical_rollouts_and_rewards"] and not s["identical_required"]:
         print(f"{s['dtype']} rollouts: SD equals plain decoding up to near-ties, so the runs may part (not required)")
-    return 0 if s["identical_rollouts_and_rewards"] or not s["identical_required"] else 1
+    if not s["speculated"]:
+        print("[bench-rl] FAIL: adaptive never speculated (sd_share 0 at every step of every run): the runs compared SD "
+              "off with itself; raise sd.threshold_live_batch, or give rl.drafter_path (a trained drafter)", file=sys.stderr)
+    return 0 if s["speculated"] and (s["identical_rollouts_and_rewards"] or not s["identical_required"]) else 1
 
 
 if __name__ == "__main__":

@@ -27,24 +27,86 @@ def test_bench_rl_compares_sd_off_and_adaptive_from_the_same_seeds(tmp_path):
     assert out.with_suffix(".png").is_file() == has_matplotlib
 
 
-def _rl_run(digests, rewards, seconds=30.0):
+def _rl_run(digests, rewards, seconds=30.0, sd_share=0.0):
     per = seconds / len(digests)
     return {"steps": [{"step": i + 1, "rollout_s": per, "update_s": 0.0, "drafter_s": 0.0, "drafter_spot_s": 0.0,
-                       "step_s": per, "digest": d, "reward_mean": r, "sd_share": 0.0, "acceptance_length": 1.0}
+                       "step_s": per, "digest": d, "reward_mean": r, "sd_share": sd_share, "acceptance_length": 1.0}
                       for i, (d, r) in enumerate(zip(digests, rewards))]}
+
+
+def test_bench_rl_fails_when_adaptive_never_speculated():
+    """Identical rollouts prove nothing when the adaptive runs decoded plainly throughout (SD off against itself)."""
+    summary = load_script("bench_rl").summary
+    off, plain = _rl_run(["a", "b"], [0.5, 0.6]), _rl_run(["a", "b"], [0.5, 0.6])
+    tail = _rl_run(["a", "b"], [0.5, 0.6], sd_share=0.25)
+    assert not summary(off, plain, [off], [plain])["speculated"]
+    assert summary(off, tail, [off], [plain, tail, plain])["speculated"]
+
+
+def _fake_bench_rl(monkeypatch, sd_share=0.25, adaptive_digests=("a", "b")):
+    """bench_rl with its runs, model and machine faked: what main does around them, in a moment."""
+    from types import SimpleNamespace
+
+    import fastrl_jax.machine
+    import fastrl_jax.models.loading
+    import fastrl_jax.sharding
+
+    bench_rl = load_script("bench_rl")
+    ran = []
+
+    def run(cfg, policy, mode, out_dir):
+        ran.append(mode)
+        digests = list(adaptive_digests) if mode == "adaptive" else ["a", "b"]
+        return {"mode": mode, "wall_s": 1.0, **_rl_run(digests, [0.5, 0.6], sd_share=sd_share * (mode == "adaptive"))}
+
+    monkeypatch.setattr(bench_rl, "run", run)
+    monkeypatch.setattr(fastrl_jax.models.loading, "load_policy", lambda *a, **k: SimpleNamespace(model=None, tokenizer=None))
+    monkeypatch.setattr(fastrl_jax.sharding, "make_mesh", lambda *a, **k: None)
+    monkeypatch.setattr(fastrl_jax.machine, "machine_facts", lambda: {"cpu": "fake"})
+    monkeypatch.setattr(bench_rl, "plot", lambda *a: False)
+    return bench_rl, ran
+
+
+def test_bench_rl_checks_its_output_before_the_runs_and_writes_it_whole(tmp_path, monkeypatch, capsys):
+    from pathlib import Path
+
+    bench_rl, ran = _fake_bench_rl(monkeypatch)
+    argv = ["--config", "", "--steps", "2", "--set", "rollout.compile_cache_dir=''"]
+    with pytest.raises(SystemExit):  # a missing directory is refused before any run, not after all of them
+        bench_rl.main([*argv, "--out", str(tmp_path / "missing" / "bench_rl.json")])
+    assert "does not exist" in capsys.readouterr().err and ran == []
+    out = tmp_path / "bench_rl.json"
+    assert bench_rl.main([*argv, "--out", str(out)]) == 0 and ran == ["off", "adaptive"]
+    result = json.loads(out.read_text())
+    assert result["summary"]["speculated"] and result["resolved_config"]["rl"]["steps"] == 2
+    assert result["machine"] == {"cpu": "fake"}
+    write_text = Path.write_text
+
+    def killed(self, text, *args, **kwargs):  # the process dies half-way through writing the file
+        write_text(self, text[: len(text) // 2], *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_text", killed)
+    with pytest.raises(KeyboardInterrupt):
+        bench_rl.main([*argv, "--out", str(out)])
+    monkeypatch.undo()
+    assert json.loads(out.read_text()) == result  # the previous result, whole
+
+
+def test_bench_rl_exits_1_when_adaptive_never_speculated(tmp_path, monkeypatch, capsys):
+    bench_rl, _ = _fake_bench_rl(monkeypatch, sd_share=0.0)
+    out = tmp_path / "bench_rl.json"
+    assert bench_rl.main(["--config", "", "--steps", "2", "--set", "rollout.compile_cache_dir=''", "--out", str(out)]) == 1
+    assert "never speculated" in capsys.readouterr().err and not json.loads(out.read_text())["summary"]["speculated"]
 
 
 @pytest.mark.parametrize("dtype, status", [("float32", 1), ("bfloat16", 0)])
 def test_bench_rl_requires_identical_rollouts_in_float32_only(tmp_path, monkeypatch, dtype, status):
     """With bfloat16 rollouts SD equals plain decoding up to near-ties, and a run that parts at one trains on
     other samples from then on: the runs' difference is reported, and fails the benchmark in float32 only."""
-    bench_rl = load_script("bench_rl")
-    fake = {"off": _rl_run(["a", "b"], [0.5, 0.6]), "adaptive": _rl_run(["a", "X"], [0.5, 0.4])}
-    monkeypatch.setattr(bench_rl, "run", lambda cfg, policy, mode, out_dir: fake[mode])
-    monkeypatch.setattr(bench_rl, "plot", lambda *args: False)
+    bench_rl, _ = _fake_bench_rl(monkeypatch, adaptive_digests=("a", "X"))
     out = tmp_path / "bench_rl.json"
-    overrides = [o for o in tiny_overrides(tmp_path) if not o.startswith("rl.steps=")] + ["mesh.fsdp=-1"]
-    code = bench_rl.main(["--config", "", "--steps", "2", "--out", str(out), "--set", *overrides,
+    code = bench_rl.main(["--config", "", "--steps", "2", "--out", str(out), "--set", "rollout.compile_cache_dir=''",
                           f"model.rollout_dtype={dtype}"])
     summary = json.loads(out.read_text())["summary"]
     assert code == status and not summary["identical_rollouts_and_rewards"] and summary["dtype"] == dtype

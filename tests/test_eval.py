@@ -66,3 +66,59 @@ def test_eval_smollm2_writes_pass_at_1_and_k(tmp_path):
     assert 0 <= result["results"]["all"]["pass@1"] <= result["results"]["all"]["pass@2"] <= 1
     assert sum(v["prompts"] for k, v in result["results"].items() if k.startswith("level")) == 4
     assert all(len(p["completions"]) == 2 for p in result["per_prompt"])
+
+
+def test_an_evaluation_leaves_the_adaptive_bandit_as_training_left_it():
+    """The trainer evaluates on its rollout workers: the held-out rollout must not add its rewards to the
+    adaptive-SD bandit nor advance its exploration RNG, or the next training rollouts choose other strategies
+    than a run without evaluations."""
+    import dataclasses
+
+    from flax import nnx
+    from helpers.tiny import CFG, prompts, tiny_model
+
+    from fastrl_jax.rl.evaluate import eval_requests, evaluate
+    from fastrl_jax.rl.workers import RolloutWorkers
+    from fastrl_jax.rollout.speculative import PLAIN
+    from fastrl_jax.sharding import make_mesh
+
+    cfg = load_config(None, ["sd.mode=adaptive", "sd.strategies=['h3']", "sd.threshold_live_batch=16",
+                             "sd.patience_host_steps=1", "sd.compile_in_background=false",
+                             "sd.group_live_batch_ranges=[[4, 1, 16]]", "mesh.fsdp=-1"])
+    cfg = dataclasses.replace(cfg, rollout=CFG)
+    graphdef, state = nnx.split(tiny_model())
+    workers = RolloutWorkers(cfg, graphdef, nnx.to_pure_dict(state), make_mesh(cfg.mesh), None)
+    chooser = workers.replicas[0].engine.chooser
+    chooser.record(chooser.strategies[0], 2, 1e9)  # what training taught it so far: speculate
+    chooser.record(PLAIN, 2, 1.0)
+    chooser.rng.random()
+    before = chooser.state()
+
+    class Tokenizer:
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(map(str, ids))
+
+    held_out = prompts(3)
+    requests = eval_requests(held_out, 2, 16, 0.7, 0, 1.0, cfg.seed, [])
+    result = evaluate(workers, Tokenizer(), [{"answer": "5"}] * len(held_out), requests, 2)
+    assert result["acceptance_length"] is not None  # speculation ran, so the bandit was asked and paid
+    assert chooser.state() == before
+
+
+def test_eval_leaves_out_the_prompts_training_leaves_out(tmp_path, capsys):
+    """The trainer's in-run evaluation drops held-out prompts longer than the largest prompt bucket (with a warning);
+    `eval` must score the same set with the same seeds, not refuse the run, or it cannot repeat its eval_accuracy."""
+    from helpers.tiny_run import tiny_overrides
+
+    from fastrl_jax.cli import _eval_requests
+    from fastrl_jax.data.prompts import record_prompt_ids
+    from fastrl_jax.models.hub import resolve_model_path
+    from fastrl_jax.rl.evaluate import eval_requests
+
+    cfg = load_config(None, tiny_overrides(tmp_path))  # prompts of one character a token, buckets up to 16
+    records = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "1+" * 20 + "1=", "answer": "21"},
+               {"prompt": "4+4=", "answer": "8"}]
+    tokenizer, kept, requests = _eval_requests(cfg, resolve_model_path(cfg.model.path), records, 2, 1.0, 8)
+    assert kept == [records[0], records[2]] and "1 of 3 evaluation prompts are longer" in capsys.readouterr().err
+    prompts = [record_prompt_ids(r, tokenizer, cfg.data.instruction, cfg.data.chat_template) for r in kept]
+    assert requests == eval_requests(prompts, 2, 8, 1.0, cfg.rl.top_k, cfg.rl.top_p, cfg.seed, requests[0].stop_ids)

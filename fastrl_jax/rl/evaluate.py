@@ -121,9 +121,17 @@ def evaluate(workers: RolloutWorkers, tokenizer, records: Sequence[dict], reques
 
     Returns {"results": summarize(...), "per_prompt": [...], "generate_s", "tokens", "tokens_per_s",
     "acceptance_length"}; results["all"]["pass@1"] is the mean correctness, the trainer's eval_accuracy."""
+    # The trainer evaluates on its own rollout workers: what the adaptive-SD bandits learn from held-out prompts
+    # (greedy by default, where drafts are accepted more often) must not steer the training rollouts' strategy
+    # choices, nor advance their exploration RNG, so a run with evaluations rolls out as one without them.
+    bandits = [(r.engine.chooser, r.engine.chooser.state()) for r in workers.replicas if r.engine.chooser is not None]
     t0 = time.perf_counter()
-    completions, stats = workers.generate(requests, samples)
-    seconds = time.perf_counter() - t0
+    try:
+        completions, stats = workers.generate(requests, samples)
+        seconds = time.perf_counter() - t0
+    finally:
+        for chooser, state in bandits:
+            chooser.restore(state)
     failed = [c.error for c in completions if c.finish_reason == "error"]
     if failed:
         raise ValueError(f"{len(failed)} evaluation requests failed, e.g.: {failed[0]}")
