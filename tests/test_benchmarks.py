@@ -4,6 +4,7 @@ import importlib.util
 import json
 
 import pytest
+from helpers.checkpoints import kill_writes_half_way
 from helpers.scripts import load_script
 from helpers.tiny_run import tiny_overrides
 
@@ -68,8 +69,6 @@ def _fake_bench_rl(monkeypatch, sd_share=0.25, adaptive_digests=("a", "b")):
 
 
 def test_bench_rl_checks_its_output_before_the_runs_and_writes_it_whole(tmp_path, monkeypatch, capsys):
-    from pathlib import Path
-
     bench_rl, ran = _fake_bench_rl(monkeypatch)
     argv = ["--config", "", "--steps", "2", "--set", "rollout.compile_cache_dir=''"]
     with pytest.raises(SystemExit):  # a missing directory is refused before any run, not after all of them
@@ -80,13 +79,7 @@ def test_bench_rl_checks_its_output_before_the_runs_and_writes_it_whole(tmp_path
     result = json.loads(out.read_text())
     assert result["summary"]["speculated"] and result["resolved_config"]["rl"]["steps"] == 2
     assert result["machine"] == {"cpu": "fake"}
-    write_text = Path.write_text
-
-    def killed(self, text, *args, **kwargs):  # the process dies half-way through writing the file
-        write_text(self, text[: len(text) // 2], *args, **kwargs)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(Path, "write_text", killed)
+    kill_writes_half_way(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         bench_rl.main([*argv, "--out", str(out)])
     monkeypatch.undo()

@@ -2,9 +2,9 @@
 
 import io
 import math
-from pathlib import Path
 
 import pytest
+from helpers.checkpoints import kill_writes_half_way
 
 from fastrl_jax.metric_sink import MetricsSink, read_metrics
 from fastrl_jax.rl.step_metrics import MetricsLog, rollout_summary, table_header, table_row
@@ -44,13 +44,7 @@ def test_a_kill_while_a_resume_rewrites_the_metrics_leaves_them_whole(tmp_path, 
     sink = MetricsSink(tmp_path, tensorboard=False)
     for step in (1, 2, 3):
         sink.write({"step": step, "loss": step / 10})
-    write_text = Path.write_text
-
-    def killed(self, text, *args, **kwargs):  # the process dies half-way through writing the file
-        write_text(self, text[: len(text) // 2], *args, **kwargs)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(Path, "write_text", killed)
+    kill_writes_half_way(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         MetricsSink(tmp_path, tensorboard=False, resume_after=2)
     monkeypatch.undo()

@@ -9,3 +9,15 @@ def damage(step_dir: Path) -> None:
     biggest = max(files, key=lambda p: p.stat().st_size)
     with open(biggest, "r+b") as f:
         f.truncate(biggest.stat().st_size // 2)
+
+
+def kill_writes_half_way(monkeypatch) -> None:
+    """Path.write_text writes half its text, then the process 'dies' (KeyboardInterrupt): a kill mid-write.
+    monkeypatch.undo() ends it."""
+    write_text = Path.write_text
+
+    def killed(self, text, *args, **kwargs):
+        write_text(self, text[: len(text) // 2], *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_text", killed)
