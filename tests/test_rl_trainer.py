@@ -432,7 +432,7 @@ def test_dry_run_cli_for_both_gpu_configs():
 @pytest.mark.parametrize("override, message", [
     ("rl.samples_per_prompt=1", "rl.samples_per_prompt must be >= 2"),
     ("rl.loss_aggregation=mean", "rl.loss_aggregation must be one of token, sequence"),
-    ("rl.kl_estimator=k2", "rl.kl_estimator must be one of k1, k3"),
+    ("rl.kl_estimator=k4", "rl.kl_estimator must be one of k1, k2, k3, abs, k1+, k3+"),
     ("rl.micro_batch_size=5", "must split into rl.minibatches_per_step"),
     ("optim.schedule=step", "optim.schedule must be one of constant, cosine, linear"),
     ("reward.weights=[1.0, 2.0]", "same length"),
