@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import itertools
 import logging
 import shutil
@@ -115,9 +116,9 @@ class RunCheckpointer:
     def read_meta(self, step: int, name: str) -> dict[str, Any] | None:
         """One JSON item of `step`, or None when it does not read back."""
         try:
-            return self._manager.restore(step, args=ocp.args.Composite(**{name: ocp.args.JsonRestore()}))[name]
+            with _reading(self.directory / str(step)):
+                return self._manager.restore(step, args=ocp.args.Composite(**{name: ocp.args.JsonRestore()}))[name]
         except Exception:  # noqa: BLE001 - a damaged step: restore() reports it
-            _drop_abandoned_reads(self.directory / str(step))
             return None
 
     def save(self, step: int, arrays: dict[str, Any], meta: dict[str, Any] | None = None) -> None:
@@ -149,11 +150,11 @@ class RunCheckpointer:
             why = None
             try:
                 held = self.items(candidate) if optional else set()
-                restored = self._restore(candidate, {n: a for n, a in arrays.items() if n not in optional or n in held},
-                                         [n for n in meta if n not in optional or n in held])
+                with _reading(self.directory / str(candidate)):
+                    restored = self._restore(candidate, {n: a for n, a in arrays.items() if n not in optional or n in held},
+                                             [n for n in meta if n not in optional or n in held])
             except Exception as e:  # noqa: BLE001 - Orbax/TensorStore raise bare Exceptions for damaged files
                 why = _first_line(e)
-                _drop_abandoned_reads(self.directory / str(candidate))
             # Each process reads only its own shards: one that cannot read its part fails every process's
             # restore of that step, else processes would go on from different steps.
             why = _first_failure(why)
@@ -250,18 +251,49 @@ def _abstract(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
 
-def _drop_abandoned_reads(step_dir: Path) -> None:
-    """Orbax stops restoring a step at its first unreadable array and leaves that step's other reads
-    pending; when they are collected (often at exit) each prints "Exception ignored in: <coroutine ...>"
-    with a page of TensorStore spec about the damage the caller already reports. Those, and only those
-    (their message names a file under `step_dir`), are dropped from then on."""
-    previous, marker = sys.unraisablehook, f"'{step_dir}/"
+# "'STEP_DIR/" of each checkpoint step being read, or whose read failed and left reads pending (_reading)
+_ABANDONED: set[str] = set()
 
-    def hook(unraisable):
-        if marker not in str(unraisable.exc_value):
-            previous(unraisable)
 
-    sys.unraisablehook = hook
+@contextlib.contextmanager
+def _reading(step_dir: Path):
+    """Around a read of a checkpoint step. Orbax stops restoring a step at its first unreadable array and leaves
+    that step's other reads pending; what they print later is about damage the caller already reports, and is
+    dropped (_quiet_abandoned_reads). The filters go in before the read, since the first of them print as it
+    fails."""
+    _quiet_abandoned_reads()
+    marker = f"'{step_dir}/"
+    _ABANDONED.add(marker)
+    yield
+    _ABANDONED.discard(marker)  # not reached when the read raises: its pending reads stay quiet
+
+
+@functools.cache
+def _quiet_abandoned_reads() -> None:
+    """Installs, once, filters for what a failed read's pending reads print: "Exception ignored in: <coroutine
+    ...>" (sys.unraisablehook) and asyncio's "... exception was never retrieved" (its logger), each with a page
+    of TensorStore spec naming a file of such a step; and the bare "Event loop is closed" tracebacks
+    (sys.unraisablehook) of TensorStore's threads posting a finished read to the failed restore's closed event
+    loop (call_soon_threadsafe with no Python caller). Everything else passes."""
+    previous = sys.unraisablehook
+
+    def abandoned(text: str) -> bool:
+        return any(marker in text for marker in _ABANDONED)
+
+    def posted_late(u) -> bool:
+        tb = u.exc_traceback
+        return (u.exc_type is RuntimeError and str(u.exc_value) == "Event loop is closed" and tb is not None
+                and tb.tb_frame.f_code.co_name == "call_soon_threadsafe" and bool(_ABANDONED))
+
+    def unraisable(u):
+        if not (abandoned(str(u.exc_value)) or posted_late(u)):
+            previous(u)
+
+    def asyncio_record(record: logging.LogRecord) -> bool:
+        return not abandoned(record.getMessage() + (str(record.exc_info[1]) if record.exc_info else ""))
+
+    sys.unraisablehook = unraisable
+    logging.getLogger("asyncio").addFilter(asyncio_record)
 
 
 @contextlib.contextmanager
