@@ -157,6 +157,12 @@ def replica_meshes(mesh: Mesh) -> list[Mesh]:
     return [Mesh(mesh.devices[i : i + 1], AXES, axis_types=mesh.axis_types) for i in range(mesh.shape["data"])]
 
 
+def local_replicas(mesh: Mesh) -> list[int]:
+    """The indices along `data` whose devices all belong to this process (every index, single-process)."""
+    me = jax.process_index()
+    return [i for i in range(mesh.shape["data"]) if all(d.process_index == me for d in mesh.devices[i].flat)]
+
+
 def to_replicated(tree: Any, mesh: Mesh) -> Any:
     """Host-local arrays that every process holds alike (the drafter) as global arrays replicated over `mesh`:
     what Orbax saves from several processes (it refuses host-local arrays there)."""

@@ -19,6 +19,15 @@ The engines keep the drafter they were given for the whole rollout; the trainer 
 weights before the next one (`drafter()`), so a rollout never mixes drafters (it would stay lossless
 if it did: the policy verifies every token).
 
+On several processes each trains its own copy on its own replicas and its own rollouts (the sample
+buffer holds the hidden states its engines computed; blocks never span processes, and with one
+replica a process interleaves tail steps as above), and `end()` makes the copies one before the
+hand-off: parameters and optimizer moments the mean weighted by each process's drafter steps of
+the phase (a process that trained none adds nothing), step counters advanced by all of them, an
+all-reduce a leaf over each process's first device. Every process then drafts, estimates and saves
+the same drafter; the buffers stay per process (and are saved per process). A process whose
+replicas have all finished waits in the rollout's gather, and its devices stay idle meanwhile.
+
 Per RL step the trainer reports the drafter steps done, their seconds, the loss, the hand-back
 delay, and a teacher-forced acceptance estimate (train.chain_acceptance) of the current drafter and,
 every few steps, of the starting one, on the step's own rollouts before they join the buffer.
@@ -27,6 +36,7 @@ every few steps, of the starting one, on the step's own rollouts before they joi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import sys
 import threading
@@ -49,7 +59,7 @@ from fastrl_jax.drafter.buffer import PackedBatch, SampleBuffer
 from fastrl_jax.drafter.train import LossSettings, chain_acceptance, drafter_optimizer, make_train_step
 from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.rollout.engine import Completion, Request
-from fastrl_jax.sharding import AXES, named_sharding, reshard, shardings_for
+from fastrl_jax.sharding import AXES, allgather_json, local_replicas, named_sharding, reshard, shardings_for, to_replicated
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +78,11 @@ def check_settings(c: DrafterOnlineConfig, num_replicas: int) -> None:
         raise ConfigError(f"drafter_online.min_buffer_tokens ({c.min_buffer_tokens}) exceeds buffer_max_tokens "
                           f"({c.buffer_max_tokens}): the buffer never holds that many, so the drafter would never train")
     if num_replicas > 1 and c.min_idle_replicas >= num_replicas:
+        where = "(mesh.data)" if jax.process_count() == 1 else f"of each of the {jax.process_count()} processes"
         raise ConfigError(f"drafter_online.min_idle_replicas ({c.min_idle_replicas}) must be below the {num_replicas} "
-                          "rollout replicas (mesh.data): drafter steps run on idle replicas while others still decode, "
-                          "so the drafter would never train (set drafter_online.enabled=false to keep it frozen)")
+                          f"rollout replicas {where}: drafter steps run on a process's idle replicas while others "
+                          "still decode, so the drafter would never train (set drafter_online.enabled=false to keep it "
+                          "frozen)")
 
 
 def merge_reports(earlier: dict[str, float], later: dict[str, float]) -> dict[str, float]:
@@ -85,6 +97,40 @@ def merge_reports(earlier: dict[str, float], later: dict[str, float]) -> dict[st
     out["drafter_loss"] = (sum(n * loss for n, loss in steps if n) / out["drafter_steps"] if out["drafter_steps"]
                            else float("nan"))
     return out
+
+
+@functools.cache
+def _process_mean() -> tuple[Mesh, Any]:
+    """A mesh of each process's first device, and the weighted mean over its [processes, ...] stacks."""
+    devices = [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+               for p in range(jax.process_count())]
+    mesh = Mesh(np.array(devices), ("process",))
+
+    def mean(stacked, weights):
+        return jnp.tensordot(weights, stacked.astype(jnp.float32), 1).astype(stacked.dtype)
+
+    return mesh, jax.jit(mean, out_shardings=NamedSharding(mesh, P()))
+
+
+def merge_processes(tree: Any, steps: Sequence[int]) -> Any:
+    """Every process's host-local drafter state `tree` (the same structure everywhere) made one, on every process:
+    floating leaves the mean weighted by steps[p], each process's drafter steps since their copies were last one
+    (a process that trained none adds nothing; they must not all be 0), in one all-reduce a leaf over each
+    process's first device; integer leaves (the optimizer's step counters) advanced by the other processes' steps.
+    Each leaf keeps its sharding."""
+    mesh, mean = _process_mean()
+    me, others = mesh.devices[jax.process_index()], sum(steps) - steps[jax.process_index()]
+    weights = jax.make_array_from_single_device_arrays(
+        (len(steps),), NamedSharding(mesh, P()), [jax.device_put(np.asarray(steps, np.float32) / sum(steps), me)])
+
+    def one(x: jax.Array) -> jax.Array:
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            return x + others
+        row = jax.device_put(x, me)[None]
+        stacked = jax.make_array_from_single_device_arrays((mesh.size, *x.shape), NamedSharding(mesh, P("process")), [row])
+        return jax.device_put(mean(stacked, weights).addressable_data(0), x.sharding)
+
+    return jax.tree.map(one, tree)
 
 
 @dataclasses.dataclass
@@ -112,14 +158,18 @@ class SpotTrainer:
         meanwhile), so handing the devices back never waits for a compilation (the persistent compilation cache
         keeps them)."""
         self.cfg, dt = cfg.drafter_online, cfg.drafter_train
-        self.mesh = mesh
-        self.num_replicas = mesh.shape["data"]
+        self.global_mesh = mesh
+        # This process's replicas (all of them, single-process); blocks and lent replicas count in positions here.
+        self.replica_ids = local_replicas(mesh)
+        self.mesh = Mesh(mesh.devices[self.replica_ids], AXES, axis_types=mesh.axis_types)
+        self.num_replicas = len(self.replica_ids)
         check_settings(self.cfg, self.num_replicas)
         self.seed = seed
+        self._apart = (jax.process_index(),) if jax.process_count() > 1 else ()  # processes draw apart
         self.buffer = SampleBuffer(self.cfg.buffer_max_tokens, drafter.feature_size, keep_steps=self.cfg.keep_steps)
         self.dgraphdef, params, self.rest = nnx.split(drafter, nnx.Param, ...)
         # Sharded over the mesh as the engines' copies are (made on the default device, all of it would sit there).
-        self.params = jax.device_put(params, shardings_for(params, mesh))
+        self.params = jax.device_put(params, shardings_for(params, self.mesh))
         self.frozen = jax.tree.map(jnp.copy, self.params)  # the starting drafter, for the drift comparison
         self.tx = drafter_optimizer(self.cfg.learning_rate, self.cfg.warmup_steps, None, dt.weight_decay, dt.grad_clip_norm)
         self.opt_state = self.tx.init(self.params)
@@ -162,10 +212,16 @@ class SpotTrainer:
                 )
             return self._placements[block]
 
+    def _seeds(self) -> tuple[int, ...]:
+        """The next drafter step's randomness (batch draw, input noise)."""
+        return self.seed, self.steps_done, *self._apart
+
     def _inputs(self, block: tuple[int, ...], batch) -> tuple:
         """The step's arguments on the block's devices, in the shardings its program was compiled for."""
         place = self._placement(block)
-        key = jax.random.fold_in(jax.random.key(self.seed), self.steps_done)
+        key = jax.random.key(self.seed)
+        for part in self._seeds()[1:]:
+            key = jax.random.fold_in(key, part)
         return (jax.device_put(self.params, place.drafter), jax.device_put(self.rest, place.replicated),
                 jax.device_put(self.opt_state, place.replicated), self._policy_on(place),
                 place.rows(batch), jax.device_put(key, place.replicated))
@@ -175,8 +231,9 @@ class SpotTrainer:
             t0 = time.perf_counter()
             program = self._compile(block)
             seconds = time.perf_counter() - t0
-            print(f"[fastrl-jax] online drafter training: step program for replicas {list(block)} compiled in "
-                  f"{seconds:.1f}s", file=sys.stderr)
+            replicas = [self.replica_ids[i] for i in block]
+            print(f"[fastrl-jax] online drafter training: step program for replicas {replicas} compiled in {seconds:.1f}s",
+                  file=sys.stderr)
         except BaseException as e:
             self._error = e
             program, seconds = None, 0.0
@@ -221,7 +278,7 @@ class SpotTrainer:
     @property
     def phase_trace(self) -> tuple[list, list]:
         """The last rollout phase's drafter steps (start, end, replica block) and lent replicas (replica,
-        time), perf_counter seconds."""
+        time), perf_counter seconds; replicas as positions in replica_ids (this process's)."""
         return list(self._phase["trace"]), list(self._lent)
 
     def begin(self, policy_params: dict) -> None:
@@ -233,9 +290,10 @@ class SpotTrainer:
             self._thread.start()
 
     def lend(self, replica: int) -> None:
-        """Replica `replica` has finished its share of the rollout: its devices may train the drafter."""
+        """Replica `replica` (its index along the mesh's data axis) has finished its share of the rollout: its devices
+        may train the drafter."""
         with self._cv:
-            self._lent.append((replica, time.perf_counter()))
+            self._lent.append((self.replica_ids.index(replica), time.perf_counter()))
             self._cv.notify_all()  # wait_compiled() may wait on it too
 
     def tail_step(self, live_batch: int) -> None:
@@ -253,7 +311,9 @@ class SpotTrainer:
         self.bank_s += seconds
 
     def end(self) -> dict[str, float]:
-        """The rollout is over: stops drafter training (between two steps) and reports the phase."""
+        """The rollout is over: stops drafter training (between two steps) and reports the phase (on several
+        processes, every process's: steps, seconds, lent replicas and buffered tokens add up, the loss is
+        their mean over steps, the hand-back delay their longest; the bank is this process's)."""
         t0 = time.perf_counter()
         with self._cv:
             self._stop = True
@@ -261,23 +321,46 @@ class SpotTrainer:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        delay = time.perf_counter() - t0
-        if self._error is not None:
-            raise RuntimeError("online drafter training failed during the rollout") from self._error
-        if delay > self.cfg.preempt_bound_s:
-            log.warning("handing the devices back took %.1fs, over drafter_online.preempt_bound_s=%.1fs: "
-                        "lower drafter_online.batch_rows or seq_len_tokens", delay, self.cfg.preempt_bound_s)
         ph = self._phase
         if self.num_replicas == 1:  # tail steps took the rollout's own device
             self.bank_s -= ph["seconds"]
-        return {
+        report = {
             "drafter_bank_s": self.bank_s,
             "drafter_steps": ph["steps"],
             "drafter_spot_s": ph["seconds"],
             "drafter_loss": float(np.mean(ph["loss"])) if ph["loss"] else float("nan"),
-            "drafter_preempt_s": delay,
+            "drafter_preempt_s": time.perf_counter() - t0,
             "drafter_replicas_lent": len(self._lent),
             "drafter_buffer_tokens": self.buffer.num_tokens,
+        }
+        if jax.process_count() > 1:
+            t1 = time.perf_counter()
+            report = self._merge_processes(report)
+            report["drafter_preempt_s"] += time.perf_counter() - t1
+        if self._error is not None:
+            raise RuntimeError("online drafter training failed during the rollout") from self._error
+        if report["drafter_preempt_s"] > self.cfg.preempt_bound_s:
+            log.warning("handing the devices back took %.1fs, over drafter_online.preempt_bound_s=%.1fs: lower "
+                        "drafter_online.batch_rows or seq_len_tokens", report["drafter_preempt_s"], self.cfg.preempt_bound_s)
+        return report
+
+    def _merge_processes(self, report: dict[str, float]) -> dict[str, float]:
+        """Every process's drafter made one (merge_processes) and their phase reports one (end()). A failure on
+        any process fails every process's end() (the others would wait for it in the next collective)."""
+        reports = allgather_json([report, self._error is not None])  # NaN passes: Python's json writes it
+        failed = [p for p, (_, error) in enumerate(reports) if error]
+        if failed and self._error is None:
+            self._error = RuntimeError(f"online drafter training failed on process {failed[0]}")
+        steps = [r["drafter_steps"] for r, _ in reports]
+        if self._error is None and sum(steps):
+            self.params, self.opt_state = merge_processes((self.params, self.opt_state), steps)
+        self.steps_done += sum(steps) - self._phase["steps"]
+        phases = [r for r, _ in reports]
+        return functools.reduce(merge_reports, phases, {}) | {
+            "drafter_bank_s": self.bank_s,
+            "drafter_preempt_s": max(r["drafter_preempt_s"] for r in phases),  # side by side, not one after another
+            "drafter_replicas_lent": sum(r["drafter_replicas_lent"] for r in phases),
+            "drafter_buffer_tokens": sum(r["drafter_buffer_tokens"] for r in phases),
         }
 
     def _choose_block(self) -> tuple[int, ...] | None:
@@ -307,8 +390,7 @@ class SpotTrainer:
 
     def _train_step(self, block: tuple[int, ...]) -> None:
         t0 = time.perf_counter()
-        host = self.buffer.sample(np.random.default_rng([self.seed, self.steps_done]), self.cfg.batch_rows,
-                                  self.cfg.seq_len_tokens)
+        host = self.buffer.sample(np.random.default_rng(self._seeds()), self.cfg.batch_rows, self.cfg.seq_len_tokens)
         params, rest, opt_state, pstate, batch, key = self._inputs(block, dataclasses.asdict(host))
         params, opt_state, metrics = self._programs[block](params, rest, opt_state, pstate, batch, key)
         loss = float(metrics["loss"])  # waits for the step: it is whole before it counts
@@ -336,20 +418,25 @@ class SpotTrainer:
     def acceptance(self, requests: Sequence[Request], completions: Sequence[Completion], step: int,
                    frozen: bool = False) -> float:
         """Estimated tokens per speculative step (chain of eval_depth) of the current drafter (or the
-        starting one) on these rollouts; NaN when they hold nothing to predict."""
+        starting one) on these rollouts; NaN when they hold nothing to predict. On several processes every
+        process calls it: each scores the rollouts it generated (the ones with hidden states), and the
+        counts add up."""
         probe = SampleBuffer(self.cfg.buffer_max_tokens, self.buffer.hidden_size)
-        if not probe.add_rollouts(requests, completions, step)[1]:
-            return float("nan")
-        host = probe.sample(np.random.default_rng([self.seed, step, 1]), self.cfg.eval_rows, self.cfg.seq_len_tokens)
-        place = self._placement(self.blocks[-1])  # one replica's devices
-        batch = place.rows(dataclasses.asdict(host))
-        params = self.frozen if frozen else self.params
-        with jax.set_mesh(place.mesh):
-            accepted, anchors = self._accept(self.dgraphdef, jax.device_put(params, place.drafter),
-                                             jax.device_put(self.rest, place.replicated),
-                                             self.cfg.eval_depth, self.pgraphdef, self._policy_on(place), batch)
-        anchors = int(anchors)
-        return 1.0 + int(accepted) / anchors if anchors else float("nan")
+        accepted = anchors = 0
+        if probe.add_rollouts(requests, completions, step)[1]:
+            host = probe.sample(np.random.default_rng([self.seed, step, 1, *self._apart]), self.cfg.eval_rows,
+                                self.cfg.seq_len_tokens)
+            place = self._placement(self.blocks[-1])  # one replica's devices
+            batch = place.rows(dataclasses.asdict(host))
+            params = self.frozen if frozen else self.params
+            with jax.set_mesh(place.mesh):
+                counts = self._accept(self.dgraphdef, jax.device_put(params, place.drafter),
+                                      jax.device_put(self.rest, place.replicated),
+                                      self.cfg.eval_depth, self.pgraphdef, self._policy_on(place), batch)
+            accepted, anchors = (int(c) for c in counts)
+        if jax.process_count() > 1:
+            accepted, anchors = (sum(c) for c in zip(*allgather_json([accepted, anchors])))
+        return 1.0 + accepted / anchors if anchors else float("nan")
 
     def add(self, requests: Sequence[Request], completions: Sequence[Completion], step: int) -> int:
         """Puts an RL step's rollouts into the buffer (after their acceptance was measured)."""
@@ -358,8 +445,10 @@ class SpotTrainer:
     # ---- checkpoints ------------------------------------------------------------------------------
     def optimizer_state(self) -> dict:
         """What a checkpoint needs besides the drafter itself: optimizer state and step count."""
-        return {"optimizer": jax.device_put(self.opt_state, NamedSharding(self.mesh, P())),
-                "steps": jnp.asarray(self.steps_done, jnp.int32)}
+        state = {"optimizer": self.opt_state, "steps": jnp.asarray(self.steps_done, jnp.int32)}
+        if jax.process_count() > 1:  # every process holds the same (end() merged them); Orbax saves global arrays
+            return to_replicated(state, self.global_mesh)
+        return jax.device_put(state, NamedSharding(self.mesh, P()))
 
     def save_buffer(self, directory: Path, step: int, keep: Collection[int]) -> None:
         """Writes the sample buffer as it is now to DIR/STEP.npz on a background thread (beside the checkpoint of
@@ -367,7 +456,7 @@ class SpotTrainer:
         `step` nor in `keep` (the checkpoints on disk)."""
         self.wait_buffer()
         arrays = self.buffer.arrays()
-        self._writing = step, self._writer.submit(write_step_file, Path(directory), step, arrays, {step, *keep})
+        self._writing = step, self._writer.submit(write_step_file, self._buffer_dir(directory), step, arrays, {step, *keep})
 
     def wait_buffer(self) -> None:
         """Waits for the sample buffer's write; a failed one is reported, never raised (the checkpoint holds the
@@ -384,12 +473,17 @@ class SpotTrainer:
     def restore_buffer(self, directory: Path, step: int) -> None:
         """Takes the sample buffer saved with checkpoint `step`; without a readable one it starts empty (rollouts
         are lossless whatever the drafter: only the drafter's next steps differ from an uninterrupted run)."""
-        why = read_step_file(self.buffer.load, Path(directory) / f"{step}.npz")  # or another drafter's features
+        why = read_step_file(self.buffer.load, self._buffer_dir(directory) / f"{step}.npz")  # or another drafter's features
         if why is None:
             return
         self.buffer = SampleBuffer(self.buffer.max_tokens, self.buffer.hidden_size, keep_steps=self.buffer.keep_steps)
         print(f"[fastrl-jax] the online drafter's sample buffer starts empty ({why}); it refills from this step's "
               "rollouts", file=sys.stderr)
+
+    @staticmethod
+    def _buffer_dir(directory: Path) -> Path:
+        """Where this process's sample buffer files go (each process holds its own rollouts)."""
+        return Path(directory) / (f"process_{jax.process_index()}" if jax.process_count() > 1 else "")
 
     def restore(self, drafter: Drafter, state: dict | None) -> None:
         """Continues from a checkpoint: its drafter and optimizer_state(), or with None (a checkpoint from

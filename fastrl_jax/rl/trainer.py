@@ -48,7 +48,7 @@ from fastrl_jax.rollout.engine import Completion, Request
 from fastrl_jax.rollout.history import HistoryStore
 from fastrl_jax.rollout.requests import draft_margin, sampling_problem
 from fastrl_jax.rollout.stats import RolloutStats
-from fastrl_jax.sharding import allgather_json, make_mesh, shardings_for, to_host_local, to_replicated
+from fastrl_jax.sharding import allgather_json, local_replicas, make_mesh, shardings_for, to_host_local, to_replicated
 
 log = logging.getLogger(__name__)
 
@@ -102,10 +102,6 @@ class Trainer:
         h = cfg.sd.history
         self.history = HistoryStore(h.corpus_tokens, h.store_prompts) if cfg.sd.uses_history() else None
         online = self.drafter is not None and cfg.drafter_online.enabled
-        if online and jax.process_count() > 1:
-            log.warning("drafter_online: online drafter training runs in single-process runs only; "
-                        "this %d-process run keeps the drafter frozen", jax.process_count())
-            online = False
         # Only the online drafter trainer reads the rollouts' hidden states: without it they stay on the device.
         self.workers = RolloutWorkers(cfg, self.graphdef, self.params, self.mesh, self.drafter, self.history,
                                       drafter_accept=drafter_accept_prior(rl.drafter_path), keep_hidden=online)
@@ -183,7 +179,7 @@ class Trainer:
                                                            replica_done=spot.lend, between_steps=spot.tail_step)
             finally:
                 report = spot.end()  # the devices come back before anything else runs on them
-            spot.deposit(stats.sd_saved_s)
+            spot.deposit(self.workers.local_stats.sd_saved_s)  # this process's replicas: its tail steps spend it
         for c in completions:
             if c.finish_reason == "error":
                 raise ValueError(f"rollout request failed: {c.error}")
@@ -423,7 +419,9 @@ class Trainer:
         if self.history is not None:
             meta["history"] = self.history.summary()  # its tokens: RUN/history/STEP.npz, written below
         if self.spot is not None:
-            meta["run"]["drafter_bank_s"] = self.spot.bank_s  # tail_budget 'saved': what speculation saved, not yet spent
+            # tail_budget 'saved': what speculation saved, not yet spent (each process's own, on several)
+            bank = self.spot.bank_s
+            meta["run"]["drafter_bank_s"] = allgather_json(bank) if jax.process_count() > 1 else bank
             # The drafter's latest acceptance estimate and its steps then: the engines' EAGLE arms gate on it
             meta["run"]["drafter_estimate"] = {"steps": self._estimated_at,
                                                "accept": None if math.isnan(self._drafter_accept) else self._drafter_accept}
@@ -523,8 +521,9 @@ class Trainer:
             drafter = to_host_local(arrays["drafter"]) if jax.process_count() > 1 else arrays["drafter"]
             nnx.update(self.drafter, _state_from(self.drafter, drafter))
         if self.spot is not None:
-            self.spot.restore(self.drafter, arrays.get("drafter_optimizer"))
-            self.spot.bank_s = float(meta["run"].get("drafter_bank_s", 0.0))  # checkpoints before 2026-11-26 have none
+            state = arrays.get("drafter_optimizer")
+            self.spot.restore(self.drafter, to_host_local(state) if state and jax.process_count() > 1 else state)
+            self.spot.bank_s = _own_bank(meta["run"].get("drafter_bank_s", 0.0))  # checkpoints before 2026-11-26 have none
             estimate = meta["run"].get("drafter_estimate")
             if estimate is None:  # checkpoints before 2026-11-27: a trained drafter is estimated again
                 estimate = {"steps": None if self.spot.steps_done else self._estimated_at, "accept": None}
@@ -559,6 +558,14 @@ class Trainer:
             if self.spot is not None:
                 self.spot.close()
             self.metrics.close()
+
+
+def _own_bank(saved: float | list[float]) -> float:
+    """This process's drafter bank from a checkpoint: its own entry of a multi-process run's list, else (another
+    process count) their mean, or the single-process value."""
+    if not isinstance(saved, list):
+        return float(saved)
+    return float(saved[jax.process_index()] if len(saved) == jax.process_count() else np.mean(saved))
 
 
 def _state_from(module: nnx.Module, pure: dict) -> nnx.State:
@@ -647,8 +654,8 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, stream=
     tokenizer named by cfg.model, then runs GRPO to cfg.rl.steps."""
     mesh = make_mesh(cfg.mesh)
     preflight(cfg, mesh.shape["data"] * mesh.shape["fsdp"])  # before loading a model, or touching a run
-    if cfg.sd.uses_drafter() and cfg.drafter_online.enabled and jax.process_count() == 1:  # as Trainer turns it on
-        check_settings(cfg.drafter_online, mesh.shape["data"])
+    if cfg.sd.uses_drafter() and cfg.drafter_online.enabled:  # as Trainer turns it on
+        check_settings(cfg.drafter_online, len(local_replicas(mesh)))
     if warning := memory_warning(cfg, mesh.size, (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")):
         log.warning(warning)
     run_dir.prepare_run_dir(cfg, resume=resume, overwrite=overwrite)
