@@ -203,13 +203,37 @@ def reshard(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(one, tree, shardings)
 
 
+@functools.cache
+def _host_gather() -> tuple[Mesh, Any]:
+    """A mesh of each process's first CPU device, and the program that gathers [processes, ...] over it."""
+    cpus = jax.devices("cpu")  # every process's, once jax.distributed is initialized (gloo collectives)
+    mesh = Mesh(np.array([min((d for d in cpus if d.process_index == p), key=lambda d: d.id)
+                          for p in range(jax.process_count())]), ("process",))
+    return mesh, jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
+def host_allgather(tree: Any) -> Any:
+    """Every process's numpy arrays (the same shapes everywhere), stacked in process order along a new first axis,
+    on every process. It runs over the hosts' CPUs (gloo), never the accelerators, so the online drafter trainer
+    keeps a process's idle replicas busy while it waits here for the others (multihost_utils.process_allgather
+    runs on the accelerators and would queue behind, or block, those steps)."""
+    mesh, gather = _host_gather()
+    me = mesh.devices[jax.process_index()]
+
+    def one(x: np.ndarray) -> np.ndarray:
+        x = np.asarray(x)
+        stacked = jax.make_array_from_single_device_arrays(
+            (mesh.size, *x.shape), NamedSharding(mesh, PartitionSpec("process")), [jax.device_put(x[None], me)])
+        return np.asarray(gather(stacked).addressable_data(0))
+
+    return jax.tree.map(one, tree)
+
+
 def allgather_json(value: Any) -> list[Any]:
     """A JSON-able value of every process, in process order (on every process)."""
-    from jax.experimental import multihost_utils
-
     data = np.frombuffer(json.dumps(value).encode(), np.uint8)
-    sizes = multihost_utils.process_allgather(np.array([data.size], np.int32))[:, 0]
-    padded = np.zeros(int(sizes.max()), np.uint8)
+    sizes = host_allgather(np.array([data.size], np.int32))[:, 0]
+    padded = np.zeros(1 << int(sizes.max() - 1).bit_length(), np.uint8)  # a power of two: few programs to compile
     padded[: data.size] = data
-    g = multihost_utils.process_allgather(padded)
+    g = host_allgather(padded)
     return [json.loads(g[p, : sizes[p]].tobytes()) for p in range(len(sizes))]

@@ -1,6 +1,6 @@
 """Two CPU processes (gloo collectives) run GRPO steps on one mesh spanning both, and agree with one
-process holding the same mesh; each trains the online drafter on its own replica, and the copies are
-merged into one."""
+process holding the same mesh; the online drafter trains on a process's replica while it waits for the
+other, and the copies are merged into one."""
 
 import json
 import subprocess
@@ -35,11 +35,12 @@ def _two_processes(args: list[str], devices: int = 2) -> list[str]:
 
 def test_two_processes_one_mesh(tmp_path):
     # mesh data=2 (one rollout replica per process) x fsdp=2 (two devices in each process); adaptive SD, so each
-    # checkpoint holds the drafter every process keeps on one local device (Orbax refused it from several processes),
-    # and the drafter trains online from step 2 on, in each process's rollout tail
+    # checkpoint holds the drafter every process keeps on one local device (Orbax refused it from several processes).
+    # Process 1 reaches each rollout's gather 3 s late: process 0's replica trains the drafter meanwhile, from step 2
+    # on (no steps in the rollout tail, so those are the only ones).
     overrides = [*tiny_overrides(tmp_path, steps=2), "mesh.data=2", "mesh.fsdp=2", "rl.checkpoint_every_steps=1",
-                 "sd.mode=adaptive", "drafter_online.min_buffer_tokens=1"]
-    train = ["-m", "fastrl_jax.cli", "train", *overrides, f"rl.out_dir={tmp_path / 'multi'}"]
+                 "sd.mode=adaptive", "drafter_online.min_buffer_tokens=1", "drafter_online.tail_time_share=0"]
+    train = ["-m", "helpers.slow_gather", "3", "train", *overrides, f"rl.out_dir={tmp_path / 'multi'}"]
     _two_processes(train)
     single = subprocess.run(
         # SD off: the same rollouts (speculation is lossless), without compiling its programs again

@@ -8,7 +8,7 @@ aligned block of lent replicas (block sizes are powers of two dividing batch_row
 compiles at most 2R - 1 step programs). `end()` (the rollout is over, the policy update needs the
 devices) stops the thread between two steps and returns within one step's time: nothing is lost,
 since a step replaces the drafter and optimizer state only when it has finished, and sampling
-leaves the buffer as it was. With a single replica nothing is ever lent; instead `tail_step`
+leaves the buffer as it was. With a single replica (single-process) nothing is lent; instead `tail_step`
 interleaves drafter steps into the tail of the rollout (live batch <= tail_live_batch) under a
 wall-time share and, with tail_budget 'saved', only while the run's bank holds seconds: the trainer
 deposits what speculation saved against plain decoding and withdraws its acceptance estimates, and
@@ -26,7 +26,9 @@ hand-off: parameters and optimizer moments the mean weighted by each process's d
 the phase (a process that trained none adds nothing), step counters advanced by all of them, an
 all-reduce a leaf over each process's first device. Every process then drafts, estimates and saves
 the same drafter; the buffers stay per process (and are saved per process). A process whose
-replicas have all finished waits in the rollout's gather, and its devices stay idle meanwhile.
+replicas have all finished trains on all of them while it waits for the others in the rollout's
+gather (sharding.host_allgather, which runs on the CPUs): the long tail of a multi-node rollout is
+one node decoding while the rest wait.
 
 Per RL step the trainer reports the drafter steps done, their seconds, the loss, the hand-back
 delay, and a teacher-forced acceptance estimate (train.chain_acceptance) of the current drafter and,
@@ -267,7 +269,8 @@ class SpotTrainer:
     def _reset_phase(self) -> None:
         self._lent: list[tuple[int, float]] = []  # (replica, time lent)
         self._stop = False
-        self._phase = {"steps": 0, "seconds": 0.0, "loss": [], "trace": []}  # trace: (start, end, block)
+        # tail_s: the seconds of tail steps (the rollout's own device); trace: (start, end, block)
+        self._phase = {"steps": 0, "seconds": 0.0, "tail_s": 0.0, "loss": [], "trace": []}
         self._t_begin = time.perf_counter()
 
     def ready(self) -> bool:
@@ -285,7 +288,7 @@ class SpotTrainer:
         """A rollout starts: drafter steps use these policy parameters (embedding, final norm, head)."""
         self._policy_params = policy_params
         self._reset_phase()
-        if self.num_replicas > 1:
+        if self.num_replicas > 1 or jax.process_count() > 1:
             self._thread = threading.Thread(target=self._loop, name="spot-trainer", daemon=True)
             self._thread.start()
 
@@ -299,12 +302,12 @@ class SpotTrainer:
     def tail_step(self, live_batch: int) -> None:
         """Engine hook (single replica): one drafter step while the tail is thin and the share (and with
         tail_budget 'saved', the bank) allows."""
-        c, spent = self.cfg, self._phase["seconds"]
+        c, spent = self.cfg, self._phase["tail_s"]
         if (self.num_replicas > 1 or not c.tail_time_share or live_batch > c.tail_live_batch or not self.ready()
                 or spent > c.tail_time_share * (time.perf_counter() - self._t_begin)
                 or (c.tail_budget == "saved" and spent >= self.bank_s)):
             return
-        self._train_step((0,))
+        self._phase["tail_s"] += self._train_step((0,))
 
     def deposit(self, seconds: float) -> None:
         """Adds to the bank (speculation's savings) or takes from it (negative: work done for the drafter)."""
@@ -322,8 +325,7 @@ class SpotTrainer:
             self._thread.join()
             self._thread = None
         ph = self._phase
-        if self.num_replicas == 1:  # tail steps took the rollout's own device
-            self.bank_s -= ph["seconds"]
+        self.bank_s -= ph["tail_s"]  # tail steps took the rollout's own device; idle replicas cost nothing
         report = {
             "drafter_bank_s": self.bank_s,
             "drafter_steps": ph["steps"],
@@ -367,8 +369,10 @@ class SpotTrainer:
         """The largest compiled block of lent replicas (holding the lock); asks for the best block's
         program when it is missing."""
         lent = {r for r, _ in self._lent}
-        if len(lent) < self.cfg.min_idle_replicas or len(lent) == self.num_replicas:
-            return None  # too few idle, or all are: the rollout is over and the trainer takes the devices
+        if len(lent) < self.cfg.min_idle_replicas or (len(lent) == self.num_replicas and jax.process_count() == 1):
+            # Too few idle, or all are: the rollout is over and the trainer takes the devices. On several processes
+            # this one waits for the others until end() (the gather leaves its devices free).
+            return None
         fits = [b for b in self.blocks if lent.issuperset(b)]
         if fits and fits[0] not in self._programs and fits[0] not in self._compiling:
             self._compiling.add(fits[0])
@@ -388,7 +392,8 @@ class SpotTrainer:
         except BaseException as e:  # reported by end(), on the trainer's thread
             self._error = e
 
-    def _train_step(self, block: tuple[int, ...]) -> None:
+    def _train_step(self, block: tuple[int, ...]) -> float:
+        """One drafter step on `block`; returns its seconds."""
         t0 = time.perf_counter()
         host = self.buffer.sample(np.random.default_rng(self._seeds()), self.cfg.batch_rows, self.cfg.seq_len_tokens)
         params, rest, opt_state, pstate, batch, key = self._inputs(block, dataclasses.asdict(host))
@@ -402,6 +407,7 @@ class SpotTrainer:
         t1 = time.perf_counter()
         ph["seconds"] += t1 - t0
         ph["trace"].append((t0, t1, block))
+        return t1 - t0
 
     def close(self) -> None:
         """Stops the compile thread (a compilation under way is dropped: the run is over) after the sample

@@ -33,7 +33,7 @@ from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.rollout.engine import Completion, Request, RolloutEngine
 from fastrl_jax.rollout.history import HistoryStore
 from fastrl_jax.rollout.stats import RolloutStats, StrategyStats
-from fastrl_jax.sharding import allgather_json, replica_meshes, reshard, shardings_for
+from fastrl_jax.sharding import allgather_json, host_allgather, replica_meshes, reshard, shardings_for
 
 _FINISH = ("stop", "length", "error")
 
@@ -170,10 +170,8 @@ def policy_head(params: dict) -> dict:
 
 
 def _allgather(local: list[Completion | None], requests, owner, num_replicas) -> list[Completion]:
-    """Every process's completions on every process (fixed-size arrays through process_allgather, error
+    """Every process's completions on every process (fixed-size arrays through host_allgather, error
     messages as JSON), the same on every process; those this process generated keep their hidden_states."""
-    from jax.experimental import multihost_utils
-
     n = len(requests)
     width = max(r.max_new_tokens for r in requests)
     tokens = np.zeros((n, width), np.int32)
@@ -186,7 +184,7 @@ def _allgather(local: list[Completion | None], requests, owner, num_replicas) ->
             tokens[i, : len(c.tokens)] = c.tokens
             logprobs[i, : len(c.logprobs)] = c.logprobs
             lengths[i], finish[i], have[i] = len(c.tokens), _FINISH.index(c.finish_reason), 1
-    g = multihost_utils.process_allgather((tokens, logprobs, lengths, finish, have))
+    g = host_allgather((tokens, logprobs, lengths, finish, have))
     errors = {k: v for part in allgather_json({str(i): c.error for i, c in enumerate(local) if c and c.error})
               for k, v in part.items()}
     out = []
