@@ -200,8 +200,10 @@ def test_dapos_overlong_penalty_shapes_the_step_reward(tmp_path):
 @pytest.mark.parametrize("filter_groups", [False, True])
 def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ(tmp_path, filter_groups):
     """DAPO's dynamic sampling: prompts with an even answer get reward 0 from every sample (no gradient); with
-    rl.filter_groups their groups are dropped and further prompts drawn until 4 groups with a signal remain."""
-    trainer = make_trainer(tmp_path, f"rl.filter_groups={str(filter_groups).lower()}", "rl.max_gen_batches=20", steps=1)
+    rl.filter_groups their groups are dropped and further prompts drawn until 4 groups with a signal remain. The
+    dropped groups are the policy's samples all the same: the online drafter's buffer takes every drawn rollout."""
+    trainer = make_trainer(tmp_path, f"rl.filter_groups={str(filter_groups).lower()}", "rl.max_gen_batches=20",
+                           "sd.mode=adaptive", steps=1)
     trainer.reward_fn = lambda completion, answer: float(len(completion) % 3) if int(answer) % 2 else 0.0
     advantages, build = [], trainer.build_batch
 
@@ -216,6 +218,7 @@ def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ(tmp_path, f
     assert len(advantages[0]) == 4
     if filter_groups:
         assert silent == 0 and metrics["gen_batches"] > 1
+        assert trainer.spot.buffer.added == metrics["gen_batches"] * 4 * 4  # batches x prompts x samples
     else:
         assert silent > 0 and "gen_batches" not in metrics  # the draw this test relies on has even answers
 

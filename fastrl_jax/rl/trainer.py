@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -187,10 +187,13 @@ class Trainer:
             self.history.add_all((r.prompt_ids, c.tokens) for r, c in zip(requests, completions))
         return requests, completions, stats, report
 
-    def track_drafter(self, requests: list[Request], completions: list[Completion], step: int) -> dict[str, float]:
+    def track_drafter(self, requests: list[Request], completions: list[Completion], step: int,
+                      dropped: Sequence[tuple[Request, Completion]] = ()) -> dict[str, float]:
         """Acceptance estimates on this step's rollouts (before they join the buffer) of a drafter that has
         trained since its last estimate (an unchanged one keeps it, and the metric is NaN), paid from the
-        spot trainer's bank; then the buffer update and the hand-off of a changed drafter to the engines."""
+        spot trainer's bank; then the buffer update and the hand-off of a changed drafter to the engines.
+        dropped: rollouts the policy does not train on (rl.filter_groups' equal-reward groups), which are the
+        policy's own samples all the same: they join the buffer too."""
         t0 = time.perf_counter()
         on, spot = self.cfg.drafter_online, self.spot
         changed = spot.steps_done != self._estimated_at
@@ -200,7 +203,7 @@ class Trainer:
             out["drafter_accept_frozen"] = (spot.acceptance(requests, completions, step, frozen=True)
                                             if spot.steps_done else out["drafter_accept"])
         spot.deposit(-(time.perf_counter() - t0))
-        spot.add(requests, completions, step)
+        spot.add([*requests, *(r for r, _ in dropped)], [*completions, *(c for _, c in dropped)], step)
         if changed:
             self._estimated_at, self._drafter_accept = spot.steps_done, out["drafter_accept"]
             self.drafter = spot.drafter()
@@ -327,15 +330,15 @@ class Trainer:
         if len(kept) < rl.prompts_per_step:
             log.warning("step %d: %d of %d prompt groups have rewards that differ after %d batches "
                         "(rl.max_gen_batches); equal-reward groups fill the step", step, len(kept), rl.prompts_per_step, drawn)
-        groups = (kept + spare)[: rl.prompts_per_step]
+        groups, dropped = (kept + spare)[: rl.prompts_per_step], (kept + spare)[rl.prompts_per_step:]
         return _Sampled([x for g in groups for x in g[0]], [x for g in groups for x in g[1]],
                         np.concatenate([g[2] for g in groups]), [x for g in groups for x in g[3]], stats, report, drawn,
-                        reward_s)
+                        reward_s, [(r, c) for g in dropped for r, c in zip(g[0], g[1])])
 
     def run_step(self) -> dict[str, Any]:
         rl, step = self.cfg.rl, self.step + 1
         t0 = time.perf_counter()
-        requests, completions, reward, correct, stats, spot_report, drawn, reward_s = self._sample(step)
+        requests, completions, reward, correct, stats, spot_report, drawn, reward_s, dropped = self._sample(step)
         rollout_s = time.perf_counter() - t0 - reward_s
         adv = np.asarray(grpo.group_advantages(jnp.asarray(reward), rl.samples_per_prompt, rl.advantage_std_normalize))
         tokens, pad, mask, adv, _ = self.build_batch(requests, completions, adv)
@@ -359,7 +362,7 @@ class Trainer:
         metrics |= {"rollout_s": rollout_s, "train_s": train_s, "rollout_tokens_per_s": metrics["tokens"] / rollout_s, "lr": lr}
         metrics |= train
         if self.spot is not None:
-            metrics |= self.track_drafter(requests, completions, step)
+            metrics |= self.track_drafter(requests, completions, step, dropped)
             metrics["drafter_bank_s"] = self.spot.bank_s  # after this step's deposit and estimate
         metrics["tokens_per_s"] = metrics["tokens"] / (rollout_s + train_s + metrics.get("drafter_eval_s", 0.0))
         if rl.eval_every_steps and (step % rl.eval_every_steps == 0 or step == rl.steps):
@@ -585,6 +588,7 @@ class _Sampled(NamedTuple):
     spot_report: dict[str, float]  # the online drafter trainer's phase
     gen_batches: int  # prompt batches drawn
     reward_s: float  # seconds in the reward functions
+    dropped: list[tuple[Request, Completion]]  # rl.filter_groups: the rollouts of groups the step does not train on
 
 
 @contextlib.contextmanager
