@@ -420,7 +420,7 @@ def _eval_settings(args: argparse.Namespace, cfg) -> tuple[int, float, int, int]
         raise ConfigError(f"--samples {samples} at temperature 0 gives {samples} identical greedy completions: "
                           "give --temperature > 0, or --samples 1")
     max_new = rl.max_new_tokens if args.max_new_tokens is None else args.max_new_tokens
-    problem = sampling_problem(max_new, temperature, rl.top_k, rl.top_p, cfg.rollout, draft_margin(cfg.sd))
+    problem = sampling_problem(max_new, temperature, rl.eval_top_k, rl.eval_top_p, cfg.rollout, draft_margin(cfg.sd))
     if problem:
         raise ConfigError(f"bad sampling settings: {problem}")
     return prompts, samples, temperature, max_new
@@ -446,7 +446,7 @@ def _eval_requests(cfg, path: Path, records, samples: int, temperature: float, m
               f"rollout.prompt_buckets ({limit} tokens) and are left out, as training's evaluation leaves them out; raise "
               "it to keep them", file=sys.stderr)
         records, prompts = [records[i] for i in fits], [prompts[i] for i in fits]
-    requests = eval_requests(prompts, samples, max_new, temperature, rl.top_k, rl.top_p, cfg.seed,
+    requests = eval_requests(prompts, samples, max_new, temperature, rl.eval_top_k, rl.eval_top_p, cfg.seed,
                              stop_ids(model_cfg, tokenizer))
     margin = draft_margin(cfg.sd)
     bad = [(g, why) for g in range(len(records))
@@ -499,7 +499,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
           f"compilation included; sd {cfg.sd.mode}{accept})", file=sys.stderr)
     if out:
         settings = {"run": args.run, "step": step, "model": cfg.model.path, "prompts": source, "num_prompts": len(records),
-                    "samples": samples, "temperature": temperature, "top_k": cfg.rl.top_k, "top_p": cfg.rl.top_p,
+                    "samples": samples, "temperature": temperature, "top_k": cfg.rl.eval_top_k, "top_p": cfg.rl.eval_top_p,
                     "max_new_tokens": max_new, "seed": cfg.seed, "sd": cfg.sd.mode}
         files.write_text(out, json.dumps(settings | result, indent=1) + "\n")
         print(f"[fastrl-jax] wrote {out}", file=sys.stderr)

@@ -447,7 +447,9 @@ class RLConfig:
     keep_checkpoints: int = 2
     eval_every_steps: int = 0  # held-out accuracy every N steps and at the end; 0 = never
     eval_prompts: int = 64
-    eval_temperature: float = 0.0  # 0: greedy; > 0: sampled (with top_p / top_k), the same seeds at every evaluation
+    eval_temperature: float = 0.0  # 0: greedy; > 0: sampled, the same seeds at every evaluation
+    eval_top_p: float = 1.0  # sampled evaluation's own top-p / top-k (verl val_kwargs), not training's
+    eval_top_k: int = 0
     eval_samples: int = 1  # samples per held-out prompt (eval_temperature > 0); accuracy is their mean
     tensorboard: bool = True
     wandb_project: str = ""  # Weights & Biases project of the metrics ('' off; pip install 'fastrl-jax[wandb]')
@@ -464,8 +466,9 @@ class RLConfig:
                         temperature_problem("rl.eval_temperature", self.eval_temperature)):
             if problem:
                 raise ConfigError(problem)
-        if not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ConfigError(f"rl needs 0 < top_p <= 1, top_k >= 0; got {self.top_p}, {self.top_k}")
+        if not (0 < self.top_p <= 1 and 0 < self.eval_top_p <= 1) or self.top_k < 0 or self.eval_top_k < 0:
+            raise ConfigError(f"rl needs 0 < top_p, eval_top_p <= 1 and top_k, eval_top_k >= 0; got {self.top_p}, "
+                              f"{self.eval_top_p}, {self.top_k}, {self.eval_top_k}")
         if not 0 <= self.clip_low < 1 or self.clip_high < 0 or self.kl_coef < 0 or self.entropy_coeff < 0:
             raise ConfigError(f"rl needs 0 <= clip_low < 1, clip_high >= 0, kl_coef >= 0, entropy_coeff >= 0; got "
                               f"{self.clip_low}, {self.clip_high}, {self.kl_coef}, {self.entropy_coeff}")

@@ -444,6 +444,7 @@ def test_dry_run_cli_for_both_gpu_configs():
     ("rl.temperature=1e-9", "rl.temperature must be in [1e-05, inf), got 1e-09"),
     ("rl.eval_temperature=-1", "rl.eval_temperature must be 0 (greedy) or in [1e-05, inf)"),
     ("rl.eval_samples=2", "rl.eval_temperature must be > 0 for rl.eval_samples > 1"),
+    ("rl.eval_top_p=0", "rl needs 0 < top_p, eval_top_p <= 1 and top_k, eval_top_k >= 0; got 1.0, 0"),
     ("drafter_train.temperature=1e-38", "drafter_train.temperature must be 0 (greedy) or in [1e-05, inf)"),
 ])
 def test_rl_config_validation(override, message):
@@ -479,15 +480,18 @@ def test_smollm2_grpo_step(tmp_path):
 
 
 def test_sampled_evaluation_scores_every_sample_with_the_same_seeds_each_time(tmp_path):
+    # Its own top-p and top-k (verl's val_kwargs), not training's
     trainer = make_trainer(tmp_path, "rl.eval_every_steps=1", "rl.eval_prompts=4", "rl.eval_temperature=1.0",
-                           "rl.eval_samples=3", "rl.checkpoint_every_steps=0", steps=1)
+                           "rl.eval_samples=3", "rl.checkpoint_every_steps=0", "rl.top_p=0.5", "rl.top_k=3",
+                           "rl.eval_top_p=0.9", "rl.eval_top_k=20", steps=1)
     try:
         seen = []
         generate = trainer.workers.generate
 
         def record(requests, group_size, **kw):
             completions, stats = generate(requests, group_size, **kw)
-            seen.append(([(r.prompt_ids, r.seed, r.temperature) for r in requests], [c.tokens for c in completions]))
+            seen.append(([(r.prompt_ids, r.seed, (r.temperature, r.top_p, r.top_k)) for r in requests],
+                         [c.tokens for c in completions]))
             return completions, stats
 
         trainer.workers.generate = record
@@ -496,7 +500,7 @@ def test_sampled_evaluation_scores_every_sample_with_the_same_seeds_each_time(tm
         (requests, tokens), (requests_again, tokens_again) = seen
         assert requests == requests_again and tokens == tokens_again
         assert len(requests) == 12 and len({seed for _, seed, _ in requests}) == 12
-        assert all(t == 1.0 for _, _, t in requests) and requests[0][0] == requests[2][0] != requests[3][0]
+        assert all(s == (1.0, 0.9, 20) for _, _, s in requests) and requests[0][0] == requests[2][0] != requests[3][0]
         assert len({tuple(t) for t in tokens[:3]}) > 1  # one prompt's samples differ
         history = trainer.run()  # evaluates before step 1 and after it; the rows say how
         assert [(h["step"], h["eval_temperature"]) for h in history] == [(0, 1.0), (1, 1.0)]

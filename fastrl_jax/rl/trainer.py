@@ -285,11 +285,11 @@ class Trainer:
 
     def evaluate(self) -> float:
         """Accuracy on the held-out prompts: greedy, or the mean over rl.eval_samples samples of each at
-        rl.eval_temperature. Sampling seeds are the same at every evaluation (step 0 of the seed stream,
+        rl.eval_temperature (with rl.eval_top_p / eval_top_k). Sampling seeds are the same at every evaluation (step 0 of the seed stream,
         which no training step uses), so evaluations differ only by the policy."""
         rl, n = self.cfg.rl, self.cfg.rl.eval_samples
         prompts = [self._prompt(r) for r in self.eval_records]
-        requests = eval_requests(prompts, n, rl.max_new_tokens, rl.eval_temperature, rl.top_k, rl.top_p,
+        requests = eval_requests(prompts, n, rl.max_new_tokens, rl.eval_temperature, rl.eval_top_k, rl.eval_top_p,
                                  self.cfg.seed, self.stop_ids)
         return evaluate(self.workers, self.tokenizer, self.eval_records, requests, n)["results"]["all"]["pass@1"]
 
@@ -625,12 +625,11 @@ def preflight(cfg: Config, mesh_rows: int, files: bool = True) -> None:
     that does not split over mesh_rows (data x fsdp) devices."""
     check_trainable(cfg, "train")
     rl = cfg.rl
-    temperatures = {"rl.temperature": rl.temperature} | ({"rl.eval_temperature": rl.eval_temperature}
-                                                         if rl.eval_every_steps else {})
-    for name, temperature in temperatures.items():
-        if problem := sampling_problem(rl.max_new_tokens, temperature, rl.top_k, rl.top_p, cfg.rollout,
-                                       draft_margin(cfg.sd)):
-            raise ConfigError(f"{problem} (rl.max_new_tokens, {name}, rl.top_k, rl.top_p)")
+    settings = [("rl.", rl.temperature, rl.top_k, rl.top_p)] + (
+        [("rl.eval_", rl.eval_temperature, rl.eval_top_k, rl.eval_top_p)] if rl.eval_every_steps else [])
+    for name, temperature, top_k, top_p in settings:
+        if problem := sampling_problem(rl.max_new_tokens, temperature, top_k, top_p, cfg.rollout, draft_margin(cfg.sd)):
+            raise ConfigError(f"{problem} (rl.max_new_tokens, {name}temperature, {name}top_k, {name}top_p)")
     rewards.combined(cfg.reward.functions, cfg.reward.weights)
     if cfg.reward.overlong_buffer >= rl.max_new_tokens:
         raise ConfigError(f"reward.overlong_buffer ({cfg.reward.overlong_buffer}) must be below rl.max_new_tokens "
