@@ -285,8 +285,8 @@ class Trainer:
 
     def evaluate(self) -> float:
         """Accuracy on the held-out prompts: greedy, or the mean over rl.eval_samples samples of each at
-        rl.eval_temperature (with rl.eval_top_p / eval_top_k). Sampling seeds are the same at every evaluation (step 0 of the seed stream,
-        which no training step uses), so evaluations differ only by the policy."""
+        rl.eval_temperature (with rl.eval_top_p / eval_top_k). Sampling seeds are the same at every evaluation
+        (step 0 of the seed stream, which no training step uses), so evaluations differ only by the policy."""
         rl, n = self.cfg.rl, self.cfg.rl.eval_samples
         prompts = [self._prompt(r) for r in self.eval_records]
         requests = eval_requests(prompts, n, rl.max_new_tokens, rl.eval_temperature, rl.eval_top_k, rl.eval_top_p,
