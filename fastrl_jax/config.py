@@ -244,6 +244,9 @@ class HistoryConfig:
             raise ConfigError(f"sd.history.spec_factor must be > 0, got {self.spec_factor}")
         if self.corpus_tokens < 4 * self.match_tokens:
             raise ConfigError(f"sd.history.corpus_tokens ({self.corpus_tokens}) must be >= 4 x sd.history.match_tokens")
+        if self.min_match > self.match_tokens:  # a match is at most match_tokens long: history would never draft
+            raise ConfigError(f"sd.history.min_match ({self.min_match}) must be <= sd.history.match_tokens "
+                              f"({self.match_tokens}), the longest match compared")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -234,6 +234,8 @@ def test_strategy_notation():
         load_config(None, ["sd.strategies=['x6']"])
     with pytest.raises(ConfigError, match="sd.history.spec_factor must be > 0"):
         load_config(None, ["sd.history.spec_factor=0"])
+    with pytest.raises(ConfigError, match=r"sd.history.min_match \(9\) must be <= sd.history.match_tokens \(8\)"):
+        load_config(None, ["sd.history.min_match=9"])  # a match is at most match_tokens long: it would never draft
 
 
 # ---- engines ---------------------------------------------------------------------------------
