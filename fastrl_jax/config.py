@@ -585,7 +585,7 @@ class DrafterOnlineConfig:
     learning_rate: float = 5.0e-5  # 3e-4 made a warm-up drafter worse on SmolLM2 (closing note of issue 8)
     warmup_steps: int = 10  # then constant
     min_idle_replicas: int = 1  # several replicas: lend devices once this many replicas are idle
-    max_steps_per_rollout: int = 0  # drafter steps per RL step at most; 0 = as many as the idle time allows
+    max_steps_per_rollout: int = 0  # drafter steps per RL step at most (each process's); 0 = as many as the idle time allows
     tail_time_share: float = 0.25  # one replica: drafter steps may take this share of the rollout's wall time so far, in its tail
     # One replica: 'saved' spends on drafter steps (and on acceptance estimates) only the seconds speculation
     # saved against plain decoding so far in the run, so adaptive SD never costs more than SD off; 'share'

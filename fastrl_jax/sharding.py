@@ -203,12 +203,27 @@ def reshard(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(one, tree, shardings)
 
 
+def process_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A mesh with axis 'process' of each process's first device (of `devices`, else the default backend's), in
+    process order; ValueError when a process has none there."""
+    devices = jax.devices() if devices is None else devices
+    firsts = [min((d for d in devices if d.process_index == p), key=lambda d: d.id, default=None)
+              for p in range(jax.process_count())]
+    if None in firsts:
+        raise ValueError(f"processes {[p for p, d in enumerate(firsts) if d is None]} have none of these devices")
+    return Mesh(np.array(firsts), ("process",))
+
+
 @functools.cache
-def _host_gather() -> tuple[Mesh, Any]:
-    """A mesh of each process's first CPU device, and the program that gathers [processes, ...] over it."""
-    cpus = jax.devices("cpu")  # every process's, once jax.distributed is initialized (gloo collectives)
-    mesh = Mesh(np.array([min((d for d in cpus if d.process_index == p), key=lambda d: d.id)
-                          for p in range(jax.process_count())]), ("process",))
+def _host_gather() -> tuple[Mesh, Any] | None:
+    """A mesh of each process's first CPU device and the program that gathers [processes, ...] over it; None
+    where the CPUs are not one multi-process backend (no CPU platform, or collectives other than gloo)."""
+    try:
+        mesh = process_mesh(jax.devices("cpu"))  # every process's with gloo (rl.distributed.initialize)
+    except (RuntimeError, ValueError) as e:
+        log.warning("gathering across processes on the accelerators (%s): a process whose replicas have finished "
+                    "waits there without training the online drafter", e)
+        return None
     return mesh, jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
@@ -216,8 +231,12 @@ def host_allgather(tree: Any) -> Any:
     """Every process's numpy arrays (the same shapes everywhere), stacked in process order along a new first axis,
     on every process. It runs over the hosts' CPUs (gloo), never the accelerators, so the online drafter trainer
     keeps a process's idle replicas busy while it waits here for the others (multihost_utils.process_allgather
-    runs on the accelerators and would queue behind, or block, those steps)."""
-    mesh, gather = _host_gather()
+    runs on the accelerators and would queue behind, or block, those steps; it is the fallback, said once)."""
+    from jax.experimental import multihost_utils
+
+    if (host := _host_gather()) is None:
+        return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree))
+    mesh, gather = host
     me = mesh.devices[jax.process_index()]
 
     def one(x: np.ndarray) -> np.ndarray:

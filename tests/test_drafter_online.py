@@ -285,6 +285,12 @@ def test_the_sample_buffer_saved_with_a_checkpoint_comes_back_and_a_damaged_one_
         again.restore_buffer(where, step)
         assert again.buffer.num_tokens == 0 and why in capsys.readouterr().err
 
+    # A run saved on several processes (a buffer file each, process_N/) and resumed on one takes one, not nothing.
+    (where / "process_0").mkdir()
+    (where / "3.npz").rename(where / "process_0" / "3.npz")
+    again.restore_buffer(where, 3)
+    assert again.buffer.arrays()["steps"].tolist() == [1, 2, 3]
+
 
 def test_an_online_drafter_saved_over_the_mesh_loads_on_fewer_devices(tmp_path: Path):
     """The online drafter is sharded over the run's mesh (SpotTrainer), and so is the drafter of a run's checkpoint;

@@ -36,12 +36,12 @@ def _two_processes(args: list[str], devices: int = 2) -> list[str]:
 def test_two_processes_one_mesh(tmp_path):
     # mesh data=2 (one rollout replica per process) x fsdp=2 (two devices in each process); adaptive SD, so each
     # checkpoint holds the drafter every process keeps on one local device (Orbax refused it from several processes).
-    # Process 1 reaches each rollout's gather 3 s late: process 0's replica trains the drafter meanwhile, from step 2
-    # on (no steps in the rollout tail, so those are the only ones).
+    # Process 0 reaches each rollout's gather 3 s late: process 1's replica trains the drafter meanwhile, from step 2
+    # on (no steps in the rollout tail, so those are the only ones), and process 0 logs the merged report.
     overrides = [*tiny_overrides(tmp_path, steps=2), "mesh.data=2", "mesh.fsdp=2", "rl.checkpoint_every_steps=1",
                  "sd.mode=adaptive", "drafter_online.min_buffer_tokens=1", "drafter_online.tail_time_share=0"]
     train = ["-m", "helpers.slow_gather", "3", "train", *overrides, f"rl.out_dir={tmp_path / 'multi'}"]
-    _two_processes(train)
+    errs = _two_processes(train)
     single = subprocess.run(
         # SD off: the same rollouts (speculation is lossless), without compiling its programs again
         [sys.executable, "-m", "fastrl_jax.cli", "train", *overrides, f"rl.out_dir={tmp_path / 'single'}", "sd.mode=off"],
@@ -57,8 +57,10 @@ def test_two_processes_one_mesh(tmp_path):
         for key in ("loss", "grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-7), key
     assert (tmp_path / "multi" / "checkpoints" / "2").is_dir()
-    # Both processes' drafter steps and sample buffers count in the report; each process saved its own buffer.
+    # Process 1's drafter steps and both sample buffers count in the report; each process saved its own buffer, and
+    # both end with one drafter (and optimizer state).
     assert multi[1]["drafter_steps"] > 0 and multi[1]["drafter_buffer_tokens"] > 0
+    assert _drafter_digests(errs)[0] == _drafter_digests(errs)[1]
     for p in (0, 1):
         assert (tmp_path / "multi" / "drafter_buffer" / f"process_{p}" / "2.npz").is_file()
 
@@ -68,6 +70,11 @@ def test_two_processes_one_mesh(tmp_path):
     step3 = read_metrics(tmp_path / "multi" / "metrics.jsonl")[-1]
     assert step3["step"] == 3
     assert step3["drafter_buffer_tokens"] > multi[1]["drafter_buffer_tokens"]  # step 2's rollouts came back too
+    assert _drafter_digests(errs)[0] == _drafter_digests(errs)[1]
+
+
+def _drafter_digests(errs: list[str]) -> list[str]:
+    return [next(line.split()[-1] for line in err.splitlines() if line.startswith("drafter digest")) for err in errs]
 
 
 MERGE = """

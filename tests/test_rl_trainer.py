@@ -26,7 +26,7 @@ from fastrl_jax.models.drafter_io import load_drafter
 from fastrl_jax.models.loading import load_model, read_model_config
 from fastrl_jax.models.tokenizer import load_tokenizer
 from fastrl_jax.rl import dry_run, update
-from fastrl_jax.rl.trainer import NonFiniteLoss, Trainer, preflight
+from fastrl_jax.rl.trainer import NonFiniteLoss, Trainer, _own_bank, preflight
 from fastrl_jax.sharding import make_mesh
 
 TESTS = Path(__file__).parent
@@ -221,6 +221,27 @@ def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ(tmp_path, f
         assert trainer.spot.buffer.added == metrics["gen_batches"] * 4 * 4  # batches x prompts x samples
     else:
         assert silent > 0 and "gen_batches" not in metrics  # the draw this test relies on has even answers
+
+
+def test_a_failed_rollout_is_raised_as_it_is_and_stops_the_drafter_trainer_without_a_report(tmp_path):
+    """The spot trainer's end() is a collective on several processes, which the others (still decoding, or waiting
+    in the rollout's gather) would not match: after a failed rollout it only stops, and the error is the rollout's."""
+    trainer = make_trainer(tmp_path, "sd.mode=adaptive", steps=1)
+    try:
+        def fail(*args, **kwargs):
+            raise MemoryError("RESOURCE_EXHAUSTED on this host")
+
+        trainer.workers.generate = fail
+        trainer.spot.end = lambda: pytest.fail("end() ran after a failed rollout")
+        with pytest.raises(MemoryError, match="RESOURCE_EXHAUSTED"):
+            trainer.run_step()
+        assert trainer.spot._stop and trainer.spot._thread is None
+    finally:
+        trainer.close()
+
+
+def test_a_run_resumed_on_another_number_of_processes_shares_out_the_drafter_bank():
+    assert _own_bank(3.0) == 3.0 and _own_bank([1.0, 2.5]) == 3.5  # one process now: the whole bank
 
 
 def test_failed_checkpoint_write_keeps_previous(tmp_path, capsys):

@@ -61,7 +61,16 @@ from fastrl_jax.drafter.buffer import PackedBatch, SampleBuffer
 from fastrl_jax.drafter.train import LossSettings, chain_acceptance, drafter_optimizer, make_train_step
 from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.rollout.engine import Completion, Request
-from fastrl_jax.sharding import AXES, allgather_json, local_replicas, named_sharding, reshard, shardings_for, to_replicated
+from fastrl_jax.sharding import (
+    AXES,
+    allgather_json,
+    local_replicas,
+    named_sharding,
+    process_mesh,
+    reshard,
+    shardings_for,
+    to_replicated,
+)
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +88,14 @@ def check_settings(c: DrafterOnlineConfig, num_replicas: int) -> None:
     if c.min_buffer_tokens > c.buffer_max_tokens:
         raise ConfigError(f"drafter_online.min_buffer_tokens ({c.min_buffer_tokens}) exceeds buffer_max_tokens "
                           f"({c.buffer_max_tokens}): the buffer never holds that many, so the drafter would never train")
-    if num_replicas > 1 and c.min_idle_replicas >= num_replicas:
-        where = "(mesh.data)" if jax.process_count() == 1 else f"of each of the {jax.process_count()} processes"
+    if jax.process_count() > 1 and c.min_idle_replicas > num_replicas:
+        raise ConfigError(f"drafter_online.min_idle_replicas ({c.min_idle_replicas}) exceeds the {num_replicas} rollout "
+                          f"replicas each of the {jax.process_count()} processes drives: the drafter would never train "
+                          "(set drafter_online.enabled=false to keep it frozen)")
+    if jax.process_count() == 1 and num_replicas > 1 and c.min_idle_replicas >= num_replicas:
         raise ConfigError(f"drafter_online.min_idle_replicas ({c.min_idle_replicas}) must be below the {num_replicas} "
-                          f"rollout replicas {where}: drafter steps run on a process's idle replicas while others "
-                          "still decode, so the drafter would never train (set drafter_online.enabled=false to keep it "
-                          "frozen)")
+                          "rollout replicas (mesh.data): drafter steps run on idle replicas while others still decode, "
+                          "so the drafter would never train (set drafter_online.enabled=false to keep it frozen)")
 
 
 def merge_reports(earlier: dict[str, float], later: dict[str, float]) -> dict[str, float]:
@@ -104,9 +115,7 @@ def merge_reports(earlier: dict[str, float], later: dict[str, float]) -> dict[st
 @functools.cache
 def _process_mean() -> tuple[Mesh, Any]:
     """A mesh of each process's first device, and the weighted mean over its [processes, ...] stacks."""
-    devices = [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
-               for p in range(jax.process_count())]
-    mesh = Mesh(np.array(devices), ("process",))
+    mesh = process_mesh()
 
     def mean(stacked, weights):
         return jnp.tensordot(weights, stacked.astype(jnp.float32), 1).astype(stacked.dtype)
@@ -160,7 +169,6 @@ class SpotTrainer:
         meanwhile), so handing the devices back never waits for a compilation (the persistent compilation cache
         keeps them)."""
         self.cfg, dt = cfg.drafter_online, cfg.drafter_train
-        self.global_mesh = mesh
         # This process's replicas (all of them, single-process); blocks and lent replicas count in positions here.
         self.replica_ids = local_replicas(mesh)
         self.mesh = Mesh(mesh.devices[self.replica_ids], AXES, axis_types=mesh.axis_types)
@@ -313,17 +321,23 @@ class SpotTrainer:
         """Adds to the bank (speculation's savings) or takes from it (negative: work done for the drafter)."""
         self.bank_s += seconds
 
-    def end(self) -> dict[str, float]:
-        """The rollout is over: stops drafter training (between two steps) and reports the phase (on several
-        processes, every process's: steps, seconds, lent replicas and buffered tokens add up, the loss is
-        their mean over steps, the hand-back delay their longest; the bank is this process's)."""
-        t0 = time.perf_counter()
+    def stop(self) -> None:
+        """Stops drafter training between two steps, without a report: the rollout failed. No collective (on
+        several processes the others may be anywhere); the trainer raises the rollout's error."""
         with self._cv:
             self._stop = True
             self._cv.notify_all()  # wait_compiled() may wait on it too
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+    def end(self) -> dict[str, float]:
+        """The rollout is over: stops drafter training (between two steps) and reports the phase (on several
+        processes, every process's: steps, seconds, lent replicas and buffered tokens add up, the loss is
+        their mean over steps, the hand-back delay their longest; the bank is this process's)."""
+        t0 = time.perf_counter()
+        self.stop()
+        error = self._error  # a compile failing from here on is the next end()'s (every process must agree on this)
         ph = self._phase
         self.bank_s -= ph["tail_s"]  # tail steps took the rollout's own device; idle replicas cost nothing
         report = {
@@ -337,24 +351,26 @@ class SpotTrainer:
         }
         if jax.process_count() > 1:
             t1 = time.perf_counter()
-            report = self._merge_processes(report)
+            report, error = self._merge_processes(report, error)
             report["drafter_preempt_s"] += time.perf_counter() - t1
-        if self._error is not None:
-            raise RuntimeError("online drafter training failed during the rollout") from self._error
+        if error is not None:
+            raise RuntimeError("online drafter training failed during the rollout") from error
         if report["drafter_preempt_s"] > self.cfg.preempt_bound_s:
             log.warning("handing the devices back took %.1fs, over drafter_online.preempt_bound_s=%.1fs: lower "
                         "drafter_online.batch_rows or seq_len_tokens", report["drafter_preempt_s"], self.cfg.preempt_bound_s)
         return report
 
-    def _merge_processes(self, report: dict[str, float]) -> dict[str, float]:
-        """Every process's drafter made one (merge_processes) and their phase reports one (end()). A failure on
-        any process fails every process's end() (the others would wait for it in the next collective)."""
-        reports = allgather_json([report, self._error is not None])  # NaN passes: Python's json writes it
-        failed = [p for p, (_, error) in enumerate(reports) if error]
-        if failed and self._error is None:
-            self._error = RuntimeError(f"online drafter training failed on process {failed[0]}")
+    def _merge_processes(self, report: dict[str, float],
+                         error: BaseException | None) -> tuple[dict[str, float], BaseException | None]:
+        """Every process's drafter made one (merge_processes) and their phase reports one (end()); with the error
+        end() raises: this process's, or another's failure, which fails every process's end() alike (the
+        others would wait for it in the next collective)."""
+        reports = allgather_json([report, error is not None])  # NaN passes: Python's json writes it
+        failed = [p for p, (_, failure) in enumerate(reports) if failure]
+        if failed:
+            return report, error or RuntimeError(f"online drafter training failed on process {failed[0]}")
         steps = [r["drafter_steps"] for r, _ in reports]
-        if self._error is None and sum(steps):
+        if sum(steps):
             self.params, self.opt_state = merge_processes((self.params, self.opt_state), steps)
         self.steps_done += sum(steps) - self._phase["steps"]
         phases = [r for r, _ in reports]
@@ -363,7 +379,7 @@ class SpotTrainer:
             "drafter_preempt_s": max(r["drafter_preempt_s"] for r in phases),  # side by side, not one after another
             "drafter_replicas_lent": sum(r["drafter_replicas_lent"] for r in phases),
             "drafter_buffer_tokens": sum(r["drafter_buffer_tokens"] for r in phases),
-        }
+        }, None
 
     def _choose_block(self) -> tuple[int, ...] | None:
         """The largest compiled block of lent replicas (holding the lock); asks for the best block's
@@ -453,7 +469,7 @@ class SpotTrainer:
         """What a checkpoint needs besides the drafter itself: optimizer state and step count."""
         state = {"optimizer": self.opt_state, "steps": jnp.asarray(self.steps_done, jnp.int32)}
         if jax.process_count() > 1:  # every process holds the same (end() merged them); Orbax saves global arrays
-            return to_replicated(state, self.global_mesh)
+            return to_replicated(state, process_mesh())  # one copy a process: a whole copy on every device is waste
         return jax.device_put(state, NamedSharding(self.mesh, P()))
 
     def save_buffer(self, directory: Path, step: int, keep: Collection[int]) -> None:
@@ -479,7 +495,7 @@ class SpotTrainer:
     def restore_buffer(self, directory: Path, step: int) -> None:
         """Takes the sample buffer saved with checkpoint `step`; without a readable one it starts empty (rollouts
         are lossless whatever the drafter: only the drafter's next steps differ from an uninterrupted run)."""
-        why = read_step_file(self.buffer.load, self._buffer_dir(directory) / f"{step}.npz")  # or another drafter's features
+        why = read_step_file(self.buffer.load, self._saved_buffer(Path(directory), step))  # or another drafter's features
         if why is None:
             return
         self.buffer = SampleBuffer(self.buffer.max_tokens, self.buffer.hidden_size, keep_steps=self.buffer.keep_steps)
@@ -490,6 +506,13 @@ class SpotTrainer:
     def _buffer_dir(directory: Path) -> Path:
         """Where this process's sample buffer files go (each process holds its own rollouts)."""
         return Path(directory) / (f"process_{jax.process_index()}" if jax.process_count() > 1 else "")
+
+    def _saved_buffer(self, directory: Path, step: int) -> Path:
+        """This process's buffer file of checkpoint `step`; a run resumed on another number of processes takes
+        one of the n files saved (process p the p % n-th), so its rollouts are not lost to the layout alone."""
+        own = self._buffer_dir(directory) / f"{step}.npz"
+        saved = sorted(directory.glob(f"process_*/{step}.npz")) + sorted(directory.glob(f"{step}.npz"))
+        return own if own.exists() or not saved else saved[jax.process_index() % len(saved)]
 
     def restore(self, drafter: Drafter, state: dict | None) -> None:
         """Continues from a checkpoint: its drafter and optimizer_state(), or with None (a checkpoint from

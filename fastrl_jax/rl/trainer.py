@@ -48,7 +48,15 @@ from fastrl_jax.rollout.engine import Completion, Request
 from fastrl_jax.rollout.history import HistoryStore
 from fastrl_jax.rollout.requests import draft_margin, sampling_problem
 from fastrl_jax.rollout.stats import RolloutStats
-from fastrl_jax.sharding import allgather_json, local_replicas, make_mesh, shardings_for, to_host_local, to_replicated
+from fastrl_jax.sharding import (
+    allgather_json,
+    local_replicas,
+    make_mesh,
+    process_mesh,
+    shardings_for,
+    to_host_local,
+    to_replicated,
+)
 
 log = logging.getLogger(__name__)
 
@@ -177,8 +185,10 @@ class Trainer:
             try:
                 completions, stats = self.workers.generate(requests, rl.samples_per_prompt,
                                                            replica_done=spot.lend, between_steps=spot.tail_step)
-            finally:
-                report = spot.end()  # the devices come back before anything else runs on them
+            except BaseException:
+                spot.stop()  # no report: end() is a collective, and the other processes may be anywhere
+                raise
+            report = spot.end()  # the devices come back before anything else runs on them
             spot.deposit(self.workers.local_stats.sd_saved_s)  # this process's replicas: its tail steps spend it
         for c in completions:
             if c.finish_reason == "error":
@@ -406,7 +416,7 @@ class Trainer:
         if self.drafter is not None:
             drafter = nnx.to_pure_dict(nnx.state(self.drafter))  # weights and any draft vocabulary
             # Each process holds it on one local device; Orbax saves only global arrays from several processes
-            arrays["drafter"] = to_replicated(drafter, self.mesh) if jax.process_count() > 1 else drafter
+            arrays["drafter"] = to_replicated(drafter, process_mesh()) if jax.process_count() > 1 else drafter
         if self.spot is not None:
             arrays["drafter_optimizer"] = self.spot.optimizer_state()
         return arrays
@@ -564,11 +574,11 @@ class Trainer:
 
 
 def _own_bank(saved: float | list[float]) -> float:
-    """This process's drafter bank from a checkpoint: its own entry of a multi-process run's list, else (another
-    process count) their mean, or the single-process value."""
-    if not isinstance(saved, list):
-        return float(saved)
-    return float(saved[jax.process_index()] if len(saved) == jax.process_count() else np.mean(saved))
+    """This process's drafter bank from a checkpoint: its own entry of a multi-process run's list, else (a run
+    saved on another number of processes) an equal share of the total."""
+    if isinstance(saved, list) and len(saved) == jax.process_count():
+        return float(saved[jax.process_index()])
+    return float(sum(saved) if isinstance(saved, list) else saved) / jax.process_count()
 
 
 def _state_from(module: nnx.Module, pure: dict) -> nnx.State:

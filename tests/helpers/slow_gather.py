@@ -1,24 +1,35 @@
-"""`python -m helpers.slow_gather SECONDS ARGS...`: the CLI with ARGS, where process 1 reaches each rollout's gather
-SECONDS late (a long tail on its replicas), so process 0 waits there with its replicas idle."""
+"""`python -m helpers.slow_gather SECONDS ARGS...`: the CLI with ARGS, where process 0 reaches each rollout's gather
+SECONDS late (a long tail on its replicas), so process 1 waits there with its replicas idle; at the end each process
+prints a digest of its online drafter ("drafter digest HEX", stderr)."""
 
+import hashlib
 import sys
 import time
 
 import jax
+import numpy as np
 
 from fastrl_jax import cli
-from fastrl_jax.rl import workers
+from fastrl_jax.rl import trainer, workers
 
 
 def main() -> int:
-    seconds, gather = float(sys.argv[1]), workers._allgather
+    seconds, gather, close = float(sys.argv[1]), workers._allgather, trainer.Trainer.close
 
     def late(*args):
-        if jax.process_index() == 1:
+        if jax.process_index() == 0:
             time.sleep(seconds)
         return gather(*args)
 
-    workers._allgather = late
+    def digest_then_close(self):
+        if self.spot is not None:
+            h = hashlib.sha256()
+            for leaf in jax.tree.leaves((self.spot.params, self.spot.opt_state)):
+                h.update(np.asarray(leaf).tobytes())
+            print(f"drafter digest {h.hexdigest()}", file=sys.stderr)
+        close(self)
+
+    workers._allgather, trainer.Trainer.close = late, digest_then_close
     return cli.main(sys.argv[2:])
 
 
