@@ -57,8 +57,8 @@ def test_correctness_is_numeric():
     assert rewards.correctness_reward("\\boxed{0.5}", "1/2") == 1.0
     assert rewards.correctness_reward("The answer is 13", "12") == 0.0
     assert rewards.correctness_reward("nothing", "12") == 0.0
-    assert rewards.correctness_reward("\\boxed{x+1}", "x + 1") == 0.0  # non-numeric: exact string match only
-    assert rewards.correctness_reward("\\boxed{x+1}", "x+1") == 1.0
+    assert rewards.correctness_reward("\\boxed{x+1}", "x + 1") == 1.0  # non-numeric: blanks do not count (verl)
+    assert rewards.correctness_reward("\\boxed{x+1}", "x+2") == 0.0
 
 
 def test_separators_only_between_thousands_groups():
@@ -146,3 +146,35 @@ def test_overlong_penalty_is_dapos():
     assert [overlong_penalty(n, 100, 20, 1.0) for n in (50, 80, 90, 100)] == [0.0, 0.0, -0.5, -1.0]
     assert overlong_penalty(95, 100, 20, 0.5) == -0.375
     assert overlong_penalty(100, 100, 0, 1.0) == 0.0  # off
+
+
+@pytest.mark.parametrize("completion, truth, expected", [
+    ("The answer is 2\\sqrt{3}.", "2", False),  # the whole stated answer, not its leading number
+    ("The answer is 2\\sqrt{3}.", "2\\sqrt{3}", True),
+    ("The answer is 3 1/2.", "3", False),  # a mixed number
+    ("The answer is 3 1/2.", "7/2", True),
+    ("The answer is 1 000.", "1000", True),
+    ("The answer is 7 apples, not 8.", "7", True),
+    ("The answer is B.", "B", True),  # multiple choice
+    ("Option 3 fails. The answer is (B).", "B", True),
+    ("The answer is (b) because the others fail.", "(B)", True),
+    ("The answer is yes.", "yes", True),
+    ("The answer is 4. Checking whether the answer is correct: yes.", "4", True),  # "correct" is no answer
+    ("So 9 is left, and the answer is no longer 5.", "no", False),  # a sentence goes on: no stated answer
+])
+def test_the_stated_answer_is_the_whole_answer(completion, truth, expected):
+    """"The answer is X" (the default data.instruction's format) takes X whole: a number with its LaTeX, a mixed
+    number, a choice or yes / no where the sentence ends; multiple-choice and yes / no datasets can earn a reward."""
+    assert rewards.correctness_reward(completion, truth) == float(expected)
+
+
+@pytest.mark.parametrize("completion, truth", [
+    ("\\boxed{\\text{(A)}}", "A"), ("\\boxed{(A)}", "A"), ("\\boxed{A}", "(A)"), ("\\boxed{\\textbf{(C)}}", "C"),
+    ("\\boxed{(1, 2)}", "(1,2)"), ("\\boxed{2\\sqrt{2}}", "2 \\sqrt{2}"), ("\\boxed{\\left(1,2\\right)}", "(1,2)"),
+    ("\\boxed{\\dfrac{\\pi}{2}}", "\\frac{\\pi}{2}"), ("\\boxed{x \\leq 3}", "x\\leq3"),
+])
+def test_typesetting_does_not_count_in_symbolic_answers(completion, truth):
+    """As verl's strip_string: blanks, \\left / \\right and \\dfrac against \\frac; a choice letter with or without
+    its parentheses or \\text{}."""
+    assert rewards.correctness_reward(completion, truth) == 1.0
+    assert rewards.correctness_reward(completion, "(D)") == 0.0

@@ -20,12 +20,20 @@ _REGISTRY: dict[str, RewardFn] = {}
 # Commas only as thousands separators: "2,5" is two numbers.
 _NUMBER = r"(?<!\d)-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:/\d+)?|(?<!\d)-?\.\d+"
 # "The answer is: **12**", "answer is $\\(12\\)$", "answer is \\$12": markdown emphasis, math delimiters and an
-# escaped dollar may come before the answer: a number, or LaTeX (\frac{3}{4}; \sqrt{2}, which no number equals,
-# rather than the 2 inside it).
+# escaped dollar may come before the answer. The answer: a mixed number (3 1/2) or one with blanks between thousands
+# (1 000); a number with the LaTeX that follows it (2\sqrt{3}, not the 2 alone); LaTeX (\frac{3}{4}; \sqrt{2},
+# which no number equals, rather than the 2 inside it); a choice, (B) or a capital letter, or yes / no / true /
+# false, the last two kinds only where the sentence ends ("the answer is no longer 5" states no answer).
 _LATEX = r"-?\\[a-zA-Z]+(?:\{[^{}]*\}|\d)*"
+_ENDS = r"(?=\*\*|\$|\\[)\]]|[.,;!]?(?:\s*$|\s*\n)|[.,;!]\s)"
+_STATED = "|".join([
+    r"-?\d+\s+\d+/\d+(?![\d/])", r"-?\d{1,3}(?: \d{3})+(?:\.\d+)?(?!\d)",
+    "(?:" + _NUMBER + r")(?:\\[a-zA-Z]+(?:\{[^{}]*\}|\d)*)*", _LATEX,
+    r"\([A-Ea-e]\)", r"(?-i:[A-E])" + _ENDS, r"(?:yes|no|true|false)" + _ENDS,
+])
 # The colon's blanks are their own group: "\s*:?" before a group that also takes blanks split a run of n blanks
 # n ways, and a degenerate completion ("answer is" + 16k blanks) backtracked for 20 s.
-_ANSWER_IS = re.compile(r"answer is(?:\s*:)?(?:[\s*_$]|\\[(\[$])*(" + _LATEX + "|" + _NUMBER + ")", re.IGNORECASE)
+_ANSWER_IS = re.compile(r"answer is(?:\s*:)?(?:[\s*_$]|\\[(\[$])*(" + _STATED + ")", re.IGNORECASE)
 _WRAPPER = r"\\(?:text|textbf|mathrm|mathbf)\{([^{}]*)\}"  # \text{7} is 7, \textbf{yes} is yes
 # A unit after the number (12\text{ cm}, 30^\circ, 30^{\circ}, 30°), dropped; only at the end: 2\text{ and }5 is not 25.
 _UNIT = re.compile(r"(?:" + _WRAPPER + r"|\^(?:\\circ|\{\\circ\})|\u00b0)$")
@@ -127,22 +135,27 @@ def normalize_number(text: str | None) -> Fraction | None:
 
 
 def answers_match(predicted: str | None, truth: str) -> bool:
-    """Numerically equal when both parse as numbers, else equal as stripped strings (a \\text{} around all of
-    one is typesetting); a blank truth matches nothing. A ground truth holding "####" is a GSM8K solution: its
-    answer is what follows the last "####"."""
+    """Numerically equal when both parse as numbers, else equal as text without its typesetting (_canonical: as
+    verl's strip_string, blanks and \\left / \\right do not count); a blank truth matches nothing. A ground truth
+    holding "####" is a GSM8K solution: its answer is what follows the last "####"."""
     truth = str(truth).rsplit("####", 1)[-1].strip()
     if predicted is None or not truth:  # a blank truth is a data error: an empty \boxed{} must not earn a reward
         return False
     a, b = normalize_number(predicted), normalize_number(truth)
     if a is not None and b is not None:
         return a == b
-    return _unwrapped(predicted) == _unwrapped(truth)
+    return _canonical(predicted) == _canonical(truth)
 
 
-def _unwrapped(text: str) -> str:
-    """`text` stripped, without a \\text{} (\\textbf, \\mathrm, \\mathbf) around all of it."""
+def _canonical(text: str) -> str:
+    """`text` without a \\text{} (\\textbf, \\mathrm, \\mathbf) around all of it, blanks (but between digits), LaTeX spacing and
+    \\left / \\right, with \\dfrac and \\tfrac as \\frac; a choice, (b) or B, as its capital letter."""
     whole = re.fullmatch(_WRAPPER, text.strip())
-    return (whole.group(1) if whole else text).strip()
+    s = re.sub(r"\\(?:left|right)(?![a-zA-Z])|\\[!,;: ]", "", whole.group(1) if whole else text)
+    s = re.sub(r"(?<!\d)\s+|\s+(?!\d)", "", s)  # but between digits: "3 4" is two numbers, not 34
+    s = re.sub(r"\\[dt]frac(?![a-zA-Z])", r"\\frac", s)
+    choice = re.fullmatch(r"\(?([A-Ea-e])\)?", s)
+    return choice.group(1).upper() if choice else s
 
 
 @register("correct")
