@@ -84,6 +84,16 @@ def test_iterator_resume_continues_exactly(tmp_path):
     assert take(other_seed, 2) != first
 
 
+@pytest.mark.parametrize("spec", ["file", "math"])
+def test_one_prompt_a_step(tmp_path, spec):
+    """rl.prompts_per_step=1: grain sized the endless stream of 1-record batches at an int too large for an index."""
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) + "\n" for i in range(3)))
+    ds = pipeline.prompt_batches(pipeline.source(str(path) if spec == "file" else "math", seed=0), 1, seed=0)
+    it = pipeline.PromptIterator(ds)
+    assert [len(b) for b in take(it, 4)] == [1] * 4
+
+
 def test_math_source_iterates_and_resumes():
     ds = pipeline.prompt_batches(pipeline.source("math", seed=5, levels=(1, 2)), batch_size=3, seed=5)
     it = pipeline.PromptIterator(ds)
@@ -180,6 +190,16 @@ def test_verl_parquet_keeps_its_chat_in_the_prompt_field(tmp_path):
     bad.write_text(json.dumps({"prompt": [{"role": "user"}], "answer": "2"}) + "\n")
     with pytest.raises(ValueError, match=r"record 1: each of 'prompt' must be \{\"role\": str, \"content\": str\}"):
         read_records(bad)
+    # Its plain question (extra_info.question), for data.instruction to apply: a dotted prompt_field too.
+    path = tmp_path / "verl.jsonl"
+    path.write_text(json.dumps({"prompt": chat, "reward_model": {"ground_truth": "2"},
+                                "extra_info": {"question": "1+1?"}}) + "\n")
+    assert read_records(path, prompt_field="extra_info.question", answer_field="reward_model.ground_truth") == [
+        {"answer": "2", "prompt": "1+1?"}]
+    # An SFT file's chat ends with the answer: as a prompt it would hand the policy its answer.
+    bad.write_text(json.dumps({"messages": [*chat, {"role": "assistant", "content": "2"}], "answer": "2"}) + "\n")
+    with pytest.raises(ValueError, match="record 1: 'messages' ends with an assistant turn"):
+        read_records(bad)
 
 
 def test_float_answers_are_written_out_as_numbers(tmp_path):
@@ -197,7 +217,9 @@ def test_held_out_accuracy_that_holds_nothing_out_is_warned_before_loading(tmp_p
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"prompt": "1+1?", "answer": "2"}) + "\n")
     config = Path(__file__).resolve().parents[1] / "configs" / "smollm2_cpu.yaml"
+    again = f"{tmp_path}/./train.jsonl"  # the same file by another name
     for eval_source, says in ((str(data), "the held-out accuracy scores questions the policy trains on"),
+                              (again, "the held-out accuracy scores questions the policy trains on"),
                               ("math", "scored on the built-in math problems")):
         caplog.clear()
         preflight(load_config(config, [f"data.source={data}", f"data.eval_source={eval_source}", "rl.eval_every_steps=1"]), 1)

@@ -327,7 +327,7 @@ def test_a_resume_refuses_a_prompt_file_that_changed_length(tmp_path):
     make_trainer(tmp_path, f"data.source={prompts}", "sd.mode='off'", resume=True).close()  # the same file resumes
     with prompts.open("a") as f:
         f.write(json.dumps({"prompt": "What is 9 + 1?", "answer": "10"}) + "\n")
-    with pytest.raises(ConfigError, match="holds 9 records, 8 when the run started"):
+    with pytest.raises(ConfigError, match="holds 9 records that fit rollout.prompt_buckets, 8 when the run started"):
         make_trainer(tmp_path, f"data.source={prompts}", "sd.mode='off'", resume=True)
 
 

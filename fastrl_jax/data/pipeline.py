@@ -49,7 +49,9 @@ def prompt_batches(src: Any, batch_size: int, seed: int, shuffle: bool = True) -
     ds = grain.MapDataset.source(src)
     if shuffle and len(src) < _MATH_LEN:  # the generator is random already; a 2^30 permutation is wasted work
         ds = ds.shuffle(seed=seed)
-    return ds.repeat(None).batch(batch_size, batch_fn=list)
+    # drop_remainder: the stream never ends, and without it grain sizes an endless stream of 1-record batches at
+    # an int too large for an index (rl.prompts_per_step=1 failed)
+    return ds.repeat(None).batch(batch_size, drop_remainder=True, batch_fn=list)
 
 
 class PromptIterator:

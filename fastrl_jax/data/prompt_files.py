@@ -71,9 +71,9 @@ def _field(row: dict, name: str) -> Any:
 
 def read_records(path: str | Path, prompt_field: str = "prompt", messages_field: str = "messages",
                  answer_field: str = "answer") -> list[dict[str, Any]]:
-    """Reads a .jsonl or .parquet prompt file into records {"prompt"|"messages", "answer"}; a dotted
-    answer_field names a nested field (verl's files: reward_model.ground_truth), and a prompt_field holding
-    a list of messages (verl's files) is the record's messages."""
+    """Reads a .jsonl or .parquet prompt file into records {"prompt"|"messages", "answer"}; a dotted field name
+    names a nested field (verl's files: reward_model.ground_truth, extra_info.question), and a prompt_field
+    holding a list of messages (verl's files) is the record's messages."""
     path = checked_file(path, "dataset file")
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
@@ -109,17 +109,21 @@ def read_records(path: str | Path, prompt_field: str = "prompt", messages_field:
             answer = format(Decimal(repr(answer)), "f")
         record = {"answer": str(answer)}
         # verl's files keep the chat messages in their "prompt" field
-        chat = messages_field if isinstance(row.get(messages_field), list) else prompt_field
-        if isinstance(row.get(prompt_field), str):
-            if not row[prompt_field].strip():  # asks nothing; untemplated, an empty prompt fails the step that draws it
+        prompt, messages = _field(row, prompt_field), _field(row, messages_field)
+        chat, turns = (messages_field, messages) if isinstance(messages, list) else (prompt_field, prompt)
+        if isinstance(prompt, str):
+            if not prompt.strip():  # asks nothing; untemplated, an empty prompt fails the step that draws it
                 raise ValueError(f"{where}: '{prompt_field}' is blank; give it its question, or drop the record")
-            record["prompt"] = row[prompt_field]
-        elif isinstance(row.get(chat), list) and row[chat]:
+            record["prompt"] = prompt
+        elif isinstance(turns, list) and turns:
             if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                       for m in row[chat]):
+                       for m in turns):
                 raise ValueError(f"{where}: each of '{chat}' must be {{\"role\": str, \"content\": str}}, "
-                                 f"got {str(row[chat])[:80]}")
-            record["messages"] = [{"role": m["role"], "content": m["content"]} for m in row[chat]]
+                                 f"got {str(turns)[:80]}")
+            if turns[-1]["role"] == "assistant":  # an SFT record: its answer would sit in the prompt
+                raise ValueError(f"{where}: '{chat}' ends with an assistant turn, which the prompt would hold (the "
+                                 "answer, in an SFT file); drop that turn, so the policy writes it")
+            record["messages"] = [{"role": m["role"], "content": m["content"]} for m in turns]
         else:
             raise ValueError(
                 f"{where} needs a '{prompt_field}' string or a '{messages_field}' list "

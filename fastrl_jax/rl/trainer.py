@@ -516,10 +516,11 @@ class Trainer:
                               f"back (the run's {self.out_dir / 'config.yaml'} has them), or start a new run")
         records = meta["run"].get("prompt_records", self.num_records)  # checkpoints before 2026-11-27 have none
         if records != self.num_records:
-            raise ConfigError(f"--resume: data.source ({self.cfg.data.source}) holds {self.num_records} records, "
-                              f"{records} when the run started; its saved data position counts batches of that "
-                              "shuffled stream, so prompts would be skipped or repeated. Put the file back as it was, "
-                              "or start a new run")
+            raise ConfigError(f"--resume: data.source ({self.cfg.data.source}) holds {self.num_records} records that "
+                              f"fit rollout.prompt_buckets, {records} when the run started; its saved data position "
+                              "counts batches of that shuffled stream, so prompts would be skipped or repeated. Put the "
+                              "file back as it was (or rollout.prompt_buckets, data.instruction, data.chat_template and "
+                              "the tokenizer, which decide what fits), or start a new run")
         absent = [n for n in wanted if n not in arrays and n not in meta]
         unreadable = [s for s in ckpt.all_steps() if s > step]
         if unreadable:
@@ -653,7 +654,8 @@ def preflight(cfg: Config, mesh_rows: int, files: bool = True) -> None:
         if path != pipeline.MATH_SOURCE:  # a record without an answer (or a wrong field name): said now, not after loading
             read_records(path, prompt_field=d.prompt_field, messages_field=d.messages_field, answer_field=d.answer_field)
     update.check_batch_fits_mesh(rl, mesh_rows)
-    if rl.eval_every_steps and d.eval_source == d.source != pipeline.MATH_SOURCE:
+    same = d.source != pipeline.MATH_SOURCE and len({Path(f).expanduser().resolve() for f in (d.source, d.eval_source)}) == 1
+    if rl.eval_every_steps and same:
         log.warning("data.eval_source is data.source (%s): the held-out accuracy scores questions the policy trains on; "
                     "give data.eval_source a file of other questions", d.source)
     elif rl.eval_every_steps and d.eval_source == pipeline.MATH_SOURCE != d.source:
