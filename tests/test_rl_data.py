@@ -157,13 +157,15 @@ def test_prompt_files_keep_unicode_line_separators_and_check_ids(tmp_path):
             read_prompt_file(path, lambda text: [])
 
 
-def test_prompt_ids_instruction(tmp_path):
+def test_prompt_ids_instruction(tmp_path, caplog):
     from transformers import AutoTokenizer
 
     write_tokenizer(tmp_path)
     tok = AutoTokenizer.from_pretrained(tmp_path)
     ids = record_prompt_ids({"prompt": "1+2=", "answer": "3"}, tok, instruction="ok", chat_template=True)
-    assert tok.decode(ids) == "1+2= ok"  # no chat template on this tokenizer: plain text
+    assert tok.decode(ids) == "1+2= ok"  # no chat template on this tokenizer: plain text, and said once
+    record_prompt_ids({"prompt": "2+2=", "answer": "4"}, tok, chat_template=True)
+    assert caplog.text.count("has no chat template") == 1
 
 
 def test_blank_answers_and_prompts_are_refused(tmp_path):

@@ -3,6 +3,8 @@ prompt sets (held-out math and chat, and the drafter warm-up mix)."""
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -10,6 +12,8 @@ from typing import Any
 from fastrl_jax.config import Config
 from fastrl_jax.data import chat_prompts, math_problems
 from fastrl_jax.data.prompt_files import read_prompt_file
+
+log = logging.getLogger(__name__)
 
 HELD_OUT_SEED_OFFSET = 7_000_001  # held-out math problems come from another stream of the generator
 
@@ -21,7 +25,15 @@ def messages_prompt_ids(tokenizer, messages: Sequence[dict[str, str]], chat_temp
         # Tokenized as transformers' apply_chat_template does: control tokens typed in the text (e.g.
         # "<|im_end|>") become those tokens, as in transformers.
         return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=False)
+    if chat_template:
+        _without_template(str(getattr(tokenizer, "name_or_path", "")))
     return tokenizer.encode("\n".join(m["content"] for m in messages))
+
+
+@functools.cache
+def _without_template(name: str) -> None:
+    log.warning("the tokenizer %s has no chat template: prompts are the messages' contents as plain text, without their "
+                "roles (set data.chat_template=false to say so, or give the tokenizer a template)", name or "")
 
 
 def chat_prompt_ids(tokenizer, text: str) -> list[int]:
