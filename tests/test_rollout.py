@@ -127,8 +127,11 @@ def test_a_shrunk_table_pads_with_dead_rows(model):
     assert sum(c.tokens for c in engine.timeline) + len(requests) == sum(len(o.tokens) for o in out)  # + prefill's
     assert all(c.live <= 3 for c in engine.timeline if c.batch == 4)
     slots = engine._empty(16).replace(live=jnp.arange(16) >= 13, max_new=jnp.arange(16, dtype=jnp.int32))
+    slots = slots.replace(params=slots.params.replace(temperature=jnp.ones(16)))  # sampled, no top-k / top-p
     small = programs.resize(slots, jnp.array([13, 14, 15, -1], jnp.int32))
     assert np.asarray(small.live).tolist() == [True, True, True, False] and int(small.max_new[3]) == 0
+    # The pad's top_p is 1 (its fill was 0, which turned the top-p filter on for every row of every later step)
+    assert np.asarray(small.params.top_p).tolist() == [1.0] * 4
 
 
 def test_rows_done_at_their_prefill_and_a_short_queue_wait_for_no_call(model):

@@ -300,7 +300,9 @@ def resize(slots: Slots, index: jax.Array) -> Slots:
 
     stop_ids = jnp.where((index >= 0)[:, None], take(slots.stop_ids), -1)
     out = jax.tree.map(take, slots.replace(cache=None, stop_ids=None, draft=None))
-    out = out.replace(cache=take_cache(slots.cache), stop_ids=stop_ids)
+    # An empty row's top_p is 1, as in Slots.empty: a fill of 0 would turn top-p filtering on for every row
+    top_p = jnp.where(index >= 0, out.params.top_p, 1.0)
+    out = out.replace(cache=take_cache(slots.cache), stop_ids=stop_ids, params=out.params.replace(top_p=top_p))
     if slots.draft is not None:
         draft = jax.tree.map(take, slots.draft.replace(cache=None)).replace(cache=take_cache(slots.draft.cache))
         out = out.replace(draft=draft)

@@ -75,7 +75,9 @@ def filtered_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     """logits [B, V] -> temperature-scaled logits with tokens outside top-k / top-p set to -inf."""
     temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
     scaled = logits.astype(jnp.float32) / temperature[:, None]
-    needs_filter = jnp.any(params.top_k > 0) | jnp.any(params.top_p < 1.0)
+    # Only rows that sample decide (greedy rows take the argmax, which filtering keeps): the filter costs
+    # full-vocabulary passes over every row
+    needs_filter = jnp.any((params.temperature > 0) & ((params.top_k > 0) | (params.top_p < 1.0)))
     return jax.lax.cond(needs_filter, _top_k_top_p, lambda s, p: s, scaled, params)
 
 
