@@ -298,6 +298,35 @@ def test_fused_rejection_sampling_runs_and_is_greedy_at_temperature_zero(model):
     assert all(len(o.tokens) == r.max_new_tokens and max(o.tokens) < TINY.vocab_size for r, o in zip(sampled, out))
 
 
+def test_rejection_sampling_stops_where_a_request_ends_and_reports_the_policys_logprobs(model):
+    """sd.accept='rejection' with history drafts that siblings' text gets accepted, greedy and sampled rows (top-k,
+    top-p), stop ids and budgets that can end inside an accepted run: no token after the first stop id, none past
+    max_new_tokens, and each token's log-prob the policy's, temperature-scaled, teacher-forced (found by review)."""
+    import jax
+
+    from fastrl_jax.models.decoder import KVCache
+
+    p = prompts(1, seed=7, lo=6)[0]
+    stops = np.random.default_rng(0).integers(0, TINY.vocab_size, 12)
+    reqs = [Request(p, max_new_tokens=[40, 17, 23][i % 3], temperature=[0.0, 0.3, 0.6][i % 3], top_k=[0, 0, 8][i % 3],
+                    top_p=[1.0, 0.9, 1.0][i % 3], seed=1000 + i, stop_ids=(int(stops[i]),)) for i in range(12)]
+    sd = SpecConfig(mode="on", strategies=("h6",), accept="rejection")
+    engine = RolloutEngine(model, dataclasses.replace(CFG, length_buckets=(48, 96), batch_buckets=(1, 2)), sd=sd,
+                           progress=False)
+    out = engine.generate(reqs)
+    assert engine.stats.sd_steps > 0 and engine.stats.drafts_history > 0
+    assert {o.finish_reason for o in out} == {"stop", "length"}
+    for r, o in zip(reqs, out):
+        assert 1 <= len(o.tokens) <= r.max_new_tokens and not set(o.tokens[:-1]) & set(r.stop_ids)
+        assert len(o.tokens) == r.max_new_tokens if o.finish_reason == "length" else o.tokens[-1] in r.stop_ids
+        seq = jnp.asarray([list(r.prompt_ids) + o.tokens], jnp.int32)
+        logits, _, _ = model(seq, jnp.arange(seq.shape[1])[None], KVCache.zeros(TINY, 1, 128, jnp.float32),
+                             jnp.zeros(1, jnp.int32))
+        logp = jax.nn.log_softmax(logits[0] / (r.temperature or 1.0), -1)
+        n = len(r.prompt_ids)
+        np.testing.assert_allclose(o.logprobs, [logp[n - 1 + i, t] for i, t in enumerate(o.tokens)], rtol=1e-3, atol=1e-3)
+
+
 def test_earlier_rollouts_feed_the_next_one(model):
     """The same prompts again (a later RL step): the store's completions are drafted from at once."""
     store = HistoryStore(tokens_per_prompt=512, max_prompts=16)
