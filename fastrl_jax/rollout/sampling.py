@@ -3,8 +3,9 @@
 The token a request places at sequence position t is
     argmax(filtered_logits / temperature + Gumbel(key(seed, t)))
 so it depends only on the request's seed, its position and the logits, never on the batch the
-request shares, its row, or whether speculative decoding produced it (DESIGN.md).
-Temperature 0 is greedy.
+request shares, its row, or whether speculative decoding produced it (DESIGN.md's key(seed, r, t):
+the request r is its seed, which the trainer derives from (run seed, step, request index), so two
+requests with one seed and one prompt draw the same sample). Temperature 0 is greedy.
 """
 
 from __future__ import annotations
