@@ -100,13 +100,24 @@ def compile_failure(fn: Callable, args: Sequence[jax.ShapeDtypeStruct]) -> str |
 
     The kernel is checked whole, outside the caller's mesh: under the training programs' abstract mesh (no
     devices; rl.update.traced_under) a per-shard kernel's shard_map does not compile on its own, and the
-    check would turn every compiled backend down. A shard's shapes are the whole's, fewer rows and heads."""
-    key = tuple((tuple(a.shape), str(a.dtype)) for a in args)
-    return _compile_failure(fn, key)
+    check would turn every compiled backend down. A shard's shapes are the whole's, fewer rows and heads.
+
+    A failure for want of memory (a compile or autotuning while the device is full) is not kept: it may pass
+    the next time, and kept it would turn the kernel off for the rest of the process."""
+    key = (fn, tuple((tuple(a.shape), str(a.dtype)) for a in args))
+    if key not in _COMPILE_CHECKS:
+        why = _compile_check(*key)
+        if why is not None and any(s in why for s in TRANSIENT):
+            return why
+        _COMPILE_CHECKS[key] = why
+    return _COMPILE_CHECKS[key]
 
 
-@functools.cache
-def _compile_failure(fn: Callable, key: tuple) -> str | None:
+TRANSIENT = ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory")  # a compile failure that may pass the next time
+_COMPILE_CHECKS: dict[tuple, str | None] = {}
+
+
+def _compile_check(fn: Callable, key: tuple) -> str | None:
     args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in key]
     try:
         with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
@@ -130,22 +141,47 @@ def selected(op: str, impls: dict[str, Callable], requested: str) -> Selection:
     return selection
 
 
-def dispatch(op: str, impls: dict[str, Callable], requested: str, args: Sequence, compiled: Iterable[str] = ()):
-    """Runs op `op` on the first backend of select_backend that works: returns (output, backend).
-
-    impls: backend name -> implementation(*args). Backends in `compiled` are compile-checked for the
-    argument shapes first; NotImplementedError / ImportError from an implementation also moves on.
-    """
-    selection = selected(op, impls, requested)
+def usable(op: str, impls: dict[str, Callable], requested: str, args: Sequence, compiled: Iterable[str] = ()) -> list[str]:
+    """select_backend's order for op `op` without the backends in `compiled` that do not compile for these
+    argument shapes (each logged once); the reference, last, always stays."""
     compiled = set(compiled)
-    for name in selection.order:
-        if name in compiled:
-            why = compile_failure(impls[name], [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args])
-            if why is not None:
-                log_fallback_once(op, name, why)
-                continue
+    order = []
+    for name in selected(op, impls, requested).order:
+        why = compile_failure(impls[name], [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]) if name in compiled else None
+        if why is None:
+            order.append(name)
+        else:
+            log_fallback_once(op, name, why)
+    return order
+
+
+def dispatch(op: str, impls: dict[str, Callable], requested: str, args: Sequence, compiled: Iterable[str] = ()):
+    """Runs op `op` on the first backend of usable() that works: returns (output, backend), and records the
+    backend in ran(). impls: backend name -> implementation(*args); NotImplementedError / ImportError from an
+    implementation also moves on."""
+    for name in usable(op, impls, requested, args, compiled):
         try:
-            return impls[name](*args), name
+            out = impls[name](*args)
         except (NotImplementedError, ImportError) as e:
             log_fallback_once(op, name, f"{type(e).__name__}: {e}")
+            continue
+        record(op, name)
+        return out, name
     raise AssertionError(f"{op}: the reference backend does not fall back")
+
+
+_RAN: dict[str, set[str]] = {}
+
+
+def record(op: str, backend: str) -> None:
+    """Notes that op `op` was traced with `backend` (dispatch does; so does a caller that picks the reference)."""
+    _RAN.setdefault(op, set()).add(backend)
+
+
+def ran(clear: bool = False) -> dict[str, list[str]]:
+    """The backends each op was traced with in this process (since the last clear): what a benchmark ran, not what
+    it asked for."""
+    out = {op: sorted(names) for op, names in _RAN.items()}
+    if clear:
+        _RAN.clear()
+    return out

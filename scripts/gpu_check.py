@@ -466,6 +466,7 @@ def _decode_shape(ctx: Ctx, br, shape: str, dtype: str, bandwidth: float, rows: 
     """plain_decode of one shape: a row per attention backend, layer loop and batch, appended as measured."""
     import jax
     import numpy as np
+    from fastrl_jax.kernels import backends
     from flax import nnx
 
     sizes = ctx.sizes
@@ -478,11 +479,13 @@ def _decode_shape(ctx: Ctx, br, shape: str, dtype: str, bandwidth: float, rows: 
     for attention in ctx.args.attention or [ctx.config().model.attention]:
         model.cfg = dataclasses.replace(model.cfg, attention_backend=attention)
         for loop in ctx.args.layer_loops:
+            backends.ran(clear=True)
             tok_s, start_s = br.bench_engine(model, prompts, list(sizes.decode_batches), sizes.new_tokens, 1, loop)[:2]
+            ran = backends.ran().get("attention")  # what the programs traced (a kernel that fails falls back)
             for b in sizes.decode_batches:
                 floor = b * bandwidth * 1e9 / read_bytes
                 ours.append({"model": ctx.label(shape), "dtype": dtype, "layer_loop": loop, "attention": attention,
-                             "batch": b, "tok_s": tok_s[b][0], "hf_tok_s": None, "floor_tok_s": floor,
+                             "attention_ran": ran, "batch": b, "tok_s": tok_s[b][0], "hf_tok_s": None, "floor_tok_s": floor,
                              "floor_fraction": tok_s[b][0] / floor, "weight_bytes": weight_bytes,
                              "read_bytes": read_bytes, "engine_start_s": start_s})
                 rows.append(ours[-1])

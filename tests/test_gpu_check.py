@@ -95,9 +95,12 @@ def test_plain_decode_cut_by_the_budget_keeps_its_rows(monkeypatch):
     calls = []
 
     def bench_engine(model, prompts, batches, new_tokens, repeats, loop):
+        from fastrl_jax.kernels import backends
+
         calls.append(loop)
         if len(calls) > 1:
             raise gpu_check.BudgetSpent("gpu_check budget of 1s (+15s grace) spent")
+        backends.record("attention", "reference")  # as the engine's programs trace (a fallback included)
         return {b: (100.0 * b,) for b in batches}, 2.0
 
     monkeypatch.setattr(gpu_check, "_bench_rollout", lambda: types.SimpleNamespace(bench_engine=bench_engine))
@@ -107,8 +110,8 @@ def test_plain_decode_cut_by_the_budget_keeps_its_rows(monkeypatch):
     ctx = gpu_check.Ctx(args, gpu_check.REDUCED, Path("."), time.monotonic() + 100, {})
     got = gpu_check.plain_decode(ctx)
     assert got["status"] == "cut" and calls == ["scan", "unrolled"] and "(cut: gpu_check budget" in got["summary"]
-    assert [(r["layer_loop"], r["batch"], r["tok_s"]) for r in got["rows"]] == [
-        ("scan", b, 100.0 * b) for b in gpu_check.REDUCED.decode_batches]
+    assert [(r["layer_loop"], r["batch"], r["tok_s"], r["attention_ran"]) for r in got["rows"]] == [
+        ("scan", b, 100.0 * b, ["reference"]) for b in gpu_check.REDUCED.decode_batches]  # what ran, not what was asked
 
 
 def _ctx(gpu_check, tmp_path, left_s=100.0, **args):

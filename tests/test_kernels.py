@@ -307,7 +307,7 @@ def test_kernel_that_fails_to_compile_falls_back(fresh_log, monkeypatch):
     # accelerator.
     monkeypatch.setitem(pallas.BLOCK_TABLE, "cpu", pallas.BLOCK_TABLE["interpret"])
     monkeypatch.setattr(backends, "available_backends", lambda platform=None: [*CPU_BACKENDS, "pallas"])
-    backends._compile_failure.cache_clear()
+    backends._COMPILE_CHECKS.clear()
     q, k, v, mask = make_case(2, 1, 4, 1, 1, 16, 24, "tree")
     used = []  # the backend is chosen while jit traces
 
@@ -320,6 +320,67 @@ def test_kernel_that_fails_to_compile_falls_back(fresh_log, monkeypatch):
     assert used == ["reference"]
     np.testing.assert_allclose(np.asarray(out), naive_attention(q, k, v, mask), **tolerance())
     assert any("does not compile" in r.getMessage() for r in fresh_log.records)
+
+
+def _one_token_sees_nothing(seed=0, B=2, T=3, KV=1, G=2, D=16, S=20):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((B, T, KV, G, D)) / np.sqrt(D), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((B, KV, S, D)), jnp.float32) for _ in range(2))
+    mask = np.ones((B, T, S), bool)
+    mask[1, 2] = False
+    return q, k, v, jnp.asarray(mask)
+
+
+def test_a_token_that_sees_no_slot_gets_zeros_from_every_backend_and_a_finite_gradient():
+    """The kernels gave 0 there and the reference NaN (softmax of an all -inf row), and the compiled backends'
+    gradient (the reference's) NaN over the whole batch row (found by review; no mask the project builds has such
+    a row today)."""
+    q, k, v, mask = _one_token_sees_nothing()
+    outs = {b: np.asarray(attention.masked_attention(q, k, v, mask, backend=b)) for b in CPU_BACKENDS}
+    outs["cached"] = np.asarray(reference.cached_attention(q, k, v, k[:, :, :3], v[:, :, :3], jnp.zeros(2, jnp.int32), mask))
+    want = naive_attention(q[:1], k[:1], v[:1], mask[:1])[0]  # batch row 0: every token sees its slots
+    for name, out in outs.items():
+        assert np.isfinite(out).all() and not out[1, 2].any(), name
+        np.testing.assert_allclose(out[0], want, **tolerance())
+    w = jax.random.normal(jax.random.key(0), q.shape)
+    for b in CPU_BACKENDS:
+        grads = jax.grad(lambda q, k, v: jnp.sum(w * attention.masked_attention(q, k, v, mask, backend=b)), (0, 1, 2))(q, k, v)
+        assert all(np.isfinite(np.asarray(g)).all() for g in grads), b
+
+
+def test_a_compile_failure_for_want_of_memory_is_not_kept():
+    """A kernel whose compile once ran out of memory is checked again the next time (kept, it stayed off for the
+    process); a lowering failure is kept."""
+    calls = []
+
+    def flaky(x):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory while compiling")
+        return x * 2
+
+    def refused(x):
+        calls.append(1)
+        raise NotImplementedError("no lowering")
+
+    args = [jax.ShapeDtypeStruct((4,), jnp.float32)]
+    assert backends.compile_failure(flaky, args) is not None and backends.compile_failure(flaky, args) is None
+    assert backends.compile_failure(refused, args) == backends.compile_failure(refused, args) is not None
+    assert len(calls) == 3
+
+
+@cpu_only
+def test_cached_attention_on_a_kernel_that_does_not_compile_runs_the_split_reference(monkeypatch):
+    """It chose the kernel path from availability alone, placed the new keys in a copy of every layer's window
+    and ran the reference's masked_attention on it, not its cached_attention (found by review); ran() says so."""
+    monkeypatch.setitem(pallas.BLOCK_TABLE, "cpu", pallas.BLOCK_TABLE["interpret"])
+    monkeypatch.setattr(backends, "available_backends", lambda platform=None: [*CPU_BACKENDS, "pallas"])
+    placed = []
+    monkeypatch.setattr(attention, "place_new_tokens", lambda *a: placed.append(1) or reference.place_new_tokens(*a))
+    q, k, v, mask = make_case(3, 2, 3, 1, 2, 16, 20, "tree")
+    out, used = attention.cached_attention(q, k, v, k[:, :, :3], v[:, :, :3], jnp.zeros(2, jnp.int32), mask,
+                                           backend="pallas", with_backend=True)
+    assert used == "reference" and not placed and "reference" in backends.ran()["attention"]
 
 
 def test_shape_and_argument_errors():

@@ -43,11 +43,15 @@ def cached_attention(q, k_cached, v_cached, k_new, v_new, start, mask, *, cached
     """Attention of T new tokens over a cache window in which slots [start, start + T) are theirs
     (reference.cached_attention's contract, cached_slots included). The reference scores cached slots
     and new tokens apart; the kernels get the window with the new keys placed in it (and read all of it)."""
-    if backends.selected("attention", IMPLS, backend).order[0] == "reference":
+    check_shapes(q, k_cached, v_cached, mask)
+    # The window's shapes are the cache's: a kernel that does not compile for them leaves the split reference
+    order = backends.usable("attention", IMPLS, backend, (q, k_cached, v_cached, mask), compiled=("pallas", "triton"))
+    if order[0] == "reference":
+        backends.record("attention", "reference")
         out = reference.cached_attention(q, k_cached, v_cached, k_new, v_new, start, mask, cached_slots)
         return (out, "reference") if with_backend else out
     k_win, v_win = (place_new_tokens(c, n, start) for c, n in ((k_cached, k_new), (v_cached, v_new)))
-    return masked_attention(q, k_win, v_win, mask, backend=backend, with_backend=with_backend)
+    return masked_attention(q, k_win, v_win, mask, backend=order[0], with_backend=with_backend)
 
 
 def triton(q, k, v, mask):

@@ -12,13 +12,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from fastrl_jax.kernels.tree_attention.reference import check_shapes
+from fastrl_jax.kernels.tree_attention.reference import MASK_VALUE, check_shapes
 from jax.experimental import pallas as pl
-
-# A large finite negative instead of -inf: exp(MASK - m) is 0 without inf - inf = nan when a
-# whole key block of a row is masked (the flash-attention convention).
-_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +159,7 @@ def _pallas_kernel(q_ref, k_ref, v_ref, mask_ref, o_ref, *, block_s: int, precis
         new = []
         for qg, (acc, m, l) in zip(qs, carry):
             s = jax.lax.dot_general(qg, k, nt, precision=precision, preferred_element_type=jnp.float32)
-            s = jnp.where(valid, s, _MASK_VALUE)
+            s = jnp.where(valid, s, MASK_VALUE)
             m_next = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
             alpha = jnp.exp(m - m_next)
             p = jnp.where(valid, jnp.exp(s - m_next), 0.0)
@@ -176,7 +171,7 @@ def _pallas_kernel(q_ref, k_ref, v_ref, mask_ref, o_ref, *, block_s: int, precis
     init = tuple(
         (
             jnp.zeros((bt, D), jnp.float32),
-            jnp.full((bt, 1), _MASK_VALUE, jnp.float32),
+            jnp.full((bt, 1), MASK_VALUE, jnp.float32),
             jnp.zeros((bt, 1), jnp.float32),
         )
         for _ in range(G)

@@ -9,8 +9,11 @@ Shapes (every backend):
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # The largest query block (new tokens per row) `cached_attention` contracts with (batch, kv head) as
 # two dot batch dimensions; longer blocks flatten them into one (docs/measurements.md, "query blocks").
@@ -42,11 +45,24 @@ def check_shapes(q, k, v, mask) -> None:
         fail("q, k and v dtypes differ")
 
 
+# A large finite negative instead of -inf, as the kernels use: exp(MASK_VALUE - m) is 0 beside any visible slot,
+# and a row that sees no slot gets a finite softmax (which `visible` then zeroes) instead of NaN, in the forward
+# and in the gradient the compiled backends take from here.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
 def mask_bias(mask: jax.Array) -> jax.Array:
-    """0 where mask is True, -inf where False, to add to the scores: XLA CPU's YNNPACK fusion ran a
+    """0 where mask is True, MASK_VALUE where False, to add to the scores: XLA CPU's YNNPACK fusion ran a
     jnp.where select after a flattened batched score dot 3-4x slower once the window passed 512 slots
     (docs/measurements.md). Adding 0 leaves a score as it was."""
-    return jnp.where(mask, 0.0, -jnp.inf).astype(jnp.float32)
+    return jnp.where(mask, 0.0, MASK_VALUE).astype(jnp.float32)
+
+
+def visible(out: jax.Array, *masks: jax.Array) -> jax.Array:
+    """out [B, T, KV, G, D] with the tokens whose mask rows ([B, T, n] each) hold no slot set to 0, as the
+    kernels leave them."""
+    sees = functools.reduce(jnp.logical_or, [m.any(-1) for m in masks])
+    return jnp.where(sees[:, :, None, None, None], out, 0).astype(out.dtype)
 
 
 def masked_attention(q, k, v, mask):
@@ -62,7 +78,7 @@ def masked_attention(q, k, v, mask):
     s = s + mask_bias(mask)[:, None, None]
     p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
     out = jax.lax.dot_general(p.reshape(B * KV, G * T, S), v.reshape(B * KV, S, D), (((2,), (1,)), ((0,), (0,))))
-    return out.reshape(B, KV, G, T, D).transpose(0, 3, 1, 2, 4)
+    return visible(out.reshape(B, KV, G, T, D).transpose(0, 3, 1, 2, 4), mask)
 
 
 def place_new_tokens(cached: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
@@ -106,7 +122,7 @@ def cached_attention(q, k_cached, v_cached, k_new, v_new, start, mask, cached_sl
     p_cached, p_new = jnp.exp(s_cached - m), jnp.exp(s_new - m)
     total = p_cached.sum(-1, keepdims=True) + p_new.sum(-1, keepdims=True)
     out = (weighted(p_cached, v_cached) + weighted(p_new, v_new)) / total
-    return out.astype(q.dtype).transpose(0, 3, 1, 2, 4)
+    return visible(out.astype(q.dtype).transpose(0, 3, 1, 2, 4), cached_mask, new_mask)
 
 
 def _contractions(q, small: bool):
