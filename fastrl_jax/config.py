@@ -393,7 +393,8 @@ class RewardConfig:
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
     """optax AdamW with global-norm clipping and a learning-rate schedule over the optimizer updates
-    (rl.steps x rl.minibatches_per_step: verl counts its warm-up in steps, so divide by the mini-batches)."""
+    (rl.steps x rl.minibatches_per_step; verl steps its schedule once an RL step, so its lr_warmup_steps is
+    warmup_steps / rl.minibatches_per_step: multiply verl's by the mini-batches)."""
 
     learning_rate: float = 1e-6
     schedule: str = "constant"  # constant | cosine | linear (decay to 0 at the last update)
@@ -437,7 +438,8 @@ class RLConfig:
     clip_high: float = 0.28
     clip_ratio_c: float = 3.0  # dual-clip PPO: a negative-advantage token loses at most clip_ratio_c x |A| (verl's); 0 = off
     # token (DAPO; verl token-mean) | sequence (GRPO; verl seq-mean-token-mean) | sequence_sum (verl seq-mean-token-sum)
-    # | sequence_sum_norm (Dr. GRPO; verl seq-mean-token-sum-norm with loss_scale_factor = max_new_tokens)
+    # | sequence_sum_norm (Dr. GRPO: the mean over sequences of token sum / max_new_tokens; verl's seq-mean-token-sum-norm
+    # sums over its micro-batch's sequences instead, which scales its loss by ppo_micro_batch_size_per_gpu)
     loss_aggregation: str = "token"
     advantage_std_normalize: bool = True
     kl_coef: float = 0.0  # > 0 keeps a frozen reference policy

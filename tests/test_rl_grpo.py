@@ -287,8 +287,9 @@ def _reference_logp(graphdef, params, rows, width, temperature, entropy=False):
 def _reference_loss(params, graphdef, ref_params, rows, old, adv, aggregation, lo, hi, c, kl_coef, temperature,
                     entropy_coeff):
     """The whole mini-batch's GRPO loss written out from verl's definitions (compute_policy_loss_vanilla,
-    kl_penalty low_var_kl, agg_loss token-mean / seq-mean-token-mean / seq-mean-token-sum / seq-mean-token-sum-norm
-    with loss_scale_factor LENGTH_SCALE, the entropy bonus)."""
+    kl_penalty low_var_kl, agg_loss token-mean / seq-mean-token-mean / seq-mean-token-sum, the entropy bonus) and
+    Dr. GRPO's for sequence_sum_norm (a mean over sequences of token sum / LENGTH_SCALE; verl's agg_loss sums over
+    the micro-batch's sequences, a loss its micro-batch size times ours)."""
     width = old.shape[1]
     mask = jnp.asarray(np.arange(width)[None] < np.asarray([len(c) for _, c in rows])[:, None], jnp.float32)
     lp, entropy = _reference_logp(graphdef, params, rows, width, temperature, entropy=True)
