@@ -103,11 +103,12 @@ def test_rope_scaling_metadata_becomes_hf_rope_scaling(tmp_path):
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(4.0)
         writer.add_rope_scaling_orig_ctx_len(32768)
+        writer.add_rope_scaling_yarn_attn_factor(1.0)  # HF's attention_factor (else recomputed: 1.1386 at factor 4)
 
     path = tmp_path / "yarn.gguf"
     write_tiny_gguf(path, "qwen2", tiny_hf_tensors("qwen2", True, np.random.default_rng(0)), yarn)
     assert gguf_loader.read_gguf_config(path)["rope_scaling"] == {
-        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "attention_factor": 1.0,
     }
 
 

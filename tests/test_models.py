@@ -354,16 +354,31 @@ def test_a_safetensors_dtype_we_cannot_read_is_named(tmp_path):
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
     ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16}, "use_sliding_window"),
     ({"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic'"),
+    ({"quantization_config": {"quant_method": "compressed-tensors"}}, "quantized"),  # int8 codes: garbage logits
 ])
 def test_config_features_the_layers_lack_are_refused_by_key(extra, key):
     """The layers run SiLU, rotate whole heads with a fixed RoPE table and attend to every earlier token: another
     activation, a rotary fraction (which transformers' Llama / Qwen ignore and vLLM honours), a sliding window or
-    dynamic RoPE would give other logits than the checkpoint's; refused, naming the key."""
+    dynamic RoPE would give other logits than the checkpoint's, and a quantized checkpoint's codes are no weights;
+    refused, naming the key."""
     base = transformers.LlamaConfig(**TINY).to_dict()
     with pytest.raises(ValueError, match=key):
         ModelConfig.from_hf_dict({**base, **extra})
     for same in ({"hidden_act": "silu"}, {"hidden_act": "swish"}, {"partial_rotary_factor": 1.0}):
         ModelConfig.from_hf_dict({**base, **same})
+
+
+def test_integer_weights_are_refused_as_a_quantized_checkpoint(tmp_path):
+    """int8 codes (a quantized checkpoint whose config.json does not say so) would load as weights ~100x too large."""
+    from safetensors.numpy import load_file, save_file
+
+    save_random_hf_model("qwen2", tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    tensors[name] = np.round(tensors[name] * 1000).astype(np.int8)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"{name} is int8, not floating point: a quantized checkpoint"):
+        load_model(tmp_path, make_mesh(MeshConfig(), jax.devices()[:1]))
 
 
 def test_a_tied_config_over_a_distinct_lm_head_is_refused(tmp_path):

@@ -115,6 +115,17 @@ def test_bad_requests_fail_alone(engine):
     assert "stop_ids must be a list of token ids" in out[1].error and "max_new_tokens must be an int" in out[3].error
 
 
+def test_length_buckets_past_the_models_context_are_warned(caplog):
+    """Positions past max_position_embeddings (or a RoPE scaling's reach) ran with no word (found by review)."""
+    model = tiny_model()
+    model.cfg = dataclasses.replace(model.cfg, max_position_embeddings=48)
+    RolloutEngine(model, CFG, progress=False)  # length buckets up to 64
+    assert "reach 64 positions, past the 48 the model is made for" in caplog.text
+    yarn = dataclasses.replace(model.cfg, max_position_embeddings=32768, rope=(
+        ("rope_type", "yarn"), ("rope_theta", 1e6), ("factor", 4.0), ("original_max_position_embeddings", 32768)))
+    assert yarn.context_length == 131072  # Qwen2.5's YaRN recipe keeps max_position_embeddings at the original
+
+
 def test_a_shrunk_table_pads_with_dead_rows(model):
     """A table moved into a smaller batch bucket pads with dead rows, not copies of its last row (jnp.take
     wraps -1): with the last rows the long ones, the calls' tokens are the completions' and no more."""

@@ -58,6 +58,14 @@ class ModelConfig:
     def rope_params(self) -> dict[str, Any]:
         return dict(self.rope)
 
+    @property
+    def context_length(self) -> int:
+        """The positions the checkpoint is made for: max_position_embeddings, or the original length times a RoPE
+        scaling factor where that is more (Qwen2.5's YaRN recipe leaves max_position_embeddings at the original)."""
+        p = self.rope_params
+        scaled = int(p.get("original_max_position_embeddings", 0) * p.get("factor", 1.0))
+        return max(self.max_position_embeddings, scaled)
+
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Reads a transformers config dict (config.json, `config.to_dict()`, or GGUF metadata mapped to it)."""
@@ -72,6 +80,10 @@ class ModelConfig:
             # A reward / classification model's own head (score.weight) would be dropped for the LM head.
             raise ValueError(f"architectures={architectures} is not a causal language model; fastrl-jax loads "
                              f"{family} checkpoints whose config.json names a ...ForCausalLM architecture")
+        if quantized := d.get("quantization_config"):  # int8 codes loaded as weights, without their scales: garbage
+            method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else quantized
+            raise ValueError(f"the checkpoint is quantized (quantization_config: {method}); fastrl-jax trains and "
+                             "decodes unquantized weights: load the original (bfloat16 / float32) checkpoint")
         if d.get("use_sliding_window"):
             raise ValueError("sliding-window attention (use_sliding_window: true) is not supported")
         if d.get("mlp_bias"):

@@ -444,6 +444,7 @@ def _rope_scaling(meta, arch: str) -> dict[str, Any] | None:
         "original_max_position_embeddings": "rope.scaling.original_context_length",
         "beta_fast": "rope.scaling.yarn_beta_fast",
         "beta_slow": "rope.scaling.yarn_beta_slow",
+        "attention_factor": "rope.scaling.yarn_attn_factor",  # else recomputed from the factor: another cos/sin scale
     }
     for hf_key, gguf_key in optional.items():
         if (value := meta(f"{arch}.{gguf_key}")) is not None:

@@ -237,11 +237,19 @@ def decoder_from_hf_tensors(
     graphdef, abstract_state = nnx.split(abstract)
     shardings = sharding.shardings_for(abstract_state, mesh)
 
+    def read(name: str) -> np.ndarray:
+        w = np.asarray(get(name))
+        # Quantized codes (their scales live in other tensors); np.floating would refuse ml_dtypes' bfloat16 too
+        if np.issubdtype(w.dtype, np.integer):
+            raise ValueError(f"checkpoint tensor {name} is {w.dtype}, not floating point: a quantized checkpoint; load "
+                             "the original (bfloat16 / float32) one")
+        return w
+
     def whole(name: str, convert=lambda w: w) -> Callable[[], np.ndarray]:
-        return lambda: convert(np.asarray(get(name)))
+        return lambda: convert(read(name))
 
     def stacked(template: str, convert) -> Callable[[], np.ndarray]:
-        return lambda: np.stack([convert(np.asarray(get(template.format(i)))) for i in range(cfg.num_layers)])
+        return lambda: np.stack([convert(read(template.format(i))) for i in range(cfg.num_layers)])
 
     sources: dict[tuple, Callable[[], np.ndarray]] = {
         ("embed",): whole("model.embed_tokens.weight"),

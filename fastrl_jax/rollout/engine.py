@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import logging
 import math
 import sys
@@ -66,6 +67,13 @@ class Completion:
     # layers) of every token fed to the policy (all but the last completion token); only when the
     # engine keeps hidden states.
     hidden_states: np.ndarray | None = None
+
+
+@functools.cache
+def _past_context(max_len: int, context: int) -> None:
+    log.warning("rollout.length_buckets reach %d positions, past the %d the model is made for (its config.json's "
+                "max_position_embeddings, or a RoPE scaling's reach): tokens there are out of its training "
+                "distribution; lower rollout.length_buckets / rl.max_new_tokens, or add RoPE scaling", max_len, context)
 
 
 def compiler_options(key: tuple) -> dict | None:
@@ -204,6 +212,8 @@ class RolloutEngine:
         self.return_hidden = keep_hidden
         self.progress = progress
         self.max_len = cfg.length_buckets[-1]
+        if self.max_len > model.cfg.context_length:
+            _past_context(self.max_len, model.cfg.context_length)
         weights = jax.tree.leaves(self.state)[0].sharding
         # Row tables live on the model's devices (_placed); programs trace under its mesh (kernels run per shard).
         self.mesh = weights.mesh if isinstance(weights, NamedSharding) else None
