@@ -211,6 +211,9 @@ def test_float_answers_are_written_out_as_numbers(tmp_path):
     pq.write_table(pa.table({"prompt": ["a", "b", "c"], "answer": [1e-05, 2.5e16, 72.0]}), path)
     assert [r["answer"] for r in read_records(path)] == ["0.00001", "25000000000000000", "72.0"]
     assert correctness_reward("The answer is 0.00001", read_records(path)[0]["answer"]) == 1.0
+    pq.write_table(pa.table({"prompt": ["a", "b"], "answer": [1.0, float("nan")]}), path)  # a missing value
+    with pytest.raises(ValueError, match="record 2: 'answer' is nan, not an answer"):
+        read_records(path)
 
 
 def test_held_out_accuracy_that_holds_nothing_out_is_warned_before_loading(tmp_path, caplog):

@@ -5,6 +5,7 @@ start-up with the file and row named."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterator
 from decimal import Decimal
 from pathlib import Path
@@ -105,6 +106,8 @@ def read_records(path: str | Path, prompt_field: str = "prompt", messages_field:
                              f"it, e.g. data.answer_field=reward_model.ground_truth for verl's files")
         if not str(answer).strip():  # names no answer: no completion could earn the reward, or an empty one would
             raise ValueError(f"{where}: '{answer_field}' is blank; give each record its answer")
+        if isinstance(answer, float) and not math.isfinite(answer):  # a missing value in a numeric column
+            raise ValueError(f"{where}: '{answer_field}' is {answer}, not an answer; give each record its answer")
         if isinstance(answer, float):  # str(1e-05) is '1e-05', a form no answer matches numerically
             answer = format(Decimal(repr(answer)), "f")
         record = {"answer": str(answer)}
