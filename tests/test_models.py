@@ -368,6 +368,18 @@ def test_config_features_the_layers_lack_are_refused_by_key(extra, key):
         ModelConfig.from_hf_dict({**base, **same})
 
 
+def test_a_tensor_in_two_files_is_refused_without_an_index(tmp_path):
+    """A stray copy beside the checkpoint's file (model (1).safetensors) silently won when it sorted last."""
+    import shutil
+
+    from fastrl_jax.models.loading import SafetensorsDir
+
+    save_random_hf_model("qwen2", tmp_path)
+    shutil.copy(tmp_path / "model.safetensors", tmp_path / "old.safetensors")
+    with pytest.raises(ValueError, match="is in both model.safetensors and old.safetensors"):
+        SafetensorsDir(tmp_path)
+
+
 def test_integer_weights_are_refused_as_a_quantized_checkpoint(tmp_path):
     """int8 codes (a quantized checkpoint whose config.json does not say so) would load as weights ~100x too large."""
     from safetensors.numpy import load_file, save_file

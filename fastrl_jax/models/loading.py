@@ -135,10 +135,8 @@ class SafetensorsDir:
 
     def __init__(self, path: Path):
         index = path / "model.safetensors.index.json"
-        if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        else:
-            files = sorted(p.name for p in path.glob("*.safetensors"))
+        weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+        files = sorted(set(weight_map.values())) if weight_map else sorted(p.name for p in path.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors files in {path}")
         self.entries: dict[str, tuple[Path, dict, int]] = {}
@@ -148,8 +146,12 @@ class SafetensorsDir:
                 raise FileNotFoundError(f"{file} is listed in {index.name} but missing; re-download the checkpoint")
             header, data_start = _read_header(file)
             for key, entry in header.items():
-                if key != "__metadata__":
-                    self.entries[key] = (file, entry, data_start)
+                if key == "__metadata__" or (weight_map and weight_map.get(key) != name):
+                    continue  # the index names each tensor's file (a stray copy elsewhere is not it)
+                if key in self.entries:  # which one the checkpoint means is unknown: refuse rather than pick
+                    raise ValueError(f"tensor {key} is in both {self.entries[key][0].name} and {name} in {path}; remove "
+                                     "the stray file (a sharded checkpoint's model.safetensors.index.json names each one's)")
+                self.entries[key] = (file, entry, data_start)
 
     def get(self, key: str) -> np.ndarray:
         if key not in self.entries:
