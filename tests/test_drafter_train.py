@@ -417,11 +417,14 @@ def test_eagle3_warm_up_stores_layer_features_and_saves_its_kind(policy, tmp_pat
     back = load_drafter(tmp_path / "e3" / "drafter", TINY)
     assert back.kind == "eagle3" and back.draft_vocab[...].shape == (32,)
     # The same out_dir with settings that collect other data: refused before anything loads, naming them
-    for change, named in (({"kind": "eagle"}, "drafter_train.kind (was 'eagle3', now 'eagle')"),
-                          ({"max_new_tokens": 25}, "drafter_train.max_new_tokens (was 24, now 25)")):
+    # (another kind's checkpoints cannot go on either: the advice names them, found by review)
+    for change, named, keep in (({"kind": "eagle"}, "drafter_train.kind (was 'eagle3', now 'eagle')", "and its checkpoints"),
+                                ({"max_new_tokens": 25}, "drafter_train.max_new_tokens (was 24, now 25)",
+                                 "(its checkpoints then continue")):
         other = dataclasses.replace(cfg, drafter_train=dataclasses.replace(cfg.drafter_train, **change))
-        with pytest.raises(ValueError, match=r"data.npz was collected with other settings: " + re.escape(named)):
+        with pytest.raises(ValueError, match=r"data.npz was collected with other settings: " + re.escape(named)) as e:
             warmup.check_restart(other, resume=True)
+        assert keep in str(e.value)
     # Data from before its settings were recorded: a kind whose features it lacks is still named, by width
     (tmp_path / "e3" / "data.json").unlink()
     other = dataclasses.replace(cfg, drafter_train=dataclasses.replace(cfg.drafter_train, kind="eagle"))
@@ -449,3 +452,44 @@ def test_config_errors_name_the_key():
         load_config(None, ["drafter_train.kind=medusa"])
     assert load_config(None, []).drafter_train.kind == "eagle"
     assert dataclasses.asdict(load_config("configs/smollm2_cpu.yaml").drafter_train)["draft_vocab_size"] > 0
+
+
+def _every_prompt_too_long(cfg, tmp_path):
+    path = tmp_path / "long.jsonl"
+    rng = np.random.default_rng(0)
+    path.write_text("".join(json.dumps({"prompt_ids": rng.integers(4, 128, 12).tolist()}) + "\n" for _ in range(6)))
+    return dataclasses.replace(cfg, drafter_train=dataclasses.replace(cfg.drafter_train, prompts=str(path)))
+
+
+def test_a_collection_where_every_request_fails_says_why_and_keeps_no_data(policy, tmp_path):
+    """Every prompt longer than the largest prompt bucket: the run said only 'add rollouts first' and kept an empty
+    data.npz that a rerun with rollout settings fixed (not data settings) reused (found by review)."""
+    cfg = _every_prompt_too_long(run_config(tmp_path, "long", steps=2), tmp_path)
+    with pytest.raises(ValueError, match="added no sequence to train on .*largest prompt bucket"):
+        warmup.train_drafter(cfg, policy, FakeTokenizer(), progress=False)
+    assert not (tmp_path / "long" / "data.npz").exists() and not (tmp_path / "long" / "data.partial").exists()
+
+
+def test_an_interrupt_as_a_step_returns_ends_with_the_interrupt(policy, tmp_path, monkeypatch, capsys):
+    """Ctrl-C landing as a train step returns, before its result is taken: that step has consumed (donated) the state
+    the interrupt's save would write; the save raised 'Array has been deleted' over the interrupt (found by review)."""
+    cfg = run_config(tmp_path, "late", steps=4, checkpoint_every=4)
+    real = warmup.make_train_step
+
+    def interrupted_third(*args):
+        step, calls = real(*args), []
+
+        def run(*a):
+            out = step(*a)
+            calls.append(1)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+            return out
+
+        return run
+
+    monkeypatch.setattr(warmup, "make_train_step", interrupted_third)
+    with pytest.raises(KeyboardInterrupt):
+        warmup.train_drafter(cfg, policy, FakeTokenizer(), progress=False)
+    assert "interrupted inside step 3, which had taken step 2's state; a resume continues from step 0" in (
+        capsys.readouterr().err)

@@ -111,9 +111,12 @@ def collect(engine: RolloutEngine, requests: list[Request], buffer: SampleBuffer
     a completion leaves memory once it and every earlier one are in the buffer. `partial`, when given,
     saves what is in the buffer as it goes, and when the collection is interrupted."""
     t0, tokens, added, waiting, next_i = time.perf_counter(), 0, 0, {}, 0
+    failed: list[str] = []  # the engine's reasons, in the order the requests failed
     bar = tqdm(total=len(requests), desc="collect", unit="seq", file=sys.stderr, disable=not progress)
     try:
         for i, completion in engine.stream(requests):
+            if completion.finish_reason == "error":
+                failed.append(completion.error or "?")
             waiting[i] = completion
             while next_i in waiting:
                 seqs, new_tokens = buffer.add_rollouts([requests[next_i]], [waiting.pop(next_i)], step)
@@ -127,8 +130,12 @@ def collect(engine: RolloutEngine, requests: list[Request], buffer: SampleBuffer
             partial.save()
         raise
     bar.close()
+    if failed:
+        print(f"[train-drafter] {len(failed)} of {len(requests)} requests failed and add nothing to the data (the "
+              f"first: {failed[0]})", file=sys.stderr)
     seconds = time.perf_counter() - t0
     return {"generated_tokens": tokens, "generate_seconds": seconds, "skipped": len(requests) - added,
+            "failed": len(failed), "first_failure": failed[0] if failed else None,
             "generate_tok_s": tokens / seconds, "idle_row_steps": engine.stats.idle_row_steps,
             "prefill_share": engine.stats.seconds["prefill"] / seconds}
 
@@ -242,9 +249,12 @@ def check_data(cfg: Config, data_file: Path) -> None:
     was, now = json.loads(record.read_text()), data_settings(cfg)
     changed = [f"{k} (was {was.get(k)!r}, now {now.get(k)!r})" for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)]
     if changed:
-        raise ValueError(f"{data_file} was collected with other settings: {'; '.join(changed)}. Delete it to collect "
-                         "again (its checkpoints then continue on the new data), restore the settings, or give a new "
-                         "drafter_train.out_dir")
+        # Checkpoints of another policy or drafter kind cannot go on (they would be found unreadable after the collection)
+        other_drafter = any(was.get(k) != now.get(k) for k in ("model.path", "drafter_train.kind"))
+        keep = ("and its checkpoints (drafter_train.out_dir's checkpoint steps: they are another policy's or kind's)"
+                if other_drafter else "(its checkpoints then continue on the new data)")
+        raise ValueError(f"{data_file} was collected with other settings: {'; '.join(changed)}. Delete it {keep} to "
+                         "collect again, restore the settings, or give a new drafter_train.out_dir")
 
 
 def collect_data(cfg: Config, policy: Decoder, tokenizer, data_file: Path, stop, summary: dict, progress: bool) -> SampleBuffer:
@@ -285,6 +295,13 @@ def collect_data(cfg: Config, policy: Decoder, tokenizer, data_file: Path, stop,
         summary["collect"] = {**collect(engine, requests[start:], buffer, progress=progress, partial=partial),
                               "resumed_requests": start}
         del engine
+        if not len(buffer):  # kept, the empty data (and the partial files covering those requests) would be reused
+            partial.remove()
+            data_file.with_suffix(".json").unlink(missing_ok=True)
+            why = summary["collect"]["first_failure"] or "no completion had a token to learn"
+            raise ValueError(f"the collection added no sequence to train on ({why}); fix that (e.g. rollout.prompt_buckets "
+                             "and rollout.length_buckets must hold the prompts and drafter_train.max_new_tokens) and run "
+                             "again")
         buffer.save(data_file)
         partial.remove()
     summary["data"] = {"sequences": len(buffer), "tokens": buffer.num_tokens}
@@ -338,7 +355,11 @@ def train(cfg: Config, policy: Decoder, drafter: Drafter, buffer: SampleBuffer, 
             if dt.eval_every_steps and done % dt.eval_every_steps == 0 and done != dt.steps:
                 log.last_eval = evaluate(nnx.merge(dgraphdef, params, rest), done)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (cli): the steps since the last checkpoint are kept too
-        if last[0] > saved:
+        if last[0] > saved and any(x.is_deleted() for x in jax.tree.leaves(last[1:])):
+            # It came as the next step returned, before its result was taken: that step consumed (donated) these
+            print(f"[train-drafter] interrupted inside step {last[0] + 1}, which had taken step {last[0]}'s state; "
+                  f"a resume continues from step {saved}", file=sys.stderr)
+        elif last[0] > saved:
             save(*last)
         raise
     bar.close()
