@@ -736,3 +736,43 @@ def test_a_shared_prompt_prefix_is_prefilled_once_and_changes_no_output(model, k
     for r, y in zip(reqs[::2], sd.generate(reqs[::2])):
         assert y.tokens == greedy_generate(model, r.prompt_ids, r.max_new_tokens)
     assert sd.stats.calls["prefix"] == 1 and sd.stats.sd_steps > 0
+
+
+def test_a_background_compile_during_update_weights_builds_against_the_weights(model, monkeypatch):
+    """update_weights of an unrolled engine holds no state while it cuts the new per-layer copies; a compile on the
+    pool's thread (sd.compile_in_background) built its example arguments from that state, failed, and the next
+    rollout raised it (found by review). Simulated deterministically: the compile runs inside that window."""
+    import fastrl_jax.rollout.engine as engine_mod
+
+    engine = RolloutEngine(model, dataclasses.replace(CFG, layer_loop="unrolled"), progress=False)
+    real, seen = engine_mod.unstack_layers, []
+
+    def unstack(state):
+        engine.pool._compiled(("decode", 1, 32))  # what the compile thread runs for a pending key
+        seen.append("compiled")
+        return real(state)
+
+    monkeypatch.setattr(engine_mod, "unstack_layers", unstack)
+    engine.update_weights(tiny_model(seed=1))
+    assert seen == ["compiled"]
+
+
+def test_a_background_compile_failure_a_drop_collects_is_said(caplog):
+    """A drop near the memory-map limit collects pending compiles and keeps a failure for the caller that asks for
+    that program; an engine whose live batch moved on never asks again, so it is logged then (found by review)."""
+    from fastrl_jax.rollout.pool import ProgramPool
+
+    held = [0]
+
+    def build(key):
+        if key == "bad":
+            raise ValueError("cannot build bad")
+        return jax.jit(lambda x: x * 2), (jax.ShapeDtypeStruct((4,), jnp.float32),)
+
+    pool = ProgramPool(build, memory_maps=lambda: (held[0], 100))
+    pool.get(1), pool.get(2)
+    assert not pool.ready("bad")
+    held[0] = 80
+    with caplog.at_level("WARNING"):
+        pool.get(3)
+    assert "a background compile of bad failed (ValueError: cannot build bad)" in caplog.text

@@ -219,6 +219,11 @@ class RolloutEngine:
         self.mesh = weights.mesh if isinstance(weights, NamedSharding) else None
         self._replicated = NamedSharding(self.mesh, PartitionSpec()) if self.mesh is not None else weights
         self.drafter_state = self._on_mesh(self.drafter_state)
+        # What programs are built against: shapes and shardings, which weight updates keep (update_weights holds no
+        # state while it cuts the per-layer copies, and a background compile reading it then failed)
+        self._state_spec, self._drafter_spec = (
+            jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+            for tree in (self.state, self.drafter_state))
         self.pool = ProgramPool(self._build, compiler_options, mesh=self.mesh)
         self._plain_step_s: dict[tuple[int, int], float] = {}  # (batch, kv_len): the latest plain call's seconds per step
         self.stats = RolloutStats()  # the last rollout's
@@ -326,31 +331,31 @@ class RolloutEngine:
         scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated)  # max_steps, min_finished
         if phase == "decode":  # ("decode", batch, kv_len[, wide rows, narrow window])
             fn = jax.jit(programs.decode, static_argnums=(0, 5, 7), donate_argnums=(2,), out_shardings=out)
-            args = (self.graphdef, self.state, slots, scalar, scalar, key[2])
+            args = (self.graphdef, self._state_spec, slots, scalar, scalar, key[2])
             if len(key) == 3:
                 return fn, args
             return fn, (*args, jax.ShapeDtypeStruct((key[3],), jnp.int32, sharding=self._replicated), key[4])
         if phase == "prefill":  # ("prefill", batch, requests, packed tokens, shared prefix)
             _, _, p, n, prefix_len = key
             fn = jax.jit(programs.prefill, static_argnums=(0,), donate_argnums=(2,), out_shardings=out)
-            return fn, (self.graphdef, self.state, slots, self._admission_shapes(p, n), self._prefix_shapes(prefix_len))
+            return fn, (self.graphdef, self._state_spec, slots, self._admission_shapes(p, n), self._prefix_shapes(prefix_len))
         if phase == "decode_admit":  # ("decode_admit", batch, kv_len, packed tokens, shared prefix)
             _, batch, kv_len, n, prefix_len = key
             adm = self._admission_shapes(self._refill_limit(batch), n)
             fn = jax.jit(programs.decode_and_admit, static_argnums=(0, 5), donate_argnums=(2,), out_shardings=out)
-            return fn, (self.graphdef, self.state, slots, adm, self._prefix_shapes(prefix_len), kv_len)
+            return fn, (self.graphdef, self._state_spec, slots, adm, self._prefix_shapes(prefix_len), kv_len)
         if phase == "prefix":
             tokens = jax.ShapeDtypeStruct((key[2],), jnp.int32, sharding=self._replicated)
             out = self._placed(jax.eval_shape(lambda: self._no_prefix(key[2])))
             fn = jax.jit(programs.prefix_program, static_argnums=(0, 3, 4, 5), out_shardings=out)
-            return fn, (self.graphdef, self.state, tokens, self.dtype, self.keep_hidden, self.feature_layers)
+            return fn, (self.graphdef, self._state_spec, tokens, self.dtype, self.keep_hidden, self.feature_layers)
         if phase == "sd":
             fn = jax.jit(speculative.sd_program, static_argnums=(0, 2, 7, 8, 9, 10), donate_argnums=(4,), out_shardings=out)
-            args = (self.graphdef, self.state, self.drafter_graphdef, self.drafter_state, slots, scalar, scalar)
+            args = (self.graphdef, self._state_spec, self.drafter_graphdef, self._drafter_spec, slots, scalar, scalar)
             return fn, (*args, key[3], key[2], self.sd.accept, self.match)
         if phase == "draft_prefill":
             fn = jax.jit(speculative.drafter_prefill_program, static_argnums=(0, 2, 5), donate_argnums=(4,), out_shardings=out)
-            return fn, (self.graphdef, self.state, self.drafter_graphdef, self.drafter_state, slots, key[2])
+            return fn, (self.graphdef, self._state_spec, self.drafter_graphdef, self._drafter_spec, slots, key[2])
         if phase == "resize":
             index = jax.ShapeDtypeStruct((key[2],), jnp.int32, sharding=self._replicated)
             out = self._placed(jax.eval_shape(lambda: self._empty(key[2])))

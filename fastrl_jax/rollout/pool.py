@@ -248,6 +248,8 @@ class ProgramPool:
             try:
                 self._collect(key)
             except Exception as e:  # noqa: BLE001 - kept for the caller that asks for this program
+                log.warning("a background compile of %s failed (%s: %s); raised when that program is asked for next",
+                            key, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
                 self._failed[key] = e
         self._compile_seconds += time.perf_counter() - t0  # the caller waited for them
         drop = list(self._programs)[: len(self._programs) // 2]
