@@ -278,3 +278,25 @@ def test_a_reward_that_is_not_a_number_does_not_steer_the_bandit(kind, bad):
         picks.append(arm)
         chooser.record(arm, 2, rate[arm])
     assert picks[-20:].count(fast) >= 15
+
+
+def test_an_arm_whose_background_compile_fails_decodes_plainly(model, caplog):
+    """A speculative program that fails to compile on the compile thread failed the whole rollout when the engine next
+    asked for it (an RL step lost); the arm now decodes plainly there, said once (found by review)."""
+    sd = SpecConfig(mode="adaptive", threshold_live_batch=3, patience_host_steps=1, strategies=((2, 2, 4),),
+                    plain_arm=False)
+    engine = RolloutEngine(model, ADAPTIVE_CFG, sd=sd, drafter=Drafter(TINY, nnx.Rngs(5)), progress=False)
+    ready = engine.pool.ready
+
+    def broken(key):
+        if key[0] == "sd":
+            raise RuntimeError("ptxas fatal: out of registers")
+        return ready(key)
+
+    engine.pool.ready = broken
+    reqs = _greedy_requests()
+    out = engine.generate(reqs)
+    assert [o.tokens for o in out] == [greedy_generate(model, r.prompt_ids, r.max_new_tokens) for r in reqs]
+    assert engine.stats.steps_sd == 0 and "failed to compile in the background (RuntimeError: ptxas fatal" in caplog.text
+    engine.generate(reqs)
+    assert caplog.text.count("failed to compile in the background") == len(engine._failed_compiles)  # once a program

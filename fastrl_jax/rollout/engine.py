@@ -225,6 +225,7 @@ class RolloutEngine:
             jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
             for tree in (self.state, self.drafter_state))
         self.pool = ProgramPool(self._build, compiler_options, mesh=self.mesh)
+        self._failed_compiles: set[tuple] = set()  # background compiles that failed: their arms decode plainly there
         self._plain_step_s: dict[tuple[int, int], float] = {}  # (batch, kv_len): the latest plain call's seconds per step
         self.stats = RolloutStats()  # the last rollout's
         self.timeline: list[Call] = []  # the last rollout's program calls
@@ -723,7 +724,19 @@ class RolloutEngine:
         keys = [("sd", table.batch, self._sd_kv_len(strategy, longest), strategy)]
         if strategy.uses_drafter and not table.draft_fresh:
             keys.append(self._draft_prefill_key(table, longest))
-        return all([self.pool.ready(k) for k in keys])  # a list, not a generator: every missing one starts
+        ready = True
+        for key in keys:  # each: every missing one starts compiling
+            if key in self._failed_compiles:
+                return False
+            try:
+                ready &= self.pool.ready(key)
+            except Exception as e:  # noqa: BLE001 - its compile failed: plain decoding goes on, as while compiling
+                self._failed_compiles.add(key)
+                log.warning("program %s failed to compile in the background (%s: %s); strategy %s decodes plainly "
+                            "there from now on", key[:3], type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "",
+                            strategy.label)
+                return False
+        return ready
 
     def _draft_prefill_key(self, table: _Table, longest: int) -> tuple:
         return ("draft_prefill", table.batch, self._plain_kv_len(longest))
