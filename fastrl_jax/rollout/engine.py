@@ -177,6 +177,28 @@ class RolloutEngine:
         if self.unrolled:
             self.state = unstack_layers(self.state)
         self.dtype = model.embed.get_value().dtype
+        self._set_up_speculation(sd, drafter, history, feature_layers, drafter_accept)
+        # Speculation restarts the drafter from stored policy hidden states, so the table keeps them; completions
+        # carry them to the host only when asked (the drafter's training data: up to ~84 MB a completion at 32B).
+        self.keep_hidden = keep_hidden or self.uses_drafter
+        self.return_hidden = keep_hidden
+        self.progress = progress
+        self.max_len = cfg.length_buckets[-1]
+        if self.max_len > model.cfg.context_length:
+            _past_context(self.max_len, model.cfg.context_length)
+        self._place_on_devices()
+        self.pool = ProgramPool(self._build, compiler_options, mesh=self.mesh)
+        self._failed_compiles: set[tuple] = set()  # background compiles that failed: their arms decode plainly there
+        self._plain_step_s: dict[tuple[int, int], float] = {}  # (batch, kv_len): the latest plain call's seconds per step
+        self.stats = RolloutStats()  # the last rollout's
+        self.timeline: list[Call] = []  # the last rollout's program calls
+        if cfg.warm_up:
+            self._warm_up(progress)
+
+    def _set_up_speculation(self, sd: SpecConfig, drafter: Drafter | None, history: HistoryStore | None,
+                            feature_layers: tuple[int, ...] | None, drafter_accept: float) -> None:
+        """The strategies, the adaptive controller and the drafter (checked against the strategies), and the policy
+        features the table keeps."""
         self.sd = sd
         self.strategies = [speculative.Strategy(*spec.parts()) for spec in sd.strategy_list()] if sd.mode != "off" else []
         self.uses_drafter = any(s.uses_drafter for s in self.strategies)
@@ -206,14 +228,9 @@ class RolloutEngine:
             raise ValueError(f"strategies {wide} branch wider than the drafter's {drafter.draft_vocab_size}-token draft "
                              "vocabulary: lower their top-k (S/K/V) or train a drafter with a larger draft_vocab_size")
         self.feature_layers = tuple(feature_layers)
-        # Speculation restarts the drafter from stored policy hidden states, so the table keeps them; completions
-        # carry them to the host only when asked (the drafter's training data: up to ~84 MB a completion at 32B).
-        self.keep_hidden = keep_hidden or self.uses_drafter
-        self.return_hidden = keep_hidden
-        self.progress = progress
-        self.max_len = cfg.length_buckets[-1]
-        if self.max_len > model.cfg.context_length:
-            _past_context(self.max_len, model.cfg.context_length)
+
+    def _place_on_devices(self) -> None:
+        """The mesh the model's weights live on, the drafter on it, and the shapes programs are built against."""
         weights = jax.tree.leaves(self.state)[0].sharding
         # Row tables live on the model's devices (_placed); programs trace under its mesh (kernels run per shard).
         self.mesh = weights.mesh if isinstance(weights, NamedSharding) else None
@@ -224,18 +241,15 @@ class RolloutEngine:
         self._state_spec, self._drafter_spec = (
             jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
             for tree in (self.state, self.drafter_state))
-        self.pool = ProgramPool(self._build, compiler_options, mesh=self.mesh)
-        self._failed_compiles: set[tuple] = set()  # background compiles that failed: their arms decode plainly there
-        self._plain_step_s: dict[tuple[int, int], float] = {}  # (batch, kv_len): the latest plain call's seconds per step
-        self.stats = RolloutStats()  # the last rollout's
-        self.timeline: list[Call] = []  # the last rollout's program calls
-        if cfg.warm_up:
-            t0 = time.perf_counter()
-            self.pool.warm_up(self.warm_up_keys(), progress)
-            report = self.pool_report()
-            log.info("%s; wall %.1fs", report, time.perf_counter() - t0)
-            if progress:
-                print(f"[rollout] {report}", file=sys.stderr)
+
+    def _warm_up(self, progress: bool) -> None:
+        """Compiles every program the engine may run (rollout.warm_up), with a report of what it took."""
+        t0 = time.perf_counter()
+        self.pool.warm_up(self.warm_up_keys(), progress)
+        report = self.pool_report()
+        log.info("%s; wall %.1fs", report, time.perf_counter() - t0)
+        if progress:
+            print(f"[rollout] {report}", file=sys.stderr)
 
     # ---- programs -------------------------------------------------------------------------
     def strategy_buckets(self) -> dict[speculative.Strategy, list[int]]:
