@@ -34,7 +34,7 @@ from fastrl_jax.rollout import history as history_lib
 from fastrl_jax.rollout import programs, speculative
 from fastrl_jax.rollout.controller import OnOff, StrategyChooser
 from fastrl_jax.rollout.history import HistoryStore
-from fastrl_jax.rollout.pool import ProgramPool
+from fastrl_jax.rollout.pool import ProgramPool, compile_error
 from fastrl_jax.rollout.requests import draft_margin, request_problem
 from fastrl_jax.rollout.sampling import SamplingParams
 from fastrl_jax.rollout.stats import Call, Recorder, RolloutStats
@@ -746,9 +746,8 @@ class RolloutEngine:
                 ready &= self.pool.ready(key)
             except Exception as e:  # noqa: BLE001 - its compile failed: plain decoding goes on, as while compiling
                 self._failed_compiles.add(key)
-                log.warning("program %s failed to compile in the background (%s: %s); strategy %s decodes plainly "
-                            "there from now on", key[:3], type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "",
-                            strategy.label)
+                log.warning("program %s failed to compile in the background (%s); strategy %s decodes plainly there "
+                            "from now on", key[:3], compile_error(e), strategy.label)
                 return False
         return ready
 

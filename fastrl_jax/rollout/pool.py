@@ -47,6 +47,11 @@ def enable_persistent_cache(directory: str | os.PathLike) -> Path:
     return path
 
 
+def compile_error(e: BaseException) -> str:
+    """A failed compile in one line for a log: its type and the first line of its message (XLA's run to pages)."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}" if str(e) else type(e).__name__
+
+
 _POOLS: weakref.WeakSet = weakref.WeakSet()  # every live ProgramPool, for cancel_background_compiles
 
 
@@ -248,8 +253,8 @@ class ProgramPool:
             try:
                 self._collect(key)
             except Exception as e:  # noqa: BLE001 - kept for the caller that asks for this program
-                log.warning("a background compile of %s failed (%s: %s); raised when that program is asked for next",
-                            key, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+                log.warning("a background compile of %s failed (%s); raised when that program is asked for next",
+                            key, compile_error(e))
                 self._failed[key] = e
         self._compile_seconds += time.perf_counter() - t0  # the caller waited for them
         drop = list(self._programs)[: len(self._programs) // 2]
