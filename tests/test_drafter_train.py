@@ -2,7 +2,10 @@
 
 import dataclasses
 import json
+import os
 import re
+import signal
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +16,7 @@ from helpers.checkpoints import damage
 from helpers.tiny import TINY, tiny_model
 
 from fastrl_jax.checkpoint import checkpoint_steps
-from fastrl_jax.config import Config, DrafterTrainConfig, RolloutConfig
+from fastrl_jax.config import Config, DrafterTrainConfig, RolloutConfig, TrainingStopped
 from fastrl_jax.drafter import warmup
 from fastrl_jax.drafter.train import LossSettings, drafter_loss, drafter_optimizer, make_train_step, smooth_l1
 from fastrl_jax.models.decoder import KVCache
@@ -310,6 +313,49 @@ def test_resume_continues_the_same_run(policy, tmp_path, monkeypatch):
     steps = [json.loads(ln)["step"] for ln in (tmp_path / "damaged" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
     assert sorted(int(p.name) for p in (tmp_path / "damaged" / "checkpoints").iterdir() if p.name.isdigit()) == [3, 4]
+
+
+def test_a_stop_signal_ends_training_after_its_step_with_that_step_saved(policy, tmp_path, monkeypatch):
+    """Ctrl-C (or SIGTERM) during a step lets the step finish and saves it, whenever the checkpoint is due: before,
+    one landing as a step returned lost the steps since the last checkpoint. Ctrl-C twice stops at once."""
+    real = warmup.make_train_step
+
+    def signalled(times):
+        def make(*args):
+            step, calls = real(*args), []
+
+            def wrapped(*a):
+                calls.append(1)
+                if len(calls) == 3:
+                    for _ in range(times):
+                        os.kill(os.getpid(), signal.SIGINT)
+                return step(*a)
+
+            return wrapped
+
+        return make
+
+    monkeypatch.setattr(warmup, "make_train_step", signalled(1))
+    cfg = run_config(tmp_path, "stopped", checkpoint_every=4)
+    with pytest.raises(TrainingStopped, match="SIGINT: stopped after step 3 of 4"):
+        warmup.train_drafter(cfg, policy, FakeTokenizer(), progress=False)
+    assert checkpoint_steps(tmp_path / "stopped") == [3]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C acts at once again
+
+    monkeypatch.setattr(warmup, "make_train_step", signalled(2))
+    with pytest.raises(KeyboardInterrupt):
+        warmup.train_drafter(run_config(tmp_path, "twice", checkpoint_every=4), policy, FakeTokenizer(), progress=False)
+    assert checkpoint_steps(tmp_path / "twice") == [2]  # the steps before the one it landed in
+
+    monkeypatch.setattr(warmup, "make_train_step", real)
+    warmup.train_drafter(cfg, policy, FakeTokenizer(), progress=False)
+    whole = warmup.train_drafter(run_config(tmp_path, "whole", checkpoint_every=4), policy, FakeTokenizer(), progress=False)
+    a = load_drafter(Path(whole["drafter"]), TINY)
+    b = load_drafter(tmp_path / "stopped" / "drafter", TINY)
+    for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b))):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+    steps = [json.loads(ln)["step"] for ln in (tmp_path / "stopped" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
 
 
 def test_an_interrupted_collection_continues_where_it_stopped(policy, tmp_path, monkeypatch):

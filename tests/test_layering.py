@@ -2,7 +2,7 @@
 imports only rooms below it, and no import cycle runs between rooms.
 
 Low to high: kernels < models < rollout < drafter < rl < cli, with config, sharding, data,
-checkpoint, files, metric_sink and machine shared below all of them (they may import each other, without cycles).
+checkpoint, files, metric_sink, machine and signals shared below all of them (they may import each other, without cycles).
 Imports inside functions count: a lazy import is a dependency too.
 """
 
@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 RANKS = {
     "fastrl_jax": 0, "config": 0, "sharding": 0, "data": 0, "checkpoint": 0, "files": 0, "metric_sink": 0, "machine": 0, "plotting": 0,
+    "signals": 0,
     "kernels": 1, "models": 2, "rollout": 3, "drafter": 4, "rl": 5, "cli": 6,
 }
 

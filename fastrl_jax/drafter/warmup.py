@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import json
 import shutil
+import signal
 import sys
 import time
 import zipfile
@@ -31,9 +32,9 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from fastrl_jax import files
+from fastrl_jax import files, signals
 from fastrl_jax.checkpoint import RunCheckpointer, checkpoint_steps, read_arrays, write_arrays
-from fastrl_jax.config import Config, SpecConfig, save_config, to_dict
+from fastrl_jax.config import Config, SpecConfig, TrainingStopped, save_config, to_dict
 from fastrl_jax.data.prompts import drafter_training_prompts, held_out_sets
 from fastrl_jax.drafter.buffer import SampleBuffer
 from fastrl_jax.drafter.train import LossSettings, drafter_optimizer, make_train_step
@@ -337,24 +338,30 @@ def train(cfg: Config, policy: Decoder, drafter: Drafter, buffer: SampleBuffer, 
 
     last = (start, params, opt_state)  # the latest finished step, assigned at once: an interrupt sees one whole
     saved = start
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
     try:
-        for step in range(start, dt.steps):
-            batch = buffer.sample(np.random.default_rng([cfg.seed, step]), dt.batch_rows, dt.seq_len_tokens)
-            batch = {k: jnp.asarray(v) for k, v in dataclasses.asdict(batch).items()}
-            *state, m = train_step(dgraphdef, params, rest, opt_state, pgraphdef, pstate, batch,
-                                   jax.random.fold_in(base_key, step))
-            last = (step + 1, *state)
-            done, params, opt_state = last
-            log.pending.append(m)
-            bar.update(1)
-            if done % dt.log_every_steps == 0 or done == dt.steps:
-                bar.set_postfix(log.flush(done))
-            if done % dt.checkpoint_every_steps == 0 or done == dt.steps:
-                saved = done
-                save(*last)
-            if dt.eval_every_steps and done % dt.eval_every_steps == 0 and done != dt.steps:
-                log.last_eval = evaluate(nnx.merge(dgraphdef, params, rest), done)
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (cli): the steps since the last checkpoint are kept too
+        # A stop signal ends the run after the step under way, with that step saved; Ctrl-C again, at once
+        with signals.deferred(stops, "train-drafter", at_once=(signal.SIGINT,)) as received:
+            for step in range(start, dt.steps):
+                batch = buffer.sample(np.random.default_rng([cfg.seed, step]), dt.batch_rows, dt.seq_len_tokens)
+                batch = {k: jnp.asarray(v) for k, v in dataclasses.asdict(batch).items()}
+                *state, m = train_step(dgraphdef, params, rest, opt_state, pgraphdef, pstate, batch,
+                                       jax.random.fold_in(base_key, step))
+                last = (step + 1, *state)
+                done, params, opt_state = last
+                log.pending.append(m)
+                bar.update(1)
+                if done % dt.log_every_steps == 0 or done == dt.steps or received:
+                    bar.set_postfix(log.flush(done))
+                if done % dt.checkpoint_every_steps == 0 or done == dt.steps or received:
+                    saved = done
+                    save(*last)
+                if received and done < dt.steps:
+                    raise TrainingStopped(f"{received[0]}: stopped after step {done} of {dt.steps}; its checkpoint "
+                                          "is saved, and the same command again continues the run")
+                if dt.eval_every_steps and done % dt.eval_every_steps == 0 and done != dt.steps:
+                    log.last_eval = evaluate(nnx.merge(dgraphdef, params, rest), done)
+    except KeyboardInterrupt:  # Ctrl-C twice, or inside the first compile: the steps since the last checkpoint are kept
         if last[0] > saved and any(x.is_deleted() for x in jax.tree.leaves(last[1:])):
             # It came as the next step returned, before its result was taken: that step consumed (donated) these
             print(f"[train-drafter] interrupted inside step {last[0] + 1}, which had taken step {last[0]}'s state; "

@@ -8,7 +8,6 @@ uninterrupted one exactly.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import json
@@ -16,9 +15,8 @@ import logging
 import math
 import signal
 import sys
-import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -28,6 +26,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from fastrl_jax import signals
 from fastrl_jax.checkpoint import RunCheckpointer, UnreadableCheckpoint, read_step_file, write_step_file
 from fastrl_jax.config import Config, ConfigError, TrainingStopped, check_trainable, save_config, to_dict
 from fastrl_jax.data import pipeline
@@ -388,7 +387,7 @@ class Trainer:
         step's checkpoint saved (TrainingStopped)."""
         history = []
         try:
-            with _stop_signals() as received:
+            with signals.deferred((signal.SIGTERM, signal.SIGUSR1), "fastrl-jax") as received:
                 if self.cfg.rl.eval_every_steps and self.step == 0:
                     history.append({"step": 0, **self._evaluation()})
                     self.metrics.log(history[-1])
@@ -600,28 +599,6 @@ class _Sampled(NamedTuple):
     gen_batches: int  # prompt batches drawn
     reward_s: float  # seconds in the reward functions
     dropped: list[tuple[Request, Completion]]  # rl.filter_groups: the rollouts of groups the step does not train on
-
-
-@contextlib.contextmanager
-def _stop_signals() -> Iterator[list[str]]:
-    """The names of SIGTERM / SIGUSR1 received while the block runs, which then no longer end the process at
-    once (the previous handlers come back after it). Only the main thread can take signals: elsewhere the
-    list stays empty."""
-    received: list[str] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield received
-        return
-
-    def note(signum, frame):
-        received.append(signal.Signals(signum).name)
-        print(f"[fastrl-jax] {received[-1]} received: stopping after this step, with its checkpoint", file=sys.stderr)
-
-    previous = {s: signal.signal(s, note) for s in (signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        yield received
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 def _any_process(flag: bool) -> bool:
