@@ -156,7 +156,7 @@ def _checked_requests(args: argparse.Namespace, cfg, path: Path):
 def cmd_generate(args: argparse.Namespace) -> int:
     from fastrl_jax.models.drafter_io import drafter_accept_prior, drafter_dir, make_drafter
     from fastrl_jax.models.hub import resolve_model_path
-    from fastrl_jax.rollout.engine import RolloutEngine
+    from fastrl_jax.rollout.engine import RolloutEngine, shared_prefix_len
     from fastrl_jax.rollout.requests import draft_margin, sampling_problem
 
     output = check_output_file(args.output, "--output") if args.output else None
@@ -176,7 +176,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     policy = _policy(cfg, tokenizer)
     drafter = make_drafter(cfg, policy.cfg, args.drafter, cfg.model.engine_dtype) if cfg.sd.uses_drafter() else None
     engine = RolloutEngine(policy.model, cfg.rollout, sd=cfg.sd, drafter=drafter,
-                           drafter_accept=drafter_accept_prior(args.drafter))
+                           drafter_accept=drafter_accept_prior(args.drafter),
+                           shared_prefix=shared_prefix_len(cfg.rollout, [r.prompt_ids for r in requests]))
     t0 = time.perf_counter()
     results = engine.generate(requests)
     seconds = time.perf_counter() - t0

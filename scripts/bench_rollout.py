@@ -205,7 +205,7 @@ def run_longtail(name, model, drafter, rollout_cfg, sd, requests, repeats: int, 
     shared = engine.shared_prefix_len(requests)
     keys = [k for k in engine.warm_up_keys(shared) if k[1] <= first and (k[0] != "prefill" or k[1] == first)]
     t0 = time.perf_counter()
-    engine.pool.warm_up(keys + [("prefix", 1, shared)] * bool(shared), progress=False)
+    engine.pool.warm_up(keys, progress=False)
     compile_s = time.perf_counter() - t0
     print(f"[{name}] {engine.pool_report()}; {compile_s:.0f}s", file=sys.stderr)
     runs = []
@@ -302,7 +302,7 @@ def bench_stream(args) -> int:
     # (more requests than rows: only the full table prefills, it moves to smaller ones once the queue is empty)
     keys = [k for k in engine.warm_up_keys(shared)
             if k[0] not in ("prefill", "decode_admit") or k[1] == args.batch or len(requests) < args.batch]
-    engine.pool.warm_up(keys + [("prefix", 1, shared)] * bool(shared), progress=True)
+    engine.pool.warm_up(keys, progress=True)
     print(f"[stream] {engine.pool_report()}; {time.perf_counter() - t0:.0f}s; {len(requests)} requests, "
           f"batch {args.batch}, refill {rollout_cfg.refill_rows} rows, shared prompt prefix {shared} tokens, "
           f"length buckets {rollout_cfg.length_buckets}",

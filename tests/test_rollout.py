@@ -16,7 +16,7 @@ from scipy.stats import chisquare
 
 from fastrl_jax.config import ConfigError, RolloutConfig, SpecConfig
 from fastrl_jax.models.drafter import Drafter
-from fastrl_jax.rollout.engine import Request, RolloutEngine, pack_prompts, pick_refill
+from fastrl_jax.rollout.engine import Request, RolloutEngine, pack_prompts, pick_refill, shared_prefix_len
 from fastrl_jax.rollout.sampling import SamplingParams, filtered_logits, first_argmax, position_gumbel, sample
 
 
@@ -736,6 +736,24 @@ def test_a_shared_prompt_prefix_is_prefilled_once_and_changes_no_output(model, k
     for r, y in zip(reqs[::2], sd.generate(reqs[::2])):
         assert y.tokens == greedy_generate(model, r.prompt_ids, r.max_new_tokens)
     assert sd.stats.calls["prefix"] == 1 and sd.stats.sd_steps > 0
+
+
+def test_warm_up_compiles_the_prefills_that_skip_the_prompts_shared_prefix(model):
+    """Every stream of prompts behind a common prefix (a chat template's system turn) prefills past it: an engine
+    told the prefix (the trainer's and generate's) warms those programs up, and its rollout compiles nothing; the
+    no-prefix prefills it warmed before would all have gone unused, and these compiled on the rollout's path."""
+    head = prompts(1, seed=3, lo=10, hi=10)[0]
+    reqs = [Request(head + p, max_new_tokens=6, temperature=0.8 * (i % 2), seed=i)
+            for i, p in enumerate(prompts(6, seed=4, lo=1, hi=6))]
+    cfg = dataclasses.replace(CFG, prompt_buckets=(8, 16), batch_buckets=(4,), length_buckets=(32,), refill_rows=1,
+                              shared_prefix_min=4, warm_up=True)
+    shared = shared_prefix_len(cfg, [r.prompt_ids for r in reqs])
+    assert shared == 8
+    engine = RolloutEngine(model, cfg, progress=False, shared_prefix=shared)
+    warmed = set(engine.pool.stats)
+    engine.generate(reqs)
+    assert set(engine.pool.stats) == warmed and engine.stats.calls["prefix"] == 1 and engine.stats.calls["prefill"]
+    assert all(k[-1] == shared for k in warmed if k[0] in ("prefill", "decode_admit", "prefix"))
 
 
 def test_a_background_compile_during_update_weights_builds_against_the_weights(model, monkeypatch):

@@ -43,7 +43,7 @@ from fastrl_jax.rl.dry_run import memory_warning
 from fastrl_jax.rl.evaluate import completion_text, eval_requests, evaluate, held_out_records
 from fastrl_jax.rl.step_metrics import MetricsLog, rollout_summary
 from fastrl_jax.rl.workers import RolloutWorkers, request_seed
-from fastrl_jax.rollout.engine import Completion, Request
+from fastrl_jax.rollout.engine import Completion, Request, shared_prefix_len
 from fastrl_jax.rollout.history import HistoryStore
 from fastrl_jax.rollout.requests import draft_margin, sampling_problem
 from fastrl_jax.rollout.stats import RolloutStats
@@ -104,6 +104,16 @@ class Trainer:
         self._logp_fn = update.jit_logprobs(self.graphdef, rl.temperature, self.param_shardings, self.mesh,
                                             rl.micro_batch_size)
 
+        d = cfg.data
+        fields = dict(prompt_field=d.prompt_field, messages_field=d.messages_field, answer_field=d.answer_field)
+        train_src = pipeline.source(d.source, cfg.seed, d.math_levels, **fields)
+        if isinstance(train_src, list):  # a prompt file (the built-in problems all fit)
+            train_src = self._fitting(train_src, f"data.source {d.source}")
+        self.data = pipeline.PromptIterator(pipeline.prompt_batches(train_src, rl.prompts_per_step, cfg.seed, d.shuffle))
+        self.num_records = len(train_src)  # the stream's order depends on it: a resume checks it
+        self.eval_records = (self._fitting(held_out_records(cfg, rl.eval_prompts), f"data.eval_source {d.eval_source}")
+                             if rl.eval_every_steps else [])
+
         self.drafter = make_drafter(cfg, model.cfg, rl.drafter_path) if cfg.sd.uses_drafter() else None
         # Earlier steps' completions per prompt, drafted from when a prompt comes back (checkpointed).
         h = cfg.sd.history
@@ -111,7 +121,8 @@ class Trainer:
         online = self.drafter is not None and cfg.drafter_online.enabled
         # Only the online drafter trainer reads the rollouts' hidden states: without it they stay on the device.
         self.workers = RolloutWorkers(cfg, self.graphdef, self.params, self.mesh, self.drafter, self.history,
-                                      drafter_accept=drafter_accept_prior(rl.drafter_path), keep_hidden=online)
+                                      drafter_accept=drafter_accept_prior(rl.drafter_path), keep_hidden=online,
+                                      shared_prefix=self._shared_prefix(train_src))
         # Drafter steps done at its latest acceptance estimate; a random drafter's prior (~1 token per step)
         # stands for one at 0 steps, a checkpoint has none.
         self._estimated_at = None if rl.drafter_path else 0
@@ -124,16 +135,6 @@ class Trainer:
             self.drafter = self.spot.drafter()  # its sharded copy: the one make_drafter built sits whole on one device
         self.stop_ids = stop_ids(model.cfg, tokenizer)
         self.reward_fn = rewards.combined(cfg.reward.functions, cfg.reward.weights)
-
-        d = cfg.data
-        fields = dict(prompt_field=d.prompt_field, messages_field=d.messages_field, answer_field=d.answer_field)
-        train_src = pipeline.source(d.source, cfg.seed, d.math_levels, **fields)
-        if isinstance(train_src, list):  # a prompt file (the built-in problems all fit)
-            train_src = self._fitting(train_src, f"data.source {d.source}")
-        self.data = pipeline.PromptIterator(pipeline.prompt_batches(train_src, rl.prompts_per_step, cfg.seed, d.shuffle))
-        self.num_records = len(train_src)  # the stream's order depends on it: a resume checks it
-        self.eval_records = (self._fitting(held_out_records(cfg, rl.eval_prompts), f"data.eval_source {d.eval_source}")
-                             if rl.eval_every_steps else [])
 
         self.out_dir = Path(rl.out_dir).expanduser()
         self.checkpointer = RunCheckpointer(self.out_dir / "checkpoints", rl.keep_checkpoints) if rl.checkpoint_every_steps else None
@@ -153,6 +154,13 @@ class Trainer:
     def _prompt(self, record: dict) -> list[int]:
         d = self.cfg.data
         return record_prompt_ids(record, self.tokenizer, d.instruction, d.chat_template)
+
+    def _shared_prefix(self, src) -> int:
+        """The prompt prefix the rollouts' streams will share (a chat template's system turn, an instruction
+        ahead of the question), judged on up to 64 records spread over the source: the engines warm up the
+        prefills that skip it."""
+        picks = np.unique(np.linspace(0, len(src) - 1, min(len(src), 64)).astype(np.int64))
+        return shared_prefix_len(self.cfg.rollout, [self._prompt(src[int(i)]) for i in picks])
 
     def _fitting(self, records: list[dict], what: str) -> list[dict]:
         """The records whose prompt fits the largest prompt bucket; the others are left out with a warning (verl's

@@ -56,9 +56,10 @@ class RolloutWorkers:
 
     def __init__(self, cfg: Config, graphdef, params: dict, mesh: Mesh, drafter: Drafter | None,
                  history: HistoryStore | None = None, progress: bool = False, drafter_accept: float = math.inf,
-                 keep_hidden: bool = False):
+                 keep_hidden: bool = False, shared_prefix: int = 0):
         """drafter_accept: the drafter's estimated tokens per step so far (RolloutEngine.set_drafter_accept).
-        keep_hidden: local completions carry the policy's hidden states (the online drafter trainer's data)."""
+        keep_hidden: local completions carry the policy's hidden states (the online drafter trainer's data).
+        shared_prefix: the prompt prefix the rollouts share (RolloutEngine's, for its warm-up)."""
         self.graphdef = graphdef
         self.dtype = DTYPES[cfg.model.engine_dtype]
         self.num_replicas = mesh.shape["data"]
@@ -87,7 +88,7 @@ class RolloutWorkers:
                 d_graph, d_state = nnx.split(drafter)
                 local_drafter = nnx.merge(d_graph, jax.device_put(d_state, shardings_for(d_state, sub)))
             engine = RolloutEngine(model, cfg.rollout, sd=cfg.sd, drafter=local_drafter, progress=progress, history=history,
-                                   drafter_accept=drafter_accept, keep_hidden=keep_hidden)
+                                   drafter_accept=drafter_accept, keep_hidden=keep_hidden, shared_prefix=shared_prefix)
             self.replicas.append(Replica(i, sub, shardings, engine))
         self.local_stats = RolloutStats()  # the last generate's stats of this process's replicas alone
 

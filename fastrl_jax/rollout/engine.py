@@ -146,6 +146,21 @@ def pick_refill(prompts: Sequence[Sequence[int]], rows: int, buckets: Sequence[i
     return sorted(take)
 
 
+def shared_prefix_len(cfg: RolloutConfig, prompts: Sequence[Sequence[int]]) -> int:
+    """How many leading tokens a stream of `prompts` prefills once for all: their common prefix in multiples of
+    rollout.shared_prefix_min, leaving every prompt a token of its own (0 for fewer than two prompts or a shorter
+    prefix)."""
+    block = cfg.shared_prefix_min
+    if not block or len(prompts) < 2:
+        return 0
+    first, shortest = prompts[0], min(len(p) for p in prompts)
+    n = 0
+    while n < shortest - 1 and all(p[n] == first[n] for p in prompts):
+        n += 1
+    n = min(n, cfg.length_buckets[-1] - cfg.prompt_buckets[-1])  # prefix + prompt bucket fit a row
+    return n // block * block
+
+
 class RolloutEngine:
     """Generates completions for many requests at once on one model replica."""
 
@@ -161,6 +176,7 @@ class RolloutEngine:
         history: HistoryStore | None = None,
         feature_layers: tuple[int, ...] | None = None,
         drafter_accept: float = math.inf,
+        shared_prefix: int = 0,
     ):
         """keep_hidden: completions carry the policy's hidden states (features) on the host, the drafter's
         training data.
@@ -169,7 +185,10 @@ class RolloutEngine:
         feature_layers: the policy features kept as hidden states (Decoder capture indices; () the
         last-layer hidden state); None: the drafter's (Drafter.feature_layers), () without one.
         drafter_accept: the drafter's estimated tokens per step (set_drafter_accept); inf, trusted, by
-        default; 1.0 for a randomly initialised one."""
+        default; 1.0 for a randomly initialised one.
+        shared_prefix: the leading prompt tokens the caller's streams share (shared_prefix_len of its prompts,
+        e.g. a chat template's system turn): rollout.warm_up compiles the prefills that skip them, which every
+        stream of such prompts runs, and not those of no prefix."""
         self.cfg = cfg
         self.model_cfg = model.cfg
         self.graphdef, self.state = nnx.split(model)
@@ -193,7 +212,7 @@ class RolloutEngine:
         self.stats = RolloutStats()  # the last rollout's
         self.timeline: list[Call] = []  # the last rollout's program calls
         if cfg.warm_up:
-            self._warm_up(progress)
+            self._warm_up(progress, shared_prefix)
 
     def _set_up_speculation(self, sd: SpecConfig, drafter: Drafter | None, history: HistoryStore | None,
                             feature_layers: tuple[int, ...] | None, drafter_accept: float) -> None:
@@ -242,10 +261,10 @@ class RolloutEngine:
             jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
             for tree in (self.state, self.drafter_state))
 
-    def _warm_up(self, progress: bool) -> None:
+    def _warm_up(self, progress: bool, prefix_len: int) -> None:
         """Compiles every program the engine may run (rollout.warm_up), with a report of what it took."""
         t0 = time.perf_counter()
-        self.pool.warm_up(self.warm_up_keys(), progress)
+        self.pool.warm_up(self.warm_up_keys(prefix_len), progress)
         report = self.pool_report()
         log.info("%s; wall %.1fs", report, time.perf_counter() - t0)
         if progress:
@@ -283,6 +302,7 @@ class RolloutEngine:
         if c.prefill_with_decode:  # refills of up to an eighth of a table ride on a decode step
             keys += [("decode_admit", b, kv, n, prefix_len) for b in c.batch_buckets for kv in c.length_buckets
                      for n in c.prompt_buckets]
+        keys += [("prefix", 1, prefix_len)] if prefix_len else []
         keys += [("resize", b, s) for b in c.batch_buckets for s in c.batch_buckets if s < b]
         keys += [("empty", b) for b in c.batch_buckets]
         return keys
@@ -396,18 +416,8 @@ class RolloutEngine:
         )
 
     def shared_prefix_len(self, requests: Sequence[Request]) -> int:
-        """How many leading prompt tokens a stream of `requests` prefills once for all: their common
-        prefix in multiples of rollout.shared_prefix_min, leaving every prompt a token of its own
-        (0 for fewer than two requests or a shorter prefix)."""
-        block, prompts = self.cfg.shared_prefix_min, [r.prompt_ids for r in requests]
-        if not block or len(prompts) < 2:
-            return 0
-        first, shortest = prompts[0], min(len(p) for p in prompts)
-        n = 0
-        while n < shortest - 1 and all(p[n] == first[n] for p in prompts):
-            n += 1
-        n = min(n, self.max_len - self.cfg.prompt_buckets[-1])  # prefix + prompt bucket fit a row
-        return n // block * block
+        """How many leading prompt tokens a stream of `requests` prefills once for all (shared_prefix_len)."""
+        return shared_prefix_len(self.cfg, [r.prompt_ids for r in requests])
 
     def _no_prefix(self, length: int = 0) -> programs.Prefix:
         width = self.model_cfg.hidden_size * max(len(self.feature_layers), 1)
