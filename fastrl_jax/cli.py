@@ -294,20 +294,35 @@ def cmd_export_drafter(args: argparse.Namespace) -> None:
         args.config = str(run_config)
         print(f"[fastrl-jax] the policy of {run_config}", file=sys.stderr)
     cfg = _config(args)
-    model_cfg = read_model_config(resolve_model_path(cfg.model.path))
+    model_path = resolve_model_path(cfg.model.path)
+    model_cfg = read_model_config(model_path)
     drafter = load_drafter(source, model_cfg, cfg.model.dtype)
+    dtype = args.dtype or _source_dtype(model_path) or str(drafter.fc[...].dtype)
     eagle, arch = ("eagle3", "LlamaForCausalLMEagle3") if drafter.kind == "eagle3" else ("eagle", eagle_architecture(model_cfg))
     with export_into(out) as partial:  # a failed export leaves nothing behind
-        save_drafter(partial / "orbax", drafter)
+        save_drafter(partial / "orbax", drafter)  # in model.dtype: it trains on (rl.drafter_path)
         if drafter.kind == "eagle3":  # its lm_head.weight is the policy's head rows: the one export that reads the weights
-            export_eagle3(drafter, _drafter_policy(args, cfg, source), partial / eagle)
+            export_eagle3(drafter, _drafter_policy(args, cfg, source), partial / eagle, dtype)
         else:
-            export_eagle(drafter, model_cfg, partial / eagle)
+            export_eagle(drafter, model_cfg, partial / eagle, dtype)
     print(f"[fastrl-jax] wrote {out / 'orbax'} (Orbax, fastrl-jax generate --drafter) and {out / eagle} "
-          f"(safetensors, SGLang {arch})", file=sys.stderr)
+          f"(safetensors in {dtype}, SGLang {arch})", file=sys.stderr)
+    # SGLang takes a draft model's dtype from its own config.json (float32 as float16) and the target's from the
+    # target's: a float16 drafter beside a bfloat16 target fails at its first matmul, unless --dtype sets both.
+    flags = f"--speculative-algorithm {eagle.upper()} --speculative-draft-model-path {out / eagle} --dtype {dtype}"
     if (out / eagle / "token_map.pt").is_file():  # SGLang's EAGLE reads the draft vocabulary from this flag alone
-        print(f"[fastrl-jax] serve it with --speculative-algorithm EAGLE --speculative-draft-model-path {out / eagle} "
-              f"--speculative-token-map {out / eagle / 'token_map.pt'}", file=sys.stderr)
+        flags += f" --speculative-token-map {out / eagle / 'token_map.pt'}"
+    print(f"[fastrl-jax] serve it beside its policy with {flags}", file=sys.stderr)
+
+
+def _source_dtype(path: Path) -> str | None:
+    """An HF checkpoint's dtype (config.json's torch_dtype, or transformers 5's dtype) when it is one an export
+    can write; None for a GGUF file or another dtype."""
+    from fastrl_jax.models.export import EXPORT_DTYPES
+
+    config = _source_files(path)[0] or {}
+    dtype = config.get("dtype") or config.get("torch_dtype")
+    return dtype if dtype in EXPORT_DTYPES else None
 
 
 def _drafter_policy(args: argparse.Namespace, cfg, source: Path):
@@ -678,6 +693,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--drafter", required=True, help="train-drafter out_dir, a train run's rl.out_dir (its online drafter), "
                     "or a drafter checkpoint directory")
     ex.add_argument("--out", required=True, help="new directory: OUT/orbax and OUT/eagle are written")
+    ex.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                    help="the SGLang export's weights (default: the policy checkpoint's torch_dtype, else the drafter's)")
     ex.set_defaults(func=cmd_export_drafter)
     _add_export_policy(sub)
     _add_eval(sub)

@@ -45,6 +45,29 @@ def test_export_drafter_writes_orbax_and_eagle(tmp_path):
     assert res.returncode == 0 and (tmp_path / "export2" / "eagle" / "config.json").is_file(), res.stderr
 
 
+def test_export_drafter_writes_the_policys_dtype_and_the_serve_flags_name_it(tmp_path):
+    """SGLang gives a draft model the dtype of its own config.json (float32 as float16) and the target its own: a
+    float32 export beside a bfloat16 policy (Qwen2.5's, Llama-3's) fails at the draft's first matmul (found by
+    review). The export takes the policy checkpoint's torch_dtype, and the printed serve flags set --dtype."""
+    from safetensors.numpy import load_file
+
+    policy = tiny_model_dir(tmp_path)
+    config = json.loads((policy / "config.json").read_text())
+    (policy / "config.json").write_text(json.dumps(config | {"torch_dtype": "bfloat16"}))
+    drafter = Drafter(TINY, nnx.Rngs(0), draft_vocab=np.arange(0, 128, 2))
+    save_drafter(tmp_path / "d", drafter)
+    for flag, dtype in (((), "bfloat16"), (("--dtype", "float16"), "float16")):
+        out = tmp_path / f"export_{dtype}"
+        res = fastrl_jax("export-drafter", "--model", str(policy), "--drafter", str(tmp_path / "d"), "--out", str(out), *flag)
+        assert res.returncode == 0, res.stderr
+        assert json.loads((out / "eagle" / "config.json").read_text())["torch_dtype"] == dtype
+        assert str(load_file(str(out / "eagle" / "model.safetensors"))["fc.weight"].dtype) == dtype
+        assert f"--speculative-algorithm EAGLE --speculative-draft-model-path {out / 'eagle'} --dtype {dtype}" in res.stderr
+        np.testing.assert_allclose(load_eagle(out / "eagle", TINY).fc[...].astype(np.float32), drafter.fc[...],
+                                   rtol=1e-2, atol=1e-3)
+        assert load_drafter(out / "orbax", TINY).fc[...].dtype == np.float32  # it trains on: model.dtype
+
+
 def test_missing_unfinished_or_foreign_drafters_are_one_clear_line(tmp_path):
     policy = str(tiny_model_dir(tmp_path))
     unfinished = tmp_path / "warmup"
@@ -130,6 +153,7 @@ def test_export_drafter_writes_eagle3_for_an_eagle3_drafter(tmp_path):
     res = fastrl_jax("export-drafter", "--model", str(policy_dir), "--drafter", str(tmp_path / "d"), "--out", str(out))
     assert res.returncode == 0, res.stderr
     assert "LlamaForCausalLMEagle3" in res.stderr and not (out / "eagle").exists()
+    assert f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {out / 'eagle3'} --dtype float32" in res.stderr
     assert json.loads((out / "eagle3" / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
     policy, _ = load_model(policy_dir, make_mesh(MeshConfig(fsdp=-1)))
     head = load_file(str(out / "eagle3" / "model.safetensors"))["lm_head.weight"]

@@ -45,7 +45,7 @@ from flax import nnx
 from fastrl_jax.models.config import ModelConfig
 from fastrl_jax.models.decoder import Decoder
 from fastrl_jax.models.drafter import Drafter
-from fastrl_jax.models.export import export_into, readable_as_umask_allows
+from fastrl_jax.models.export import EXPORT_DTYPES, export_into, readable_as_umask_allows
 from fastrl_jax.models.loading import HFTensor, hf_layer_tensors
 
 _FILE = "model.safetensors"
@@ -151,19 +151,29 @@ def _write(out_dir: str | Path, tensors: dict[str, np.ndarray], config: dict, to
     return out
 
 
-def export_eagle(drafter: Drafter, policy_cfg: ModelConfig, out_dir: str | Path) -> Path:
+def _in_dtype(tensors: dict[str, np.ndarray], dtype: str | None) -> tuple[dict[str, np.ndarray], str]:
+    """The weights cast to `dtype` (an EXPORT_DTYPES key; None: as they are) and that dtype's name."""
+    if dtype is None:
+        return tensors, str(next(iter(tensors.values())).dtype)
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export dtype {dtype!r} is not supported; use one of {', '.join(EXPORT_DTYPES)}")
+    return {k: v.astype(EXPORT_DTYPES[dtype]) for k, v in tensors.items()}, dtype
+
+
+def export_eagle(drafter: Drafter, policy_cfg: ModelConfig, out_dir: str | Path, dtype: str | None = None) -> Path:
     """Writes config.json and model.safetensors (and token_map.pt with a draft vocabulary) to out_dir, a new or
-    empty directory."""
+    empty directory; dtype: the weights' (an EXPORT_DTYPES key), the drafter's by default."""
     if drafter.kind != "eagle":
         raise ValueError(f"export_eagle writes EAGLE drafters; this one is {drafter.kind} (use export_eagle3)")
     _check_policy(drafter, policy_cfg)
     fc = np.asarray(drafter.fc[...])  # [2H, H]
-    tensors = {"fc.weight": fc.T, "fc.bias": np.zeros(fc.shape[1], fc.dtype), **_layer_tensors(drafter)}
+    tensors, dtype = _in_dtype({"fc.weight": fc.T, "fc.bias": np.zeros(fc.shape[1], fc.dtype), **_layer_tensors(drafter)},
+                               dtype)
     if eagle_architecture(policy_cfg) == "LlamaForCausalLMEagle":  # Qwen2's loader fails on a tensor it has no place for
         tensors |= _vocab_tensors(drafter, policy_cfg.vocab_size)
     vocab = None if drafter.draft_vocab is None else drafter.draft_vocab_size
     token_ids = None if drafter.draft_vocab is None else np.asarray(drafter.draft_vocab[...])
-    return _write(out_dir, tensors, eagle_config(policy_cfg, vocab, str(fc.dtype)), token_ids)
+    return _write(out_dir, tensors, eagle_config(policy_cfg, vocab, dtype), token_ids)
 
 
 def write_token_map(ids: np.ndarray, out_dir: Path) -> Path:
@@ -210,10 +220,10 @@ def _eagle3_layer_names(cfg: ModelConfig) -> dict[str, tuple]:
     return names
 
 
-def export_eagle3(drafter: Drafter, policy: Decoder, out_dir: str | Path) -> Path:
+def export_eagle3(drafter: Drafter, policy: Decoder, out_dir: str | Path, dtype: str | None = None) -> Path:
     """Writes an EAGLE-3 drafter as SGLang's LlamaForCausalLMEagle3 checkpoint (config.json and
     model.safetensors) to out_dir, a new or empty directory; the policy gives the draft vocabulary's head
-    rows (lm_head.weight)."""
+    rows (lm_head.weight). dtype: the weights' (an EXPORT_DTYPES key), the drafter's by default."""
     if drafter.kind != "eagle3":
         raise ValueError(f"export_eagle3 writes EAGLE-3 drafters; this one is {drafter.kind} (use export_eagle)")
     cfg = policy.cfg
@@ -225,11 +235,12 @@ def export_eagle3(drafter: Drafter, policy: Decoder, out_dir: str | Path) -> Pat
                     "feed this drafter other features than it was trained on", layers, cfg.num_layers)
     p = {k: np.asarray(v)[0] for k, v in nnx.to_pure_dict(nnx.state(drafter.layers, nnx.Param)).items()}
     fc = np.asarray(drafter.fc[...])  # [3H, H]
-    tensors = {"fc.weight": fc.T, "norm.weight": np.asarray(drafter.norm[...]),
-               "lm_head.weight": np.asarray(drafter.head_weight(policy)).astype(fc.dtype),
-               **{name: to_hf(p[ours]) for ours, (name, _, to_hf) in _eagle3_layer_names(drafter.cfg).items()},
-               **_vocab_tensors(drafter, cfg.vocab_size)}
-    config = eagle_config(drafter.cfg, drafter.draft_vocab_size, str(fc.dtype)) | {
+    tensors, dtype = _in_dtype({
+        "fc.weight": fc.T, "norm.weight": np.asarray(drafter.norm[...]),
+        "lm_head.weight": np.asarray(drafter.head_weight(policy)).astype(fc.dtype),
+        **{name: to_hf(p[ours]) for ours, (name, _, to_hf) in _eagle3_layer_names(drafter.cfg).items()}}, dtype)
+    tensors |= _vocab_tensors(drafter, cfg.vocab_size)
+    config = eagle_config(drafter.cfg, drafter.draft_vocab_size, dtype) | {
         "architectures": ["LlamaForCausalLMEagle3"], "target_hidden_size": cfg.hidden_size,
         "bias": False,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in drafter.feature_layers]},
