@@ -194,12 +194,16 @@ def test_adaptive_greedy_equals_plain_and_never_reruns_the_policy(adaptive_engin
     assert "decode" not in phases[first_sd:]  # the batch never grows back: no flapping
     s = engine.stats
     assert s.steps_plain > 0 and s.steps_sd > 0 and s.calls["draft_prefill"] == 1
-    assert s.strategies["2/2/4"].steps > 0 and s.strategies["3/1/4"].steps > 0  # the bandit tried both at live batch 2..3
+    assert s.strategies["2/2/4"].steps > 0
     assert s.strategies["3/2/6"].steps > 0  # the last row alone runs the 6-token tree
     # The timeline accounts for every token but each request's first (sampled by the prefill).
     assert sum(e.tokens for e in engine.timeline) + len(reqs) == s.tokens == sum(len(o.tokens) for o in out)
     assert all(e.speculative == (e.live <= 3) for e in engine.timeline)
     assert all(e.strategy in ("", "3/2/6") or e.live > 1 for e in engine.timeline)
+    # The bandit tries both at live batch 2..3: 2/2/4 first, whose first call (its program's first run, not
+    # measured) left it untried for one more; its rival's turn came in the next rollout.
+    engine.generate(reqs)
+    assert engine.stats.strategies["3/1/4"].steps > 0
 
 
 def test_adaptive_coupled_sampling_is_bit_identical_to_plain(adaptive_engine, model):
@@ -300,3 +304,76 @@ def test_an_arm_whose_background_compile_fails_decodes_plainly(model, caplog):
     assert engine.stats.steps_sd == 0 and "failed to compile in the background (RuntimeError: ptxas fatal" in caplog.text
     engine.generate(reqs)
     assert caplog.text.count("failed to compile in the background") == len(engine._failed_compiles)  # once a program
+
+
+def test_an_arm_that_cannot_compile_leaves_its_bucket_to_the_other_arms(model):
+    """It stayed untried, so the bandit chose it at every host step and each call decoded plainly: the other
+    strategy and the plain arm of its bucket were never tried (found by review). It now earns nothing there."""
+    sd = SpecConfig(mode="adaptive", threshold_live_batch=3, patience_host_steps=1, strategies=((2, 2, 4), (3, 1, 4)),
+                    plain_arm=True)
+    engine = RolloutEngine(model, ADAPTIVE_CFG, sd=sd, drafter=Drafter(TINY, nnx.Rngs(5)), progress=False)
+    broken_arm, ready = Strategy(2, 2, 4), engine.pool.ready
+
+    def broken(key):
+        if key[0] == "sd" and key[3] == broken_arm:
+            raise RuntimeError("ptxas fatal: out of registers")
+        return ready(key)
+
+    engine.pool.ready = broken
+    reqs = [Request(p, max_new_tokens=5 + 4 * i) for i, p in enumerate(prompts(7, seed=1))]
+    expected = [greedy_generate(model, r.prompt_ids, r.max_new_tokens) for r in reqs]
+    pulls, rivals = engine.chooser.pulls, [((4,), Strategy(3, 1, 4)), ((4,), PLAIN)]
+    deadline = time.monotonic() + 300  # the rival tree compiles in the background, at the machine's pace
+    while not all(pulls[arm] for arm in rivals) and time.monotonic() < deadline:
+        assert [o.tokens for o in engine.generate(reqs)] == expected
+    assert all(pulls[arm] for arm in rivals), dict(pulls)
+    assert max(engine.chooser.rewards[(4,), broken_arm]) == 0.0
+
+
+def test_a_programs_first_run_is_not_charged_to_its_arm(model, monkeypatch):
+    """The pool compiles ahead of the timing but a program's first run still pays one-time costs (43 against
+    0.5 ms for an empty-table call on this CPU; module loading on a GPU), and an arm's first, exploring pull
+    is a short call: that reward decided its median while the window held one (found by review). Here every
+    program's first run takes 0.5 s more: a reward counting one would be below 100 tokens/s a row."""
+    sd = SpecConfig(mode="adaptive", threshold_live_batch=3, patience_host_steps=1, compile_in_background=False,
+                    strategies=((3, 2, 6),), plain_arm=True)
+    engine = RolloutEngine(model, ADAPTIVE_CFG, sd=sd, drafter=Drafter(TINY, nnx.Rngs(5)), progress=False)
+    get, seen = engine.pool.get, set()
+
+    def slow_first_run(key):
+        program = get(key)
+
+        def run(*args):
+            if key not in seen:
+                seen.add(key)
+                time.sleep(0.5)
+            return program(*args)
+
+        return run
+
+    monkeypatch.setattr(engine.pool, "get", slow_first_run)
+    recorded = []
+    record = engine.chooser.record
+    monkeypatch.setattr(engine.chooser, "record", lambda s, live, r: recorded.append(r) or record(s, live, r))
+    engine.generate([Request(p, max_new_tokens=5 + 4 * i) for i, p in enumerate(prompts(7, seed=1))])
+    assert recorded and min(recorded) > 100, recorded
+
+
+def test_new_drafter_weights_get_their_arms_measured_again(model):
+    """The bandit kept an EAGLE arm's rewards across update_drafter: earned by the old drafter, they were outvoted
+    only by exploring pulls (epsilon / arms of the choices; never at epsilon 0), so a trained drafter's arm kept
+    losing to plain decoding (found by review)."""
+    tree = Strategy(3, 2, 6)
+    sd = SpecConfig(mode="adaptive", threshold_live_batch=3, strategies=("3/2/6", "h5"), plain_arm=True,
+                    epsilon=0.0)
+    engine = RolloutEngine(model, CFG, sd=sd, drafter=Drafter(TINY, nnx.Rngs(5)), progress=False, drafter_accept=1.5)
+    c = engine.chooser
+    history = next(s for s in c.strategies if not s.uses_drafter)
+    for _ in range(8):  # the old drafter's tree loses to plain decoding
+        c.record(tree, 2, 80.0)
+        c.record(history, 2, 90.0)
+        c.record(PLAIN, 2, 100.0)
+    assert c.choose(2) == PLAIN
+    engine.update_drafter(Drafter(TINY, nnx.Rngs(6)), accept=3.0)
+    assert c.choose(2) == tree and c.exploring  # tried again at once
+    assert len(c.rewards[c.bucket(2), history]) == 8  # drafting from history did not change

@@ -97,6 +97,13 @@ class StrategyChooser:
         self.rng = np.random.default_rng(seed)
         self.exploring = False  # whether the last choice was exploration (untried or random), not the best arm
 
+    def forget_drafter_arms(self) -> None:
+        """Forgets what the arms drafting with the EAGLE drafter earned (new drafter weights: they earn anew, and
+        each is tried again where it competes, instead of waiting for exploration to find it better)."""
+        for table in (self.rewards, self.pulls):
+            for key in [k for k in table if k[1].uses_drafter]:
+                del table[key]
+
     def state(self) -> dict:
         """What the bandit has learned (rewards, pulls, the exploration RNG), JSON-able, for checkpoints."""
         return {"rewards": [[list(b), s.label, list(r)] for (b, s), r in self.rewards.items() if r],

@@ -208,6 +208,8 @@ class RolloutEngine:
         self._place_on_devices()
         self.pool = ProgramPool(self._build, compiler_options, mesh=self.mesh)
         self._failed_compiles: set[tuple] = set()  # background compiles that failed: their arms decode plainly there
+        self._ran: set[tuple] = set()  # programs run at least once
+        self._first_runs = 0  # calls that were a program's first run
         self._plain_step_s: dict[tuple[int, int], float] = {}  # (batch, kv_len): the latest plain call's seconds per step
         self.stats = RolloutStats()  # the last rollout's
         self.timeline: list[Call] = []  # the last rollout's program calls
@@ -440,12 +442,14 @@ class RolloutEngine:
 
     def update_drafter(self, drafter: Drafter, accept: float = math.nan) -> None:
         """Swaps in new drafter weights (every compiled program is reused), with their estimated
-        tokens per step when known (set_drafter_accept)."""
+        tokens per step when known (set_drafter_accept); the bandit forgets what the old drafter's arms earned."""
         graphdef, state = nnx.split(drafter)
         if graphdef != self.drafter_graphdef:
             raise ValueError("update_drafter needs a drafter of the same structure as the engine's")
         _check_dtypes("update_drafter", state, self.drafter_state)
         self.drafter_state = self._on_mesh(state)
+        if self.chooser is not None:
+            self.chooser.forget_drafter_arms()
         self.set_drafter_accept(accept)
 
     def set_drafter_accept(self, accept: float) -> None:
@@ -612,6 +616,9 @@ class RolloutEngine:
         out = jax.block_until_ready(program(*args))
         seconds = time.perf_counter() - t0
         rec.timed(key[0], seconds)
+        if key not in self._ran:  # a program's first run pays one-time costs (loading it; 43 against 0.5 ms, CPU)
+            self._ran.add(key)
+            self._first_runs += 1
         return out, seconds
 
     def _admit(self, table: _Table, queue: deque[int], requests: Sequence[Request], rec: Recorder) -> None:
@@ -693,8 +700,11 @@ class RolloutEngine:
         longest = int(max(before[5, r] for r in range(batch) if table.row_req[r] >= 0))
         prefill_s = 0.0
         wide = None
+        first_runs = self._first_runs
         background = pulled and not strategy.is_plain and self.sd.compile_in_background
         if background and not self._sd_programs_ready(table, strategy, longest):
+            if any(k in self._failed_compiles for k in self._sd_keys(table, strategy, longest)):
+                self.chooser.record(strategy, live, 0.0)  # it cannot run here: it earns nothing, and the bandit moves on
             strategy, pulled = speculative.PLAIN, False  # plain decoding while the arm's programs compile
         if strategy.is_plain:
             kv_len = self._plain_kv_len(longest)
@@ -732,7 +742,9 @@ class RolloutEngine:
             plain_step = self._plain_step_s.get((batch, self._plain_kv_len(longest)))
             if plain_step is not None:  # plain decoding emits a token per live row and step
                 rec.stats.sd_saved_s += tokens / live * plain_step - seconds - prefill_s
-        if pulled:  # the drafter prefill a switch to EAGLE needed is part of the arm's cost
+        # The drafter prefill a switch to EAGLE needed is part of the arm's cost; a call that was some program's
+        # first run is not the arm's (it stays untried, or keeps its rewards, and is measured at the next visit).
+        if pulled and self._first_runs == first_runs:
             self.chooser.record(strategy, live, tokens / (seconds + prefill_s) / live)
 
     def _plain_kv_len(self, longest: int) -> int:
@@ -745,11 +757,8 @@ class RolloutEngine:
     def _sd_programs_ready(self, table: _Table, strategy: speculative.Strategy, longest: int) -> bool:
         """Whether the programs a call of `strategy` runs now are compiled; those that are not start
         compiling in the background (sd.compile_in_background)."""
-        keys = [("sd", table.batch, self._sd_kv_len(strategy, longest), strategy)]
-        if strategy.uses_drafter and not table.draft_fresh:
-            keys.append(self._draft_prefill_key(table, longest))
         ready = True
-        for key in keys:  # each: every missing one starts compiling
+        for key in self._sd_keys(table, strategy, longest):  # each: every missing one starts compiling
             if key in self._failed_compiles:
                 return False
             try:
@@ -760,6 +769,13 @@ class RolloutEngine:
                             "from now on", key[:3], compile_error(e), strategy.label)
                 return False
         return ready
+
+    def _sd_keys(self, table: _Table, strategy: speculative.Strategy, longest: int) -> list[tuple]:
+        """The programs a call of `strategy` runs now."""
+        keys = [("sd", table.batch, self._sd_kv_len(strategy, longest), strategy)]
+        if strategy.uses_drafter and not table.draft_fresh:
+            keys.append(self._draft_prefill_key(table, longest))
+        return keys
 
     def _draft_prefill_key(self, table: _Table, longest: int) -> tuple:
         return ("draft_prefill", table.batch, self._plain_kv_len(longest))
