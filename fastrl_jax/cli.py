@@ -61,9 +61,14 @@ def _read_prompts(args, tokenizer) -> list[list[int]]:
     return read_prompt_file(args.prompts, encode)
 
 
-def check_output_file(path: str, flag: str) -> Path:
-    """An output file's path, checked before any work: not a directory, in an existing writable directory."""
+def check_output_file(path: str, flag: str, reads: Sequence[tuple[str, str | None]] = ()) -> Path:
+    """An output file's path, checked before any work: not a directory, in an existing writable directory, and
+    none of the files the command reads (reads: (its flag or key, path) pairs), which the output would replace."""
     out = Path(path).expanduser()
+    for what, read in reads:
+        if read and out.resolve() == Path(read).expanduser().resolve():
+            raise ConfigError(f"{flag} {path} is a file the command reads ({what}): the output would replace it; "
+                              f"give another {flag} path")
     if out.is_dir():
         raise ValueError(f"{flag} {out} is a directory; give the path of a file (in it, or elsewhere)")
     if not out.parent.is_dir():
@@ -159,10 +164,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from fastrl_jax.rollout.engine import RolloutEngine, shared_prefix_len
     from fastrl_jax.rollout.requests import draft_margin, sampling_problem
 
-    output = check_output_file(args.output, "--output") if args.output else None
-    if output and args.prompts and output.resolve() == Path(args.prompts).expanduser().resolve():
-        raise ConfigError(f"--output {args.output} is the --prompts file: its prompts would be overwritten by the "
-                          "completions; give another --output path")
+    output = check_output_file(args.output, "--output", [("--prompts", args.prompts)]) if args.output else None
     cfg = _generate_config(args)
     problem = sampling_problem(args.max_new_tokens, args.temperature, args.top_k, args.top_p, cfg.rollout,
                                draft_margin(cfg.sd))
@@ -479,15 +481,16 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from fastrl_jax.models.drafter_io import drafter_accept_prior, drafter_dir, make_drafter
     from fastrl_jax.rl.evaluate import evaluate, format_table, held_out_records, model_workers
 
-    out = check_output_file(args.out, "--out") if args.out else None
     defaults = ["rollout.warm_up=false", f"sd.mode={args.sd!r}"]  # programs compile when reached
     cfg, path = _eval_policy_config(args, defaults)
+    source = args.prompts or cfg.data.eval_source
+    read = ("--prompts" if args.prompts else "data.eval_source", source if source != MATH_SOURCE else None)
+    out = check_output_file(args.out, "--out", [read]) if args.out else None
     num_prompts, samples, temperature, max_new = _eval_settings(args, cfg)
     if args.drafter:
         drafter_dir(args.drafter)
     if note := untrained_drafter_note(cfg.sd, args.drafter, "eval"):
         print(f"[fastrl-jax] {note}", file=sys.stderr)
-    source = args.prompts or cfg.data.eval_source
     if source != MATH_SOURCE:
         try:
             checked_file(source, "--prompts" if args.prompts else "data.eval_source")
@@ -517,7 +520,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         settings = {"run": args.run, "step": step, "model": cfg.model.path, "prompts": source, "num_prompts": len(records),
                     "samples": samples, "temperature": temperature, "top_k": cfg.rl.eval_top_k, "top_p": cfg.rl.eval_top_p,
                     "max_new_tokens": max_new, "seed": cfg.seed, "sd": cfg.sd.mode}
-        files.write_text(out, json.dumps(settings | result, indent=1) + "\n")
+        files.write_json(out, settings | result, indent=1)
         print(f"[fastrl-jax] wrote {out}", file=sys.stderr)
 
 
@@ -554,17 +557,20 @@ def cmd_bench_sd(args: argparse.Namespace) -> None:
     cfg = _config(args, ["rollout.warm_up=false"])
     if args.drafter:
         drafter_dir(args.drafter)
-    out = check_output_file(args.out, "--out")
+    out = check_output_file(args.out, "--out", [("--prompt-file", p) for p in args.prompt_file])
     plot = None
     if args.plot:  # matplotlib adds .png to a name without a suffix: check (and report) the file it writes
         plot = check_output_file(args.plot if Path(args.plot).suffix else f"{args.plot}.png", "--plot")
     tokenizer = load_tokenizer(resolve_model_path(cfg.model.path))  # prompt files are read before the weights
     prompt_sets = held_out_sets(cfg, tokenizer, args.prompts, args.prompt_sets)
     for path in args.prompt_file:
-        prompt_sets[Path(path).stem] = read_jsonl_prompts(path, tokenizer)[: args.prompts]
+        prompts = read_jsonl_prompts(path, tokenizer)
+        if len(prompts) > args.prompts:
+            print(f"[bench-sd] {path}: timing its first {args.prompts} of {len(prompts)} prompts (--prompts)", file=sys.stderr)
+        prompt_sets[Path(path).stem] = prompts[: args.prompts]
     policy = _policy(cfg, tokenizer)
     drafter = make_drafter(cfg, policy.cfg, args.drafter, cfg.model.engine_dtype) if args.drafter else None
-    result = {"model": cfg.model.path, "dtype": cfg.model.engine_dtype, "drafter": str(args.drafter),
+    result = {"model": cfg.model.path, "dtype": cfg.model.engine_dtype, "drafter": args.drafter,
               "accept": cfg.sd.accept, "new_tokens": args.new_tokens, "repeats": args.repeats, "backend": jax.default_backend(),
               "machine": machine_facts()}
     print(f"[bench-sd] machine: {format_machine(result['machine'])}", file=sys.stderr)
@@ -578,10 +584,12 @@ def cmd_bench_sd(args: argparse.Namespace) -> None:
         policy.model, drafter, prompt_sets, policy.stop_ids, base_cfg=cfg.rollout, batch_sizes=args.batch_sizes,
         strategies=strategies, temperatures=args.temperatures, vocabs=args.vocab, new_tokens=args.new_tokens,
         repeats=args.repeats, samples_per_prompt=args.samples_per_prompt, sd=cfg.sd,
-        log=lambda line: print(f"[bench-sd] {line}", file=sys.stderr, flush=True))
-    result["rows"] = rows
-    result["stops_paying_at_batch"] = bench.stop_paying(rows)
-    bench.write_json(out, result)  # the measurement first: the printout and the plot may fail
+        log=lambda line: print(f"[bench-sd] {line}", file=sys.stderr, flush=True),
+        # Each cell as it is measured: an interrupt (or a later cell's failure) keeps the ones before it
+        row_done=lambda rows: files.write_json(out, result | {"rows": rows, "complete": False}))
+    result |= {"rows": rows, "complete": True, "stops_paying_at_batch": bench.stop_paying(rows)}
+    files.write_json(out, result)  # the measurement first: the printout and the plot may fail
+    print(f"[bench-sd] wrote {out}", file=sys.stderr)
     print(bench.HEADER)
     for row in rows:
         print(bench.format_row(row))
@@ -619,7 +627,8 @@ def _add_eval(sub) -> None:
     ev.add_argument("--prompts", help="'math' (held-out built-in problems, per level) or a .jsonl / .parquet file of "
                                       "records with an answer (default: data.eval_source)")
     ev.add_argument("--num-prompts", type=int, help="held-out prompts (default: rl.eval_prompts)")
-    ev.add_argument("--samples", type=int, help="completions per prompt, n of pass@k (default: rl.eval_samples)")
+    ev.add_argument("--samples", "--samples-per-prompt", dest="samples", type=int,
+                    help="completions per prompt, n of pass@k (default: rl.eval_samples)")
     ev.add_argument("--temperature", type=float,
                     help="default: rl.eval_temperature (0: greedy); several samples at an rl.eval_temperature of 0 "
                          "take rl.temperature")
@@ -627,7 +636,7 @@ def _add_eval(sub) -> None:
     ev.add_argument("--sd", choices=["off", "on", "adaptive"], default="off",
                     help="speculative decoding (the same completions, sooner with a trained drafter)")
     ev.add_argument("--drafter", help="drafter checkpoint directory for --sd; a random drafter when omitted")
-    ev.add_argument("--out", help="JSON file: settings, results per subset, every completion")
+    ev.add_argument("--out", "--output", dest="out", help="JSON file: settings, results per subset, every completion")
     ev.set_defaults(func=cmd_eval)
 
 
@@ -651,7 +660,7 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--prompt", help="one prompt text")
     source.add_argument("--prompts", help='JSONL file: {"prompt": text} or {"prompt_ids": [...]} per line')
     gen.add_argument("--raw", action="store_true", help="encode prompt texts as is, without the chat template")
-    gen.add_argument("--output", help="write JSONL results here (input order) instead of printing completions")
+    gen.add_argument("--output", "--out", dest="output", help="write JSONL results here (input order) instead of printing completions")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     gen.add_argument("--top-k", type=int, default=0, help="0 is off")
@@ -711,7 +720,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--vocab", nargs="+", choices=["reduced", "full"],
                     help="the drafter's reduced draft vocabulary and/or the same weights over the full vocabulary "
                          "(default: both, or full for a drafter without a reduced one)")
-    bs.add_argument("--new-tokens", type=_count, default=128, help="max new tokens per request (stop tokens end earlier)")
+    bs.add_argument("--new-tokens", "--max-new-tokens", dest="new_tokens", type=_count, default=128, help="max new tokens per request (stop tokens end earlier)")
     bs.add_argument("--prompt-sets", nargs="*", choices=["math", "chat"], default=["math", "chat"],
                     help="held-out prompt sets, each timed apart: the built-in math task, general chat")
     bs.add_argument("--prompt-file", nargs="*", default=[], metavar="JSONL",
@@ -719,7 +728,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--prompts", type=_count, default=16, help="prompts per set; each batch size generates all of them, batch size at a time")
     bs.add_argument("--repeats", type=_count, default=1, help="timed runs per cell after the compiling one (best is kept)")
     bs.add_argument("--profile", action="store_true", help="also time each phase of one speculative step at batch 1")
-    bs.add_argument("--out", default="bench_sd.json")
+    bs.add_argument("--out", "--output", dest="out", default="bench_sd.json")
     bs.add_argument("--plot", default="bench_sd.png", help="PNG of speedup vs batch size ('' to skip)")
     bs.set_defaults(func=cmd_bench_sd)
     return parser

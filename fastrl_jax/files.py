@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,3 +28,20 @@ def write_text(path: str | Path, text: str) -> None:
     """`text` into `path` through `replacing`."""
     with replacing(path) as tmp:
         tmp.write_text(text)
+
+
+def strict_json(value):
+    """`value` with every float that is not finite (a ratio of nothing: acceptance without speculative steps) as
+    None: json.dumps would write NaN / Infinity, which strict parsers (jq, JavaScript, Go) refuse."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
+def write_json(path: str | Path, value, indent: int | None = 2) -> None:
+    """`value` as strict JSON (strict_json) into `path` through `replacing`."""
+    write_text(path, json.dumps(strict_json(value), indent=indent, allow_nan=False) + "\n")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import tempfile
 import time
@@ -156,7 +155,7 @@ def main(argv=None) -> int:
               f"{s[label]['step_time_ratio']:.2f}x, rollout {s[label]['rollout_ratio']:.2f}x")
     print(f"identical rollouts and rewards: {s['identical_rollouts_and_rewards']}; median of {args.repeats} "
           f"(step seconds off {[round(x, 1) for x in s['runs_step_s']['off']]}, adaptive {[round(x, 1) for x in s['runs_step_s']['adaptive']]})")
-    files.write_text(out, json.dumps(result, indent=1) + "\n")
+    files.write_json(out, result, indent=1)
     if plot(off, adaptive, str(png)):
         print(f"[bench-rl] wrote {out} and {png}", file=sys.stderr)
     if not s["identical_rollouts_and_rewards"] and not s["identical_required"]:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
@@ -334,8 +333,8 @@ def bench_stream(args) -> int:
     summary = {k: median[k] for k in keys} | {"runs_tok_s": [m["tok_s"] for m in runs], "identical_across_runs": identical,
                                               "requests": len(requests), "batch": args.batch, "sd": sd.mode,
                                               "rollout": dataclasses.asdict(rollout_cfg), "machine": facts}
-    files.write_text(args.out, json.dumps(
-        {"summary": summary, "runs": [{k: v for k, v in m.items() if k != "outputs"} for m in runs]}, indent=1))
+    files.write_json(args.out, {"summary": summary, "runs": [{k: v for k, v in m.items() if k != "outputs"} for m in runs]},
+                     indent=1)
     png = args.plot or str(Path(args.out).with_suffix(".png"))
     if plot_stream(median, args.batch, png):
         print(f"timeline plot: {png}")
@@ -442,8 +441,8 @@ def bench_longtail(args) -> int:
     summary["backend"] = jax.default_backend()
     summary |= {"rollout": dataclasses.asdict(rollout_cfg), "sd": dataclasses.asdict(adaptive_sd)}
     # The measurement first, whole or not at all: the printout and the plot after it may fail.
-    files.write_text(args.out, json.dumps(
-        {"summary": summary, "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs]}, indent=1))
+    files.write_json(args.out, {"summary": summary, "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs]},
+                     indent=1)
     print_longtail(summary, runs)
     plot = args.plot or str(Path(args.out).with_suffix(".png"))
     # Two lines: a drafter path after the workload ran past the figure's edge.
@@ -610,7 +609,7 @@ def main(argv=None) -> int:
     reached = [f"; reached {r['floor_fraction']:.0%}" for r in rows if "floor_fraction" in r]
     print(f"batch-1 floor {floor:.1f} tok/s ({bandwidth:.1f} GB/s copy){''.join(reached)}; engine start {compile_s:.1f}s "
           f"({pool_report})")
-    files.write_text(args.out, json.dumps(result, indent=2))
+    files.write_json(args.out, result)
     return 0
 
 

@@ -213,7 +213,7 @@ def test_generate_refuses_to_write_over_its_prompt_file(tmp_path, capsys, monkey
     prompts.write_text('{"prompt": "hi"}\n')
     code = cli.main(["generate", "--model", str(tmp_path / "none"), "--prompts", "p.jsonl", "--output", str(prompts),
                      *NO_CACHE])
-    assert code == 2 and "--output " + str(prompts) + " is the --prompts file" in capsys.readouterr().err
+    assert code == 2 and "--output " + str(prompts) + " is a file the command reads (--prompts)" in capsys.readouterr().err
     assert prompts.read_text() == '{"prompt": "hi"}\n'
 
 
@@ -245,3 +245,100 @@ def test_a_nested_answer_is_read_by_its_dotted_name_and_never_as_text(tmp_path):
     with pytest.raises(ValueError, match=r"record 1: 'reward_model' holds \{'ground_truth': '2', 'style': 'rule'\}, not "
                                          r"an answer; name the field inside it, e.g. data.answer_field=reward_model.gro"):
         read_records(path, messages_field="prompt", answer_field="reward_model")
+
+
+def _strict_json(text: str):
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_bench_sd_json_is_strict_and_a_cell_that_never_speculated_says_nothing(tmp_path):
+    """Every request done at its prefill (--new-tokens 1): no speculative step, acceptance NaN, which json.dumps wrote
+    as a bare NaN that jq / JavaScript refuse; and the cell timed plain against plain yet counted as where SD stops
+    paying (found by review)."""
+    from helpers.tiny import CFG, tiny_model
+
+    from fastrl_jax import files
+    from fastrl_jax.config import StrategySpec
+    from fastrl_jax.drafter import bench
+
+    rows = bench.run_bench(tiny_model(), None, {"p": [[3, 4, 5], [6, 7]]}, [1], base_cfg=CFG, batch_sizes=[1],
+                           strategies=[StrategySpec("h2")], temperatures=[0.0], vocabs=None, new_tokens=1, repeats=1,
+                           log=lambda line: None)
+    files.write_json(tmp_path / "b.json", {"rows": rows})
+    assert _strict_json((tmp_path / "b.json").read_text())["rows"][0]["acceptance_length"] is None
+    assert bench.stop_paying(rows) == {}
+
+
+def test_last_mile_commands_take_each_others_flag_spellings():
+    """generate --output / eval and bench-sd --out, --max-new-tokens / bench-sd's --new-tokens, --samples /
+    --samples-per-prompt: moving a flag between commands was 'unrecognized arguments' (found by review)."""
+    parser = cli.build_parser()
+    for argv in (["eval", "--output", "e.json", "--samples-per-prompt", "2"], ["bench-sd", "--output", "b.json"],
+                 ["bench-sd", "--max-new-tokens", "64"], ["generate", "--prompt", "hi", "--out", "g.jsonl"]):
+        args, extra = parser.parse_known_args(argv)
+        assert not extra, f"{' '.join(argv)}: {extra} not understood"
+
+
+def test_eval_and_bench_sd_refuse_an_out_that_is_a_file_they_read(tiny_dir, tmp_path):
+    """eval --prompts F --out F replaced the held-out set by its report, bench-sd its prompt file by its JSON
+    (generate refused it already; found by review)."""
+    held_out = tmp_path / "heldout.jsonl"
+    held_out.write_text("".join(json.dumps({"prompt": f"{a}+1=", "answer": str(a + 1)}) + "\n" for a in range(4)))
+    before = held_out.read_bytes()
+    for argv in (["eval", "--prompts", str(held_out), "--out", str(held_out)],
+                 ["eval", "--set", f"data.eval_source={held_out}", "--output", str(held_out)],
+                 ["bench-sd", "--strategies", "h2", "--prompt-sets", "--prompt-file", str(held_out), "--out", str(held_out)]):
+        res = fastrl_jax(*argv[:1], "--model", str(tiny_dir), *argv[1:])
+        assert res.returncode == 2 and "is a file the command reads" in res.stderr, res.stderr
+    assert held_out.read_bytes() == before
+
+
+def test_an_eval_file_cut_to_rl_eval_prompts_is_said(tmp_path, capsys):
+    """A 500-problem held-out file scored 64 of its problems (rl.eval_prompts) without a word (found by review)."""
+    from fastrl_jax.rl.evaluate import held_out_records
+
+    held_out = tmp_path / "heldout.jsonl"
+    held_out.write_text("".join(json.dumps({"prompt": f"{a}+1=", "answer": str(a + 1)}) + "\n" for a in range(16)))
+    assert len(held_out_records(load_config(None), 4, str(held_out))) == 4
+    assert "evaluating its first 4 of 16 records" in capsys.readouterr().err
+
+
+INTERRUPT_IN_THE_SECOND_CELL = """
+import sys
+from fastrl_jax import cli
+from fastrl_jax.drafter import bench
+
+format_row, logged = bench.format_row, []
+
+
+def format_then_interrupt(row):
+    logged.append(row)
+    if len(logged) == 2:  # Ctrl-C (or a scheduler's SIGTERM) during the second cell
+        raise KeyboardInterrupt
+    return format_row(row)
+
+
+bench.format_row = format_then_interrupt
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_an_interrupted_bench_sd_keeps_the_cells_it_measured(tiny_dir, tmp_path):
+    """Its JSON was written once, at the end: a Ctrl-C or a time limit hours into the default grid lost every
+    cell; a prompt file longer than --prompts was cut silently (both found by review)."""
+    from helpers.cli import cpu_env
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": [3 + i, 4, 5]}) + "\n" for i in range(3)))
+    out = tmp_path / "b.json"
+    run = subprocess.run([sys.executable, "-c", INTERRUPT_IN_THE_SECOND_CELL, "bench-sd", "--model", str(tiny_dir),
+                          "--strategies", "h2", "--batch-sizes", "1", "2", "--new-tokens", "4", "--temperatures", "0",
+                          "--prompts", "2", "--prompt-sets", "--prompt-file", str(prompts), "--out", str(out), "--plot", "",
+                          "--set", "rollout.compile_cache_dir="], capture_output=True, text=True, env=cpu_env(1))
+    assert run.returncode == 130, run.stderr
+    assert "timing its first 2 of 3 prompts" in run.stderr
+    saved = _strict_json(out.read_text())
+    assert [r["batch"] for r in saved["rows"]] == [1] and saved["complete"] is False

@@ -9,8 +9,7 @@ the same seeds), so both do the same work and tokens/s compare directly.
 from __future__ import annotations
 
 import dataclasses
-import json
-import sys
+import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fastrl_jax import files
 from fastrl_jax.config import RolloutConfig, SpecConfig, StrategySpec
 from fastrl_jax.models.decoder import Decoder, KVCache, unstack_layers
 from fastrl_jax.models.drafter import Drafter
@@ -88,7 +86,7 @@ def run_bench(policy: Decoder, drafter: Drafter | None, prompt_sets: dict[str, S
               base_cfg: RolloutConfig, batch_sizes: Sequence[int], strategies: Sequence[StrategySpec],
               temperatures: Sequence[float], vocabs: Sequence[str] | None, new_tokens: int, repeats: int,
               samples_per_prompt: int = 1, sd: SpecConfig = SpecConfig(), log=print,
-              completions: dict | None = None) -> list[dict]:
+              completions: dict | None = None, row_done=lambda rows: None) -> list[dict]:
     """Rows {prompts, temperature, batch, strategy, vocab, plain_tok_s, sd_tok_s, acceptance_length,
     drafts_per_step, speedup, same_tokens, requests}: one per prompt set and cell. Sets are timed apart
     because the drafter's acceptance, and so the speedup, depends on the kind of text (math answers vs
@@ -97,7 +95,7 @@ def run_bench(policy: Decoder, drafter: Drafter | None, prompt_sets: dict[str, S
     reduced draft vocabulary (when it has one) and the full one. sd: the accept rule and history settings
     (its mode and strategies are each cell's). With sd.accept 'rejection', sampled rows are exact in
     distribution only, so same_tokens counts fewer at T > 0. completions, when given, receives each row's
-    (plain, SD) completions under the row's index."""
+    (plain, SD) completions under the row's index; row_done(rows) is called with the rows so far after each."""
     empty = [name for name, prompts in prompt_sets.items() if not prompts]
     if empty or not prompt_sets:
         raise ValueError(f"bench-sd: no prompts to time in {empty or 'any set'}")
@@ -153,6 +151,7 @@ def run_bench(policy: Decoder, drafter: Drafter | None, prompt_sets: dict[str, S
                     if completions is not None:
                         completions[len(rows) - 1] = (base_out, out)
                     log(format_row(row))
+                    row_done(rows)
     return rows
 
 
@@ -161,9 +160,12 @@ def _label(r: dict) -> str:
 
 
 def stop_paying(rows: list[dict]) -> dict[str, int | None]:
-    """Per (prompt set, temperature, strategy, vocab): the smallest batch whose speedup is below 1 (None: never)."""
+    """Per (prompt set, temperature, strategy, vocab): the smallest batch whose speedup is below 1 (None: never).
+    A cell that never speculated (every request done at its prefill) times plain against plain: it says nothing."""
     out: dict[str, int | None] = {}
     for r in sorted(rows, key=lambda r: r["batch"]):
+        if math.isnan(r["acceptance_length"]):
+            continue
         key = f"T={r['temperature']:g} {_label(r)}"
         out.setdefault(key, None)
         if out[key] is None and r["speedup"] < 1:
@@ -293,6 +295,3 @@ def profile_step(policy: Decoder, drafter: Drafter, strategy: StrategySpec, *, b
     return out
 
 
-def write_json(path: str | Path, result: dict) -> None:
-    files.write_text(path, json.dumps(result, indent=2) + "\n")
-    print(f"[bench-sd] wrote {path}", file=sys.stderr)

@@ -10,6 +10,7 @@ fast the completions come, never which they are.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -39,8 +40,12 @@ def held_out_records(cfg: Config, count: int, source: str | None = None) -> list
     if source == MATH_SOURCE:
         src = MathSource(cfg.seed + EVAL_SEED_OFFSET, d.math_levels, held_out=True)
         return [src[i] for i in range(count)]
-    return read_records(source, prompt_field=d.prompt_field, messages_field=d.messages_field,
-                        answer_field=d.answer_field)[:count]
+    records = read_records(source, prompt_field=d.prompt_field, messages_field=d.messages_field,
+                           answer_field=d.answer_field)
+    if len(records) > count:
+        print(f"[fastrl-jax] {source}: evaluating its first {count} of {len(records)} records (rl.eval_prompts, or "
+              "eval's --num-prompts)", file=sys.stderr)
+    return records[:count]
 
 
 def eval_requests(prompts: Sequence[Sequence[int]], samples: int, max_new_tokens: int, temperature: float, top_k: int,
