@@ -46,6 +46,11 @@ def write_step_file(directory: Path, step: int, arrays: dict[str, np.ndarray], k
     the files of steps not in `keep` (the checkpoints on disk) and a killed write's leftovers are removed."""
     directory.mkdir(parents=True, exist_ok=True)
     write_arrays(directory / f"{step}.npz", arrays)
+    prune_step_files(directory, keep)
+
+
+def prune_step_files(directory: Path, keep: Collection[int]) -> None:
+    """Removes DIRECTORY's write_step_file files of steps not in `keep`, and a killed write's leftovers."""
     for f in directory.glob("*.npz"):
         if not (f.stem.isdigit() and int(f.stem) in keep):
             f.unlink(missing_ok=True)

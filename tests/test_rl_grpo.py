@@ -401,3 +401,11 @@ def test_gradient_clipping_is_global_norm_before_adamw():
     upd, _ = tx.update(grads, tx.init(params), params)
     for k in grads:
         np.testing.assert_allclose(-np.asarray(upd[k]) * cfg.eps, np.asarray(grads[k]) / 5.0, rtol=1e-5)
+
+
+def test_clipping_on_or_off_keeps_the_optimizer_states_layout():
+    """A run stopped on NaN advises setting optim.max_grad_norm; with clipping off the optimizer chain had one entry
+    fewer, so its checkpoint refused the resume that followed the advice (found by review)."""
+    params = {"w": jnp.ones((3, 2))}
+    off, on = (jax.tree.structure(update.policy_optimizer(OptimConfig(max_grad_norm=m), 4).init(params)) for m in (0.0, 1.0))
+    assert off == on

@@ -62,7 +62,8 @@ def test_lossless_sd_adaptive_matches_plain_decoding(tmp_path):
     sd = [*common, "sd.mode=adaptive", "sd.threshold_live_batch=16", "sd.patience_host_steps=1", "sd.steps=2",
           "sd.topk=2", "sd.verify_tokens=4", "drafter_online.min_buffer_tokens=16", "drafter_online.batch_rows=2",
           "drafter_online.seq_len_tokens=32", "drafter_online.eval_rows=2", "drafter_online.tail_live_batch=16",
-          "drafter_online.frozen_eval_every_steps=1", "drafter_train.unroll_steps=1", "rl.checkpoint_every_steps=3"]
+          "drafter_online.frozen_eval_every_steps=1", "drafter_train.unroll_steps=1", "rl.checkpoint_every_steps=1",
+          "rl.keep_checkpoints=1"]
     trainer = make_trainer(tmp_path / "sd", *sd)
     adaptive = run_recording(trainer)
     assert off[0] == adaptive[0]
@@ -97,6 +98,8 @@ def test_lossless_sd_adaptive_matches_plain_decoding(tmp_path):
     # Its sample buffer too (DESIGN.md: preemption never loses buffered data), the same sequences of the same steps.
     saved, back = trainer.spot.buffer.arrays(), resumed.spot.buffer.arrays()
     assert saved["lengths"].size and saved.keys() == back.keys()
+    # Only the kept checkpoint's buffer file: the final save's own pruning of step 2 left its file behind before.
+    assert sorted(p.name for p in (tmp_path / "sd" / "run" / "drafter_buffer").iterdir()) == ["3.npz"]
     for key in saved:
         np.testing.assert_array_equal(back[key], saved[key], err_msg=key)
     for a, b in zip(off[1], adaptive[1]):
@@ -112,10 +115,11 @@ def test_history_drafting_in_grpo_is_lossless_and_survives_resume(tmp_path):
     earlier completions comes back from the checkpoint."""
     common = ["rl.checkpoint_every_steps=2", "rollout.steps_per_call=2", "rl.temperature=0.3"]
     off = run_recording(make_trainer(tmp_path / "off", *common, steps=2))
-    on = [*common, "sd.mode=on", "sd.strategies=['h4']"]
+    on = [*common, "sd.mode=on", "sd.strategies=['h4']", "rl.checkpoint_every_steps=1", "rl.keep_checkpoints=1"]
     trainer = make_trainer(tmp_path / "on", *on, steps=2)
     assert trainer.drafter is None and trainer.spot is None
     history = run_recording(trainer)
+    assert sorted(p.name for p in (tmp_path / "on" / "run" / "history").iterdir()) == ["2.npz"]  # the kept step's
     assert off[0] == history[0]
     assert sum(m["sd_share"] for m in history[1]) == 2  # every decode step drafted from history
     assert [m["rollout_digest"] for m in off[1]] == [m["rollout_digest"] for m in history[1]]

@@ -478,7 +478,7 @@ class SpotTrainer:
         `step` nor in `keep` (the checkpoints on disk)."""
         self.wait_buffer()
         arrays = self.buffer.arrays()
-        self._writing = step, self._writer.submit(write_step_file, self._buffer_dir(directory), step, arrays, {step, *keep})
+        self._writing = step, self._writer.submit(write_step_file, self.buffer_dir(directory), step, arrays, {step, *keep})
 
     def wait_buffer(self) -> None:
         """Waits for the sample buffer's write; a failed one is reported, never raised (the checkpoint holds the
@@ -503,14 +503,14 @@ class SpotTrainer:
               "rollouts", file=sys.stderr)
 
     @staticmethod
-    def _buffer_dir(directory: Path) -> Path:
+    def buffer_dir(directory: Path) -> Path:
         """Where this process's sample buffer files go (each process holds its own rollouts)."""
         return Path(directory) / (f"process_{jax.process_index()}" if jax.process_count() > 1 else "")
 
     def _saved_buffer(self, directory: Path, step: int) -> Path:
         """This process's buffer file of checkpoint `step`; a run resumed on another number of processes takes
         one of the n files saved (process p the p % n-th), so its rollouts are not lost to the layout alone."""
-        own = self._buffer_dir(directory) / f"{step}.npz"
+        own = self.buffer_dir(directory) / f"{step}.npz"
         saved = sorted(directory.glob(f"process_*/{step}.npz")) + sorted(directory.glob(f"{step}.npz"))
         return own if own.exists() or not saved else saved[jax.process_index() % len(saved)]
 

@@ -27,7 +27,13 @@ from flax import nnx
 from tqdm import tqdm
 
 from fastrl_jax import signals
-from fastrl_jax.checkpoint import RunCheckpointer, UnreadableCheckpoint, read_step_file, write_step_file
+from fastrl_jax.checkpoint import (
+    RunCheckpointer,
+    UnreadableCheckpoint,
+    prune_step_files,
+    read_step_file,
+    write_step_file,
+)
 from fastrl_jax.config import Config, ConfigError, TrainingStopped, check_trainable, save_config, to_dict
 from fastrl_jax.data import pipeline
 from fastrl_jax.data.prompt_files import read_records
@@ -462,6 +468,16 @@ class Trainer:
                 print(f"[fastrl-jax] the history drafter's store of step {self.step} was not saved ({e}); a resume "
                       "from that step starts it empty", file=sys.stderr)
 
+    def _prune_step_files(self) -> None:
+        """The history and sample-buffer files of steps whose checkpoint was pruned: each save kept those of the
+        checkpoints on disk as it started, the step its own completion pruned (rl.keep_checkpoints) among them."""
+        kept = self.checkpointer.all_steps()
+        if self.spot is not None:
+            self.spot.wait_buffer()
+            prune_step_files(self.spot.buffer_dir(self.out_dir / "drafter_buffer"), kept)
+        if self.history is not None and jax.process_index() == 0:
+            prune_step_files(self.out_dir / "history", kept)
+
     def _wait_checkpoint(self) -> None:
         try:
             self.checkpointer.wait()
@@ -493,8 +509,8 @@ class Trainer:
 
     def _restore(self) -> None:
         """Continues from the latest readable checkpoint; newer unreadable steps are set aside (their step
-        numbers are saved afresh when the run gets there again). A checkpoint that does not fit a changed
-        config is a ConfigError, never a reason to fall back to an older step."""
+        numbers are saved afresh when the run gets there again). With a config changed where it shapes the
+        checkpoint (STATE_KEYS), no readable step is a ConfigError naming the changes."""
         ckpt = self.checkpointer
         if ckpt is None:
             raise ConfigError("--resume needs checkpoints: rl.checkpoint_every_steps is 0")
@@ -508,9 +524,9 @@ class Trainer:
         # What a run may turn on between resumes starts fresh where the checkpoint restored has none of it.
         wanted = [n for n in OPTIONAL_ITEMS if n in arrays or n in names]
         try:
-            step, arrays, meta = ckpt.restore(latest if changed else None, arrays, meta=names, optional=OPTIONAL_ITEMS)
+            step, arrays, meta = ckpt.restore(None, arrays, meta=names, optional=OPTIONAL_ITEMS)
         except UnreadableCheckpoint as e:
-            if changed:
+            if changed:  # no step reads back: this config's layout, not damage
                 raise ConfigError(f"--resume: checkpoint step {latest} does not fit this config: {', '.join(changed)} "
                                   f"changed since it was saved ({e}). Set them back (the run's "
                                   f"{self.out_dir / 'config.yaml'} has them), or start a new run") from None
@@ -532,7 +548,9 @@ class Trainer:
         unreadable = [s for s in ckpt.all_steps() if s > step]
         if unreadable:
             where = ckpt.set_aside(unreadable)
-            print(f"[fastrl-jax] moved unreadable checkpoint steps {unreadable} to {where}", file=sys.stderr)
+            print(f"[fastrl-jax] moved unreadable checkpoint steps {unreadable} to {where}"
+                  + (f" ({', '.join(changed)} changed since step {latest} was saved: if that is why, set them back and "
+                     "move the steps back)" if changed else ""), file=sys.stderr)
         if absent:
             print(f"[fastrl-jax] checkpoint step {step} has no {', '.join(absent)} (off when it was saved): "
                   "starting fresh", file=sys.stderr)
@@ -572,6 +590,7 @@ class Trainer:
         try:
             if self.checkpointer is not None:
                 self._wait_checkpoint()  # raises when the final checkpoint failed
+                self._prune_step_files()
         finally:
             if self.checkpointer is not None:
                 self.checkpointer.close()

@@ -60,8 +60,9 @@ def policy_optimizer(cfg: OptimConfig, total_updates: int) -> optax.GradientTran
     """AdamW with global-norm clipping; the schedule runs over `total_updates` optimizer steps."""
     adamw = optax.adamw(make_schedule(cfg, total_updates), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                         weight_decay=cfg.weight_decay)
-    chain = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm > 0 else []
-    return optax.chain(*chain, adamw)
+    # identity when off: the state's layout stays the same, so a resume may turn clipping on (the NaN stop's advice)
+    clip = optax.clip_by_global_norm(cfg.max_grad_norm) if cfg.max_grad_norm > 0 else optax.identity()
+    return optax.chain(clip, adamw)
 
 
 def learning_rate(cfg: OptimConfig, total_updates: int, update: int) -> float:
