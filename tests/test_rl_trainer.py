@@ -590,3 +590,15 @@ def test_off_policy_minibatches_recompute_old_logprobs(tmp_path):
         assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
     finally:
         trainer.close()
+
+
+def test_a_resume_names_the_settings_it_changes_and_keeps_the_config_they_replace(tmp_path, capsys):
+    """A resume that forgot the first start's override (rl.temperature=0.5) went on silently and overwrote the run's
+    config.yaml, so nothing recorded what step 1 trained with (found by review)."""
+    make_trainer(tmp_path, "rl.temperature=0.5", steps=1).run()
+    capsys.readouterr()
+    make_trainer(tmp_path, steps=2, resume=True).close()
+    err = capsys.readouterr().err
+    assert "settings changed since step 1 was saved:" in err and "rl.temperature (was 0.5, now 1.0)" in err
+    assert load_config(tmp_path / "run" / "config.to_step_1.yaml").rl.temperature == 0.5
+    assert load_config(tmp_path / "run" / "config.yaml").rl.temperature == 1.0

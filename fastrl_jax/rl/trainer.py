@@ -34,7 +34,7 @@ from fastrl_jax.checkpoint import (
     read_step_file,
     write_step_file,
 )
-from fastrl_jax.config import Config, ConfigError, TrainingStopped, check_trainable, save_config, to_dict
+from fastrl_jax.config import Config, ConfigError, TrainingStopped, check_trainable, load_config, save_config, to_dict
 from fastrl_jax.data import pipeline
 from fastrl_jax.data.prompt_files import read_records
 from fastrl_jax.data.prompts import record_prompt_ids
@@ -151,12 +151,25 @@ class Trainer:
             self._restore()
         if jax.process_index() == 0:  # what this start runs with (a refused resume leaves the run's file alone)
             self.out_dir.mkdir(parents=True, exist_ok=True)
+            if resume:
+                self._keep_previous_config()
             save_config(cfg, self.out_dir / "config.yaml")
         self.metrics = MetricsLog(self.out_dir, rl.tensorboard, self.step if resume else None,
                                   enabled=jax.process_index() == 0, stream=stream, wandb_project=rl.wandb_project,
                                   config=to_dict(cfg))
 
     # ---- set-up -------------------------------------------------------------------------------
+    def _keep_previous_config(self) -> None:
+        """A resume with other settings keeps the run's config.yaml, what the steps so far ran with, as
+        config.to_step_STEP.yaml before it writes its own."""
+        config_file = self.out_dir / "config.yaml"
+        try:
+            same = load_config(config_file) == self.cfg
+        except (OSError, ConfigError):  # none, or an older version's keys
+            same = not config_file.is_file()
+        if not same:
+            config_file.replace(self.out_dir / f"config.to_step_{self.step}.yaml")
+
     def _prompt(self, record: dict) -> list[int]:
         d = self.cfg.data
         return record_prompt_ids(record, self.tokenizer, d.instruction, d.chat_template)
@@ -580,6 +593,9 @@ class Trainer:
         self.step = int(meta["run"]["step"])
         # Checkpoints before 2026-11-27 have no update count: every step applied rl.minibatches_per_step then.
         self.updates = int(meta["run"].get("updates", self.step * self.cfg.rl.minibatches_per_step))
+        if changes := _config_changes(meta["run"].get("config", {}), now, tuple(now)):
+            print(f"[fastrl-jax] settings changed since step {step} was saved: {'; '.join(changes)} (the run's config "
+                  f"until then: {self.out_dir / f'config.to_step_{step}.yaml'})", file=sys.stderr)
         was = _config_changes(meta["run"].get("config", {}), now, ("rl.steps", "rl.minibatches_per_step"))
         if was:
             print(f"[fastrl-jax] {', '.join(was)}: the learning-rate schedule now spans {self.total_updates} updates; "
