@@ -15,7 +15,7 @@ from helpers.hf_tiny import FAMILIES, save_random_hf_model  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
 from fastrl_jax.config import MeshConfig  # noqa: E402
-from fastrl_jax.models.export import check_export_dir, export_hf  # noqa: E402
+from fastrl_jax.models.export import check_export_dir, export_hf, export_into  # noqa: E402
 from fastrl_jax.models.loading import load_model  # noqa: E402
 from fastrl_jax.models.tokenizer import load_tokenizer  # noqa: E402
 from fastrl_jax.sharding import make_mesh  # noqa: E402
@@ -109,6 +109,14 @@ def test_export_refuses_a_file_a_full_directory_or_a_missing_parent(tmp_path):
     (tmp_path / "empty").mkdir()
     assert check_export_dir(tmp_path / "empty") == tmp_path / "empty"
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+    # An empty directory behind a link (a scratch disk linked into a project) is exported into: the whole export
+    # was written, then renaming it onto the link failed and left it hidden (found by review).
+    (tmp_path / "scratch").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "scratch")
+    with export_into(tmp_path / "link") as partial:
+        (partial / "config.json").write_text("{}\n")
+    assert (tmp_path / "link" / "config.json").is_file() and (tmp_path / "link").is_symlink()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".partial")]
 
 
 @pytest.mark.slow

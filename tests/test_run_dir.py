@@ -184,3 +184,21 @@ def test_train_refuses_an_out_dir_that_is_a_file_and_eval_a_run_that_is_not_grpo
     assert res.returncode == 2 and "is not a GRPO run: its checkpoints hold no policy" in res.stderr
     res = cli("eval", "--run", str(run[0]), "--num-prompts", "100000", "--samples", "11")
     assert res.returncode == 2 and "1,100,000 completions; one evaluation takes at most 1,000,000" in res.stderr
+
+
+def test_overwrite_of_a_symlinked_out_dir_keeps_the_run_on_the_links_disk(tmp_path):
+    """runs/grpo -> /scratch/grpo: --overwrite moved the link aside, and the new run made a plain directory where it
+    was, on the small disk the link was made to avoid (found by review)."""
+    from fastrl_jax.rl.run_dir import prepare_run_dir
+
+    scratch = tmp_path / "scratch" / "grpo"
+    scratch.mkdir(parents=True)
+    (scratch / "metrics.jsonl").write_text('{"step": 1}\n')
+    link = tmp_path / "runs" / "grpo"
+    link.parent.mkdir()
+    link.symlink_to(scratch)
+    prepare_run_dir(load_config(None, [f"rl.out_dir={link}"]), resume=False, overwrite=True)
+    link.mkdir(parents=True, exist_ok=True)  # what the trainer does next
+    assert link.is_symlink() and link.resolve() == scratch and not any(scratch.iterdir())
+    (aside,) = [p for p in scratch.parent.iterdir() if p.name.startswith("grpo.old-")]
+    assert (aside / "metrics.jsonl").is_file()

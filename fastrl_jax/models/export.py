@@ -181,8 +181,10 @@ def readable_as_umask_allows(path: Path) -> None:
 
 def check_export_dir(out: str | Path, flag: str = "--out") -> Path:
     """`out` as a new export directory: it must not be a file or a non-empty directory, and its
-    parent must exist. Raises ValueError / FileNotFoundError with the fix."""
+    parent must exist. Raises ValueError / FileNotFoundError with the fix. A symlink stands for its target (a
+    scratch disk linked into a project): the export is written beside the target and the link then shows it."""
     out = Path(out).expanduser().absolute()
+    out = out.resolve() if out.is_symlink() else out
     if out.is_file():
         raise ValueError(f"{flag} {out} is a file; give a new directory to export into")
     if out.is_dir() and any(out.iterdir()):

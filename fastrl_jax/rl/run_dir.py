@@ -58,8 +58,11 @@ def prepare_run_dir(cfg: Config, *, resume: bool, overwrite: bool = False) -> No
         raise ConfigError(f"rl.out_dir {out} already holds a run ({held}): add --resume to continue it, --overwrite "
                           "to move it aside and start again, or set rl.out_dir to a new directory")
     if not resume and found and jax.process_index() == 0:
-        aside = _free_name(out.with_name(f"{out.name}.old-{time.strftime('%Y%m%d-%H%M%S')}"))
-        out.rename(aside)
+        real = out.resolve()  # a symlink (runs/x -> /scratch/x): its target moves aside there, and the link stays
+        aside = _free_name(real.with_name(f"{real.name}.old-{time.strftime('%Y%m%d-%H%M%S')}"))
+        real.rename(aside)
+        if out.is_symlink():
+            real.mkdir()
         print(f"[fastrl-jax] --overwrite: moved the previous run in {out} to {aside}", file=sys.stderr)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
