@@ -647,7 +647,7 @@ def from_dict(cls, data: Any, path: str = ""):
     for key, value in data.items():
         dotted = f"{path}.{key}" if path else str(key)
         if key not in fields:
-            close = difflib.get_close_matches(str(key), fields, n=1)
+            close = difflib.get_close_matches(str(key), fields, n=1) or [f for f in fields if f == str(key).lower()]
             prefix = f"{path}." if path else ""
             hint = f"did you mean '{prefix}{close[0]}'? " if close else ""
             raise ConfigError(f"unknown key '{dotted}' ({hint}allowed: {', '.join(fields)})")
@@ -756,6 +756,10 @@ def _apply_override(data: dict, override: str) -> None:
     if "#" in raw and "#" not in str(value):
         raise ConfigError(f"override {override!r}: YAML reads ' #' as the start of a comment; quote the value "
                           f"({parts[-1]}='...')")
+    if isinstance(value, str) and any(ord(c) < 32 and c not in raw for c in value):
+        # verl's Hydra keeps "...\boxed{}" as written; YAML's double quotes make \b a backspace
+        raise ConfigError(f"override {override!r}: in double quotes YAML reads a backslash as an escape (\\b is a "
+                          f"backspace); use single quotes to keep it ({parts[-1]}='...')")
     node[parts[-1]] = value
 
 
@@ -795,4 +799,20 @@ def save_config(cfg: Config, path: str | Path) -> None:
     """Writes the resolved config (file plus overrides) as YAML that `load_config` reads back; atomically (a
     temporary file, then a rename), so a kill mid-write leaves the run's previous config.yaml whole."""
     plain = json.loads(json.dumps(to_dict(cfg)))  # tuples -> lists: YAML's safe dumper has no tuples
-    files.write_text(path, yaml.safe_dump(plain, sort_keys=False))
+    files.write_text(path, yaml.dump(plain, Dumper=_Dumper, sort_keys=False))
+
+
+class _Dumper(yaml.SafeDumper):
+    """PyYAML's safe dumper, quoting every string _Loader would read as something else: YAML 1.1's dumper writes
+    '08' or '0o7' bare (no 1.1 number), which our YAML 1.2 integers read back as 8 and 7."""
+
+
+def _represent_str(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
+    try:
+        plain = _load_yaml(text) == text
+    except yaml.YAMLError:
+        plain = False
+    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style=None if plain else "'")
+
+
+_Dumper.add_representer(str, _represent_str)

@@ -275,3 +275,26 @@ def test_a_key_given_twice_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=re.escape("is not valid YAML: 'rl' is given twice at line 5, column 1")):
         load_config(path)
     assert load_config(None, ["rl={<<: {steps: 5, top_k: 2}, steps: 7}"]).rl.steps == 7  # a merge key's keys may repeat
+
+
+@pytest.mark.parametrize("value", ["08", "0o7", "1_000", "true"])
+def test_a_saved_config_with_a_string_yaml_could_read_as_a_number_loads_back(tmp_path, value):
+    """'08' (a W&B project, an out_dir) was saved bare, and our YAML 1.2 integers read it back as 8: eval --run and
+    export-policy --run refused the run's own config.yaml (found by review)."""
+    cfg = load_config(None, [f"rl.wandb_project='{value}'"])
+    save_config(cfg, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == cfg
+
+
+def test_a_double_quoted_backslash_in_an_override_is_refused_with_the_fix():
+    r"""verl users write data.instruction="...\boxed{}." (Hydra keeps the backslash); YAML's double quotes made \b a
+    backspace, and the policy was prompted for '\x08oxed{}' (found by review)."""
+    with pytest.raises(ConfigError, match="use single quotes"):
+        load_config(None, [r'data.instruction="put your final answer within \boxed{}."'])
+    assert load_config(None, [r"data.instruction='within \boxed{}.'"]).data.instruction == r"within \boxed{}."
+    assert load_config(None, [r'data.instruction="a\\b"']).data.instruction == "a\\b"
+
+
+def test_a_wrong_case_section_gets_a_suggestion():
+    with pytest.raises(ConfigError, match="did you mean 'rl'"):
+        load_config(None, ["RL.steps=3"])
