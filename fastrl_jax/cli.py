@@ -303,8 +303,8 @@ def cmd_export_drafter(args: argparse.Namespace) -> None:
     eagle, arch = ("eagle3", "LlamaForCausalLMEagle3") if drafter.kind == "eagle3" else ("eagle", eagle_architecture(model_cfg))
     with export_into(out) as partial:  # a failed export leaves nothing behind
         save_drafter(partial / "orbax", drafter)  # in model.dtype: it trains on (rl.drafter_path)
-        if drafter.kind == "eagle3":  # its lm_head.weight is the policy's head rows: the one export that reads the weights
-            export_eagle3(drafter, _drafter_policy(args, cfg, source), partial / eagle, dtype)
+        if drafter.kind == "eagle3":  # its lm_head.weight is the policy's head rows: the one export that reads weights
+            export_eagle3(drafter, model_cfg, _head_rows(args, cfg, source, drafter), partial / eagle, dtype)
         else:
             export_eagle(drafter, model_cfg, partial / eagle, dtype)
     print(f"[fastrl-jax] wrote {out / 'orbax'} (Orbax, fastrl-jax generate --drafter) and {out / eagle} "
@@ -327,19 +327,25 @@ def _source_dtype(path: Path) -> str | None:
     return dtype if dtype in EXPORT_DTYPES else None
 
 
-def _drafter_policy(args: argparse.Namespace, cfg, source: Path):
-    """The policy whose head rows an EAGLE-3 export writes (its lm_head.weight): for the drafter of a train run's
-    checkpoint (source: RUN/checkpoints/STEP/drafter), that checkpoint's policy, whose head RL moved away from the
-    base model's and which the drafter scored with; else the base model. On _export_mesh, as export-policy: the
-    run's own mesh may need more devices than this machine has."""
-    from fastrl_jax.models.loading import load_policy
+def _head_rows(args: argparse.Namespace, cfg, source: Path, drafter):
+    """The policy's LM head rows of the drafter's vocabulary ([K, H]), which an EAGLE-3 export writes (its
+    lm_head.weight): for the drafter of a train run's checkpoint (source: RUN/checkpoints/STEP/drafter), that checkpoint's policy's,
+    whose head RL moved away from the base model's and which the drafter scored with (the policy loads, on
+    _export_mesh as export-policy: the run's own mesh may need more devices than this machine has); else the base
+    model's, read alone."""
+    import numpy as np
+
+    from fastrl_jax.models.hub import resolve_model_path
+    from fastrl_jax.models.loading import read_head_rows
 
     if source.parent.parent.name == "checkpoints" and (source.parent / "policy").is_dir():
         from fastrl_jax.rl.run_dir import load_run_policy
 
         model = [f"model.path={json.dumps(args.model)}"] if args.model else []  # a base model that moved
-        return load_run_policy(source.parents[2], _export_mesh(), int(source.parent.name), [*model, *args.set])[0].model
-    return load_policy(cfg.model, _export_mesh(), cfg.model.engine_dtype).model
+        policy = load_run_policy(source.parents[2], _export_mesh(), int(source.parent.name), [*model, *args.set])[0]
+        return np.asarray(drafter.head_weight(policy.model))
+    ids = None if drafter.draft_vocab is None else np.asarray(drafter.draft_vocab[...])
+    return read_head_rows(resolve_model_path(cfg.model.path), ids)
 
 
 def _export_mesh():

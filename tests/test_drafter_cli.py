@@ -104,7 +104,7 @@ def test_bench_sd_without_prompts_or_with_clashing_sets_is_one_clear_line(tmp_pa
     assert clash.returncode == 2 and "distinct names" in clash.stderr and "Traceback" not in clash.stderr
     for flag, value in (("--prompts", "0"), ("--repeats", "0"), ("--batch-sizes", "-1"), ("--new-tokens", "x")):
         res = fastrl_jax("bench-sd", "--model", str(tmp_path / "policy"), flag, value)
-        assert res.returncode == 2 and f"argument {flag}: must be an int >= 1, got '{value}'" in res.stderr, res.stderr
+        assert res.returncode == 2 and f"argument {flag}" in res.stderr and f": must be an int >= 1, got '{value}'" in res.stderr, res.stderr
 
 
 def test_export_drafter_for_a_policy_it_cannot_export_leaves_nothing(tmp_path):
@@ -153,6 +153,7 @@ def test_export_drafter_writes_eagle3_for_an_eagle3_drafter(tmp_path):
     res = fastrl_jax("export-drafter", "--model", str(policy_dir), "--drafter", str(tmp_path / "d"), "--out", str(out))
     assert res.returncode == 0, res.stderr
     assert "LlamaForCausalLMEagle3" in res.stderr and not (out / "eagle").exists()
+    assert "loaded" not in res.stderr  # the head rows alone are read: the whole policy loaded before (review)
     assert f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {out / 'eagle3'} --dtype float32" in res.stderr
     assert json.loads((out / "eagle3" / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
     policy, _ = load_model(policy_dir, make_mesh(MeshConfig(fsdp=-1)))

@@ -99,7 +99,7 @@ def test_eagle3_export_is_sglang_layout_and_round_trips(model, tmp_path, vocab):
     from safetensors.numpy import load_file
 
     drafter = random_drafter(vocab, seed=4, kind="eagle3")
-    export_eagle3(drafter, model, tmp_path / "e3")
+    export_eagle3(drafter, model.cfg, head_rows(drafter, model), tmp_path / "e3")
     tensors = load_file(str(tmp_path / "e3" / "model.safetensors"))
     H, F, K = TINY.hidden_size, TINY.intermediate_size, drafter.draft_vocab_size
     q, kv = TINY.num_heads * TINY.head_dim, TINY.num_kv_heads * TINY.head_dim
@@ -260,7 +260,7 @@ def test_export_drafts_in_sglang_as_it_drafts_here(model, tmp_path, kind, vocab)
         model = Decoder(QWEN[family], nnx.Rngs(0))
     drafter = random_drafter(vocab, seed=5, kind=kind, cfg=model.cfg)
     if kind == "eagle3":
-        export_eagle3(drafter, model, tmp_path / kind)
+        export_eagle3(drafter, model.cfg, head_rows(drafter, model), tmp_path / kind)
     else:
         export_eagle(drafter, model.cfg, tmp_path / kind)
     rng = np.random.default_rng(1)
@@ -286,8 +286,14 @@ def test_export_drafts_in_sglang_as_it_drafts_here(model, tmp_path, kind, vocab)
             load_eagle(tmp_path / kind, TINY)
 
 
+def head_rows(drafter, model):
+    return np.asarray(drafter.head_weight(model))
+
+
 def export(drafter, model, out):
-    return export_eagle3(drafter, model, out) if drafter.kind == "eagle3" else export_eagle(drafter, TINY, out)
+    if drafter.kind == "eagle3":
+        return export_eagle3(drafter, model.cfg, head_rows(drafter, model), out)
+    return export_eagle(drafter, TINY, out)
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
@@ -353,7 +359,7 @@ def test_loading_an_eagle3_export_for_a_shallower_policy_is_refused(model, tmp_p
     """Its feature layers come from its config.json: a policy of the same width but fewer layers has no
     such layers to capture (SGLang captures layers 0 .. L-1)."""
     drafter = random_drafter(kind="eagle3")
-    export_eagle3(drafter, model, tmp_path / "e3")
+    export_eagle3(drafter, model.cfg, head_rows(drafter, model), tmp_path / "e3")
     with pytest.raises(ValueError, match=r"of another policy: its feature layers \[1, 1, 0\] \(policy: 1 layers\)"):
         load_eagle(tmp_path / "e3", dataclasses.replace(TINY, num_layers=1))
 

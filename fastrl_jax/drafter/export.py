@@ -43,7 +43,6 @@ import numpy as np
 from flax import nnx
 
 from fastrl_jax.models.config import ModelConfig
-from fastrl_jax.models.decoder import Decoder
 from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.models.export import EXPORT_DTYPES, export_into, readable_as_umask_allows
 from fastrl_jax.models.loading import HFTensor, hf_layer_tensors
@@ -220,14 +219,17 @@ def _eagle3_layer_names(cfg: ModelConfig) -> dict[str, tuple]:
     return names
 
 
-def export_eagle3(drafter: Drafter, policy: Decoder, out_dir: str | Path, dtype: str | None = None) -> Path:
+def export_eagle3(drafter: Drafter, cfg: ModelConfig, head_rows: np.ndarray, out_dir: str | Path,
+                  dtype: str | None = None) -> Path:
     """Writes an EAGLE-3 drafter as SGLang's LlamaForCausalLMEagle3 checkpoint (config.json and
-    model.safetensors) to out_dir, a new or empty directory; the policy gives the draft vocabulary's head
-    rows (lm_head.weight). dtype: the weights' (an EXPORT_DTYPES key), the drafter's by default."""
+    model.safetensors) to out_dir, a new or empty directory. cfg: the policy's; head_rows: its LM head rows
+    of the draft vocabulary ([K, H], Drafter.head_weight; loading.read_head_rows reads them alone), written
+    as lm_head.weight. dtype: the weights' (an EXPORT_DTYPES key), the drafter's by default."""
     if drafter.kind != "eagle3":
         raise ValueError(f"export_eagle3 writes EAGLE-3 drafters; this one is {drafter.kind} (use export_eagle)")
-    cfg = policy.cfg
     _check_policy(drafter, cfg)
+    if head_rows.shape != (drafter.draft_vocab_size, cfg.hidden_size):
+        raise ValueError(f"head_rows is {head_rows.shape}; the drafter scores {(drafter.draft_vocab_size, cfg.hidden_size)}")
     layers = list(drafter.feature_layers)
     if layers != sorted(set(layers)) or layers[0] < 1:
         # SGLang captures each layer once, in ascending order, and layer 0's input not at all in some versions
@@ -237,7 +239,7 @@ def export_eagle3(drafter: Drafter, policy: Decoder, out_dir: str | Path, dtype:
     fc = np.asarray(drafter.fc[...])  # [3H, H]
     tensors, dtype = _in_dtype({
         "fc.weight": fc.T, "norm.weight": np.asarray(drafter.norm[...]),
-        "lm_head.weight": np.asarray(drafter.head_weight(policy)).astype(fc.dtype),
+        "lm_head.weight": np.asarray(head_rows).astype(fc.dtype),
         **{name: to_hf(p[ours]) for ours, (name, _, to_hf) in _eagle3_layer_names(drafter.cfg).items()}}, dtype)
     tensors |= _vocab_tensors(drafter, cfg.vocab_size)
     config = eagle_config(drafter.cfg, drafter.draft_vocab_size, dtype) | {

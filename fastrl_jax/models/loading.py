@@ -83,6 +83,21 @@ def load_model(path: str | Path, mesh: Mesh, dtype: str = "float32", attention: 
     return decoder_from_hf_tensors(cfg, tensors.get, mesh, dtype), cfg
 
 
+def read_head_rows(path: str | Path, ids: np.ndarray | None = None) -> np.ndarray:
+    """Rows `ids` of the LM head ([K, H]; all of them when None) of an HF checkpoint directory or a .gguf file,
+    read alone (memory-mapped): an EAGLE-3 drafter's export needs them and nothing else of the policy."""
+    path = Path(path)
+    cfg = read_model_config(path)
+    if path.suffix == ".gguf":
+        from fastrl_jax.models import gguf_loader
+
+        get = gguf_loader.tensor_getter(path, gguf_loader.read_gguf_tensors(path))
+    else:
+        get = SafetensorsDir(path).get
+    head = get("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")
+    return np.asarray(head if ids is None else head[np.asarray(ids)])
+
+
 def _equal_by_rows(a: np.ndarray, b: np.ndarray, rows: int = 4096) -> bool:
     """np.array_equal of two memory-mapped matrices, a block of rows at a time (no vocab-sized temporaries)."""
     return a.shape == b.shape and all(np.array_equal(a[i:i + rows], b[i:i + rows]) for i in range(0, len(a), rows))
