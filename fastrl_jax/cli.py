@@ -540,6 +540,7 @@ def cmd_bench_sd(args: argparse.Namespace) -> None:
     from fastrl_jax.machine import format_machine, machine_facts
     from fastrl_jax.models.drafter_io import drafter_dir, make_drafter
     from fastrl_jax.models.hub import resolve_model_path
+    from fastrl_jax.models.loading import read_model_config
     from fastrl_jax.models.tokenizer import load_tokenizer
 
     names = [*args.prompt_sets, *(Path(p).stem for p in args.prompt_file)]  # a prompt file's set: its stem
@@ -552,6 +553,9 @@ def cmd_bench_sd(args: argparse.Namespace) -> None:
         raise ConfigError("bench-sd: EAGLE strategies (S/K/V) need --drafter DIR; history ones (hD) do not")
     if args.profile and not args.drafter:
         raise ConfigError("bench-sd --profile times an EAGLE step's phases: give --drafter DIR")
+    if args.profile and not strategies[0].parts()[0]:
+        raise ConfigError(f"bench-sd --profile times the first strategy's EAGLE tree; {args.strategies[0]} has none: "
+                          "put an S/K/V strategy first")
     for t in args.temperatures:
         if problem := temperature_problem("bench-sd --temperatures", t):
             raise ConfigError(problem)
@@ -567,15 +571,22 @@ def cmd_bench_sd(args: argparse.Namespace) -> None:
     plot = None
     if args.plot:  # matplotlib adds .png to a name without a suffix: check (and report) the file it writes
         plot = check_output_file(args.plot if Path(args.plot).suffix else f"{args.plot}.png", "--plot")
-    tokenizer = load_tokenizer(resolve_model_path(cfg.model.path))  # prompt files are read before the weights
+    model_path = resolve_model_path(cfg.model.path)
+    tokenizer, model_cfg = load_tokenizer(model_path), read_model_config(model_path)  # checks before the weights
     prompt_sets = held_out_sets(cfg, tokenizer, args.prompts, args.prompt_sets)
     for path in args.prompt_file:
         prompts = read_jsonl_prompts(path, tokenizer)
         if len(prompts) > args.prompts:
             print(f"[bench-sd] {path}: timing its first {args.prompts} of {len(prompts)} prompts (--prompts)", file=sys.stderr)
+        if bad := [i for i, p in enumerate(prompts[: args.prompts]) if not all(0 <= t < model_cfg.vocab_size for t in p)]:
+            raise ConfigError(f"bench-sd --prompt-file {path}: prompt {bad[0]}'s token ids must be in [0, "
+                              f"{model_cfg.vocab_size}), the policy's vocabulary")
         prompt_sets[Path(path).stem] = prompts[: args.prompts]
+    drafter = make_drafter(cfg, model_cfg, args.drafter, cfg.model.engine_dtype) if args.drafter else None
+    if drafter is not None and args.vocab and "reduced" in args.vocab and drafter.draft_vocab is None:
+        raise ConfigError(f"bench-sd --vocab reduced: the drafter in {args.drafter} drafts over the whole vocabulary "
+                          "(trained with drafter_train.draft_vocab_size 0); give --vocab full")
     policy = _policy(cfg, tokenizer)
-    drafter = make_drafter(cfg, policy.cfg, args.drafter, cfg.model.engine_dtype) if args.drafter else None
     result = {"model": cfg.model.path, "dtype": cfg.model.engine_dtype, "drafter": args.drafter,
               "accept": cfg.sd.accept, "new_tokens": args.new_tokens, "repeats": args.repeats, "backend": jax.default_backend(),
               "machine": machine_facts()}

@@ -162,3 +162,24 @@ def test_export_drafter_writes_eagle3_for_an_eagle3_drafter(tmp_path):
     for back in (load_drafter(out / "orbax", TINY), load_eagle(out / "eagle3", TINY)):
         assert back.kind == "eagle3"
         np.testing.assert_array_equal(back.fc[...], drafter.fc[...])
+
+
+def test_bench_sd_refuses_what_it_can_before_loading_the_policy(tmp_path):
+    """Prompt ids past the vocabulary, --profile of a history strategy, --vocab reduced of a full-vocabulary drafter
+    were refused only after the policy loaded and the machine was measured (minutes at 7B; found by review)."""
+    from helpers.tiny_run import write_tiny_checkpoint
+
+    policy = str(write_tiny_checkpoint(tmp_path / "policy"))
+    save_drafter(tmp_path / "d", Drafter(TINY, nnx.Rngs(0)))  # drafts over the whole vocabulary
+    (tmp_path / "oov.jsonl").write_text('{"prompt_ids": [3, 4, 500]}\n')  # the tiny vocabulary has 128 tokens
+    (tmp_path / "ok.jsonl").write_text('{"prompt_ids": [3, 4, 5]}\n')
+    cases = [
+        (["--prompt-file", str(tmp_path / "oov.jsonl"), "--strategies", "h2"], "token ids must be in [0, 128)"),
+        (["--prompt-file", str(tmp_path / "ok.jsonl"), "--drafter", str(tmp_path / "d"), "--strategies", "h2", "3/2/4",
+          "--profile"], "h2 has none"),
+        (["--prompt-file", str(tmp_path / "ok.jsonl"), "--drafter", str(tmp_path / "d"), "--strategies", "3/2/4",
+          "--vocab", "reduced"], "drafts over the whole vocabulary"),
+    ]
+    for extra, message in cases:
+        res = fastrl_jax("bench-sd", "--model", policy, "--prompt-sets", *extra, "--out", str(tmp_path / "b.json"))
+        assert res.returncode == 2 and message in res.stderr and "loaded" not in res.stderr, res.stderr
