@@ -99,7 +99,10 @@ def sequence_logprobs(graphdef, params: Params, tokens: jax.Array, pad: jax.Arra
     mask = mask | jnp.eye(S, dtype=bool)[None]
     start = jnp.zeros(B, jnp.int32)
     cache = KVCache.zeros(model.cfg, B, S, model.embed.get_value().dtype)  # the layers place new keys in it
-    hidden, _ = run_layers(model.cfg, model.layers, model.embed[tokens], positions, cache, start, mask, remat=remat)
+    # cached_slots=0: every slot is a new token's own, so the reference attention scores no cached window (it
+    # scored all S, masked, doubling the scores' time and memory)
+    hidden, _ = run_layers(model.cfg, model.layers, model.embed[tokens], positions, cache, start, mask, remat=remat,
+                           cached_slots=0)
     logits = model.logits(hidden[:, P - 1 : S - 1])  # slot t predicts the token at slot t + 1
     return grpo.token_logprobs(logits, tokens[:, P:], temperature), grpo.entropy(logits, temperature)
 
