@@ -224,9 +224,9 @@ def _report_speculation(st) -> None:
 def cmd_train(args: argparse.Namespace) -> None:
     from fastrl_jax.config import check_trainable
 
-    if args.devices is not None and not args.dry_run:
-        raise ConfigError("--devices plans a --dry-run; a run takes every visible device, split by mesh.data, mesh.fsdp "
-                          "and mesh.tensor (one of them -1 takes the rest)")
+    if (args.devices is not None or args.platform) and not args.dry_run:
+        raise ConfigError("--devices and --platform plan a --dry-run; a run takes every visible device, split by "
+                          "mesh.data, mesh.fsdp and mesh.tensor (one of them -1 takes the rest)")
     cfg = _config(args)
     check_trainable(cfg, "train")
     if args.dry_run:
@@ -235,7 +235,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
         sizes = mesh_shape(cfg, args.devices)
         preflight(cfg, sizes["data"] * sizes["fsdp"], files=False)  # what the run would refuse before loading
-        print(plan(cfg, args.devices))
+        print(plan(cfg, args.devices, args.platform))
         return
     check_output_dir(cfg.rl.out_dir, "rl.out_dir")
     if (args.num_processes is not None or args.process_id is not None) and not (args.distributed or args.coordinator):
@@ -703,6 +703,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--dry-run", action="store_true",
                        help="build the abstract model, mesh and shardings; print memory per device and the program plan")
     train.add_argument("--devices", type=int, help="--dry-run: devices to plan for (default: the mesh sizes' product)")
+    train.add_argument("--platform", choices=["cpu", "gpu", "tpu"],
+                       help="--dry-run: the platform to plan for, whose attention kernels decide the update step's "
+                            "activations (default: this machine's)")
     train.add_argument("--distributed", action="store_true",
                        help="call jax.distributed.initialize() first (SLURM / TPU pods are auto-detected)")
     train.add_argument("--coordinator", help="host:port of process 0 (multi-process without SLURM; implies --distributed)")

@@ -204,7 +204,7 @@ def test_train_takes_overrides_on_both_sides_of_a_flag(monkeypatch):
 def test_train_devices_only_plans_a_dry_run(tmp_path, capsys):
     # --devices N without --dry-run was ignored: the run went on with the mesh's own device count
     code = cli.main(["train", "--devices", "4", f"rl.out_dir={tmp_path}/run", f"model.path={tmp_path}/none", *NO_CACHE])
-    assert code == 2 and "--devices plans a --dry-run" in capsys.readouterr().err
+    assert code == 2 and "--devices and --platform plan a --dry-run" in capsys.readouterr().err
 
 
 def test_generate_refuses_to_write_over_its_prompt_file(tmp_path, capsys, monkeypatch):

@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, NamedSharding
 
 from fastrl_jax.config import Config, ConfigError
+from fastrl_jax.kernels.backends import BACKENDS, select_backend
 from fastrl_jax.models.config import ModelConfig
 from fastrl_jax.models.decoder import DTYPES, abstract_decoder
 from fastrl_jax.models.drafter import Drafter, feature_layers
@@ -33,7 +34,8 @@ from fastrl_jax.sharding import AXES, mesh_sizes, shardings_for
 
 GiB = 2**30
 MEMORY_PARTS = ("params", "grads", "optimizer", "new_params", "reference", "rollout_params", "unrolled_layers", "kv_cache",
-                "hidden_states", "drafter_kv_cache", "compaction", "drafter", "drafter_training", "train_logits")
+                "hidden_states", "drafter_kv_cache", "compaction", "drafter", "drafter_training", "train_logits",
+                "train_activations")
 
 
 @functools.cache  # plan() asks three times; read the checkpoint's config once
@@ -91,11 +93,12 @@ def _drafter_plan(cfg: Config, mcfg: ModelConfig, mesh: AbstractMesh) -> dict[st
             "drafter_training": 3 * sharded + 2 * whole if online else 0}
 
 
-def memory_plan(cfg: Config, devices: int | None = None) -> dict[str, float]:
+def memory_plan(cfg: Config, devices: int | None = None, platform: str | None = None) -> dict[str, float]:
     """Bytes per device of each part of a training run (master parameters, gradients, AdamW moments, the
     update's new parameters, reference, the engines' copy of the policy in model.rollout_dtype, a rollout
     replica's KV cache and hidden states, the drafter and its online training, and the largest micro-batch's
-    logits)."""
+    logits and layer activations). platform: where training runs, which picks its attention backend
+    (train_activations); this process's JAX backend by default."""
     mcfg = model_config(cfg.model.path)
     sizes = mesh_shape(cfg, devices)
     mesh = AbstractMesh(tuple(sizes.values()), AXES)
@@ -142,9 +145,50 @@ def memory_plan(cfg: Config, devices: int | None = None) -> dict[str, float]:
         "kv_cache": kv, "hidden_states": hidden, "drafter_kv_cache": drafter_kv, "compaction": compaction,
         **_drafter_plan(cfg, mcfg, mesh),
         "train_logits": logits,
+        "train_activations": train_activations(cfg, mcfg, sizes, platform or jax.default_backend()),
     }
     plan["total"] = sum(plan[k] for k in MEMORY_PARTS)
     return plan
+
+
+def train_activations(cfg: Config, mcfg: ModelConfig, sizes: dict[str, int], platform: str) -> int:
+    """Bytes per device of the update step's layer activations for its longest micro-batch: rows = micro-batch
+    rows over data x fsdp, T = P + C slots (P the largest prompt bucket, C rl.max_new_tokens, each rounded up as
+    Trainer.build_batch rounds them); heads and the MLP split over tensor where they divide, as their weights.
+
+    One decoder layer keeps for its backward pass (the buffers of the compiled step's layer scan, update.
+    sequence_logprobs -> decoder.run_layers) lin = rows x T x (residual + qkv + mlp) in model.dtype:
+      residual  7 x hidden: the layer input, both RMSNorms' inputs, scales and outputs, the attention residual
+      qkv       2 x heads x head_dim + 4 x kv_heads x head_dim: queries rotated and scaled, keys and values
+                before and after their transposes
+      mlp       6 x intermediate: gate, up, the SiLU's parts and the product
+    and, where the XLA reference runs the attention forward (model.attention on `platform`; auto on CPU),
+      scores    2 x rows x heads x T x T float32: the new tokens' scores (training scores no cache window:
+                cached_slots 0) and the weights' copy the value contraction reads.
+    A Triton / Pallas forward keeps queries, keys and values only; its backward is the reference's, which builds
+    the scores one layer at a time. So layer = lin + scores (reference) or lin (a kernel), and the backward pass
+    of a layer adds gradients of its size: lin + scores.
+    Without rl.remat the scan keeps every layer's tensors: num_layers x layer + lin + scores. With rl.remat each
+    layer keeps its input (rows x T x hidden) and the backward pass recomputes one layer:
+    num_layers x input + layer + lin + scores.
+    """
+    q = TRAIN_LENGTH_QUANTUM
+    T = math.ceil(cfg.rollout.prompt_buckets[-1] / q) * q + math.ceil(cfg.rl.max_new_tokens / q) * q
+    rows = max(cfg.rl.micro_batch_size // (sizes["data"] * sizes["fsdp"]), 1)
+    heads, kv_heads, mlp = (n // (sizes["tensor"] if n % sizes["tensor"] == 0 else 1)
+                            for n in (mcfg.num_heads, mcfg.num_kv_heads, mcfg.intermediate_size))
+    itemsize = np.dtype(DTYPES[cfg.model.dtype]).itemsize
+    lin = rows * T * (7 * mcfg.hidden_size + (2 * heads + 4 * kv_heads) * mcfg.head_dim + 6 * mlp) * itemsize
+    scores = 2 * rows * heads * T * T * 4
+    layer = lin + (scores if attention_backend(cfg, platform) == "reference" else 0)
+    kept = mcfg.num_layers * (rows * T * mcfg.hidden_size * itemsize if cfg.rl.remat else layer)
+    return kept + (layer if cfg.rl.remat else 0) + lin + scores
+
+
+def attention_backend(cfg: Config, platform: str) -> str:
+    """The backend the layers' attention forward takes on `platform` for model.attention (kernels/backends.py's
+    choice where every backend is installed)."""
+    return select_backend(platform, cfg.model.attention, BACKENDS).order[0]
 
 
 def program_plan(cfg: Config) -> Counter:
@@ -190,9 +234,10 @@ def _memory_fraction() -> float:
     return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
 
 
-def plan(cfg: Config, devices: int | None = None) -> str:
-    """The dry-run report as text."""
-    m = memory_plan(cfg, devices)
+def plan(cfg: Config, devices: int | None = None, platform: str | None = None) -> str:
+    """The dry-run report as text; platform as memory_plan's."""
+    platform = platform or jax.default_backend()
+    m = memory_plan(cfg, devices, platform)
     mcfg = model_config(cfg.model.path)
     lines = [
         f"model {cfg.model.path}: {mcfg.family}, {m['param_count'] / 1e9:.2f}B parameters, trained in "
@@ -220,6 +265,10 @@ def plan(cfg: Config, devices: int | None = None) -> str:
         "drafter": f"the engines' {cfg.model.engine_dtype} drafter (its layer and fc; embedding and head are the policy's)",
         "drafter_training": "online drafter training: master weights, gradients, starting copy, AdamW moments (whole)",
         "train_logits": f"logits of a micro-batch's completion slots (rl.max_new_tokens; estimate), {rows_note}",
+        "train_activations": "the update step's layer activations over prompt + completion slots, "
+                             + ("each layer's input and one layer's tensors (rl.remat)" if cfg.rl.remat else
+                                "every layer's tensors (rl.remat=true keeps one layer's)")
+                             + f", attention by {attention_backend(cfg, platform)} on {platform} (estimate)",
     }
     for key, note in notes.items():
         lines.append(f"  {key:<17} {m[key] / GiB:9.3f}  {note}")
