@@ -530,18 +530,10 @@ def cmd_eval(args: argparse.Namespace) -> None:
         print(f"[fastrl-jax] wrote {out}", file=sys.stderr)
 
 
-def cmd_bench_sd(args: argparse.Namespace) -> None:
-    import jax
-
+def _bench_sd_flags(args: argparse.Namespace) -> list:
+    """bench-sd's flags checked before any file is read; returns the strategies."""
     from fastrl_jax.config import StrategySpec
     from fastrl_jax.data.chat_prompts import HELD_OUT
-    from fastrl_jax.data.prompts import held_out_sets, read_jsonl_prompts
-    from fastrl_jax.drafter import bench
-    from fastrl_jax.machine import format_machine, machine_facts
-    from fastrl_jax.models.drafter_io import drafter_dir, make_drafter
-    from fastrl_jax.models.hub import resolve_model_path
-    from fastrl_jax.models.loading import read_model_config
-    from fastrl_jax.models.tokenizer import load_tokenizer
 
     names = [*args.prompt_sets, *(Path(p).stem for p in args.prompt_file)]  # a prompt file's set: its stem
     if not names:
@@ -564,6 +556,36 @@ def cmd_bench_sd(args: argparse.Namespace) -> None:
     if "chat" in args.prompt_sets and args.prompts > len(HELD_OUT):
         raise ConfigError(f"bench-sd --prompts {args.prompts}: the chat set holds {len(HELD_OUT)} held-out prompts; give "
                           f"--prompts {len(HELD_OUT)} or fewer, or leave chat out of --prompt-sets")
+    return strategies
+
+
+def _bench_sd_prompts(args: argparse.Namespace, cfg, tokenizer, vocab_size: int) -> dict[str, list[list[int]]]:
+    """The prompt sets bench-sd times: held-out math / chat, and each --prompt-file's first --prompts."""
+    from fastrl_jax.data.prompts import held_out_sets, read_jsonl_prompts
+
+    prompt_sets = held_out_sets(cfg, tokenizer, args.prompts, args.prompt_sets)
+    for path in args.prompt_file:
+        prompts = read_jsonl_prompts(path, tokenizer)
+        if len(prompts) > args.prompts:
+            print(f"[bench-sd] {path}: timing its first {args.prompts} of {len(prompts)} prompts (--prompts)", file=sys.stderr)
+        if bad := [i for i, p in enumerate(prompts[: args.prompts]) if not all(0 <= t < vocab_size for t in p)]:
+            raise ConfigError(f"bench-sd --prompt-file {path}: prompt {bad[0]}'s token ids must be in [0, {vocab_size}), "
+                              "the policy's vocabulary")
+        prompt_sets[Path(path).stem] = prompts[: args.prompts]
+    return prompt_sets
+
+
+def cmd_bench_sd(args: argparse.Namespace) -> None:
+    import jax
+
+    from fastrl_jax.drafter import bench
+    from fastrl_jax.machine import format_machine, machine_facts
+    from fastrl_jax.models.drafter_io import drafter_dir, make_drafter
+    from fastrl_jax.models.hub import resolve_model_path
+    from fastrl_jax.models.loading import read_model_config
+    from fastrl_jax.models.tokenizer import load_tokenizer
+
+    strategies = _bench_sd_flags(args)
     cfg = _config(args, ["rollout.warm_up=false"])
     if args.drafter:
         drafter_dir(args.drafter)
@@ -573,15 +595,7 @@ def cmd_bench_sd(args: argparse.Namespace) -> None:
         plot = check_output_file(args.plot if Path(args.plot).suffix else f"{args.plot}.png", "--plot")
     model_path = resolve_model_path(cfg.model.path)
     tokenizer, model_cfg = load_tokenizer(model_path), read_model_config(model_path)  # checks before the weights
-    prompt_sets = held_out_sets(cfg, tokenizer, args.prompts, args.prompt_sets)
-    for path in args.prompt_file:
-        prompts = read_jsonl_prompts(path, tokenizer)
-        if len(prompts) > args.prompts:
-            print(f"[bench-sd] {path}: timing its first {args.prompts} of {len(prompts)} prompts (--prompts)", file=sys.stderr)
-        if bad := [i for i, p in enumerate(prompts[: args.prompts]) if not all(0 <= t < model_cfg.vocab_size for t in p)]:
-            raise ConfigError(f"bench-sd --prompt-file {path}: prompt {bad[0]}'s token ids must be in [0, "
-                              f"{model_cfg.vocab_size}), the policy's vocabulary")
-        prompt_sets[Path(path).stem] = prompts[: args.prompts]
+    prompt_sets = _bench_sd_prompts(args, cfg, tokenizer, model_cfg.vocab_size)
     drafter = make_drafter(cfg, model_cfg, args.drafter, cfg.model.engine_dtype) if args.drafter else None
     if drafter is not None and args.vocab and "reduced" in args.vocab and drafter.draft_vocab is None:
         raise ConfigError(f"bench-sd --vocab reduced: the drafter in {args.drafter} drafts over the whole vocabulary "
@@ -668,6 +682,33 @@ def _count(text: str) -> int:
     return value
 
 
+def _add_bench_sd(sub) -> None:
+    bs = sub.add_parser("bench-sd", help="plain vs speculative decoding tokens/s per batch size, strategy, temperature")
+    _common(bs)
+    bs.add_argument("--drafter", help="train-drafter out_dir, a train run's rl.out_dir, or a drafter checkpoint directory "
+                    "(EAGLE strategies)")
+    bs.add_argument("--batch-sizes", type=_count, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    bs.add_argument("--strategies", nargs="+", default=["6/4/16", "5/4/8", "4/2/6"],
+                    help="steps/topk/verify_tokens (EAGLE tree), hD (history chain) or S/K/V+hD (both)")
+    bs.add_argument("--samples-per-prompt", type=_count, default=1,
+                    help="ask each prompt this many times in a row (other seeds), as an RL group: hD drafts from the earlier ones")
+    bs.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
+    bs.add_argument("--vocab", nargs="+", choices=["reduced", "full"],
+                    help="the drafter's reduced draft vocabulary and/or the same weights over the full vocabulary "
+                         "(default: both, or full for a drafter without a reduced one)")
+    bs.add_argument("--new-tokens", "--max-new-tokens", dest="new_tokens", type=_count, default=128, help="max new tokens per request (stop tokens end earlier)")
+    bs.add_argument("--prompt-sets", nargs="*", choices=["math", "chat"], default=["math", "chat"],
+                    help="held-out prompt sets, each timed apart: the built-in math task, general chat")
+    bs.add_argument("--prompt-file", nargs="*", default=[], metavar="JSONL",
+                    help='more prompt sets, named by file stem: {"prompt": text} or {"prompt_ids": [...]} per line')
+    bs.add_argument("--prompts", type=_count, default=16, help="prompts per set; each batch size generates all of them, batch size at a time")
+    bs.add_argument("--repeats", type=_count, default=1, help="timed runs per cell after the compiling one (best is kept)")
+    bs.add_argument("--profile", action="store_true", help="also time each phase of one speculative step at batch 1")
+    bs.add_argument("--out", "--output", dest="out", default="bench_sd.json")
+    bs.add_argument("--plot", default="bench_sd.png", help="PNG of speedup vs batch size ('' to skip)")
+    bs.set_defaults(func=cmd_bench_sd)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastrl-jax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -727,30 +768,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.set_defaults(func=cmd_export_drafter)
     _add_export_policy(sub)
     _add_eval(sub)
-    bs = sub.add_parser("bench-sd", help="plain vs speculative decoding tokens/s per batch size, strategy, temperature")
-    _common(bs)
-    bs.add_argument("--drafter", help="train-drafter out_dir, a train run's rl.out_dir, or a drafter checkpoint directory "
-                    "(EAGLE strategies)")
-    bs.add_argument("--batch-sizes", type=_count, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    bs.add_argument("--strategies", nargs="+", default=["6/4/16", "5/4/8", "4/2/6"],
-                    help="steps/topk/verify_tokens (EAGLE tree), hD (history chain) or S/K/V+hD (both)")
-    bs.add_argument("--samples-per-prompt", type=_count, default=1,
-                    help="ask each prompt this many times in a row (other seeds), as an RL group: hD drafts from the earlier ones")
-    bs.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
-    bs.add_argument("--vocab", nargs="+", choices=["reduced", "full"],
-                    help="the drafter's reduced draft vocabulary and/or the same weights over the full vocabulary "
-                         "(default: both, or full for a drafter without a reduced one)")
-    bs.add_argument("--new-tokens", "--max-new-tokens", dest="new_tokens", type=_count, default=128, help="max new tokens per request (stop tokens end earlier)")
-    bs.add_argument("--prompt-sets", nargs="*", choices=["math", "chat"], default=["math", "chat"],
-                    help="held-out prompt sets, each timed apart: the built-in math task, general chat")
-    bs.add_argument("--prompt-file", nargs="*", default=[], metavar="JSONL",
-                    help='more prompt sets, named by file stem: {"prompt": text} or {"prompt_ids": [...]} per line')
-    bs.add_argument("--prompts", type=_count, default=16, help="prompts per set; each batch size generates all of them, batch size at a time")
-    bs.add_argument("--repeats", type=_count, default=1, help="timed runs per cell after the compiling one (best is kept)")
-    bs.add_argument("--profile", action="store_true", help="also time each phase of one speculative step at batch 1")
-    bs.add_argument("--out", "--output", dest="out", default="bench_sd.json")
-    bs.add_argument("--plot", default="bench_sd.png", help="PNG of speedup vs batch size ('' to skip)")
-    bs.set_defaults(func=cmd_bench_sd)
+    _add_bench_sd(sub)
     return parser
 
 

@@ -593,14 +593,18 @@ class Trainer:
         self.step = int(meta["run"]["step"])
         # Checkpoints before 2026-11-27 have no update count: every step applied rl.minibatches_per_step then.
         self.updates = int(meta["run"].get("updates", self.step * self.cfg.rl.minibatches_per_step))
-        if changes := _config_changes(meta["run"].get("config", {}), now, tuple(now)):
+        self._say_changes(meta["run"].get("config", {}), step)
+        print(f"[fastrl-jax] resumed from step {step} in {ckpt.directory}", file=sys.stderr)
+
+    def _say_changes(self, saved: dict, step: int) -> None:
+        """What a resume changed since checkpoint `step` (its config `saved`): every setting, and the schedule's span."""
+        now = to_dict(self.cfg)
+        if changes := _config_changes(saved, now, tuple(now)):
             print(f"[fastrl-jax] settings changed since step {step} was saved: {'; '.join(changes)} (the run's config "
                   f"until then: {self.out_dir / f'config.to_step_{step}.yaml'})", file=sys.stderr)
-        was = _config_changes(meta["run"].get("config", {}), now, ("rl.steps", "rl.minibatches_per_step"))
-        if was:
+        if was := _config_changes(saved, now, ("rl.steps", "rl.minibatches_per_step")):
             print(f"[fastrl-jax] {', '.join(was)}: the learning-rate schedule now spans {self.total_updates} updates; "
                   f"it goes on from update {self.updates}", file=sys.stderr)
-        print(f"[fastrl-jax] resumed from step {step} in {ckpt.directory}", file=sys.stderr)
 
     def close(self) -> None:
         try:
