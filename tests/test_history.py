@@ -61,11 +61,37 @@ def test_the_longest_match_wins_and_the_draft_grows_with_it():
     assert drafts[0] == []  # a single-token match is below min_match
 
 
-def test_among_equal_matches_the_latest_wins_and_drafts_stop_at_what_is_known():
+def test_among_equal_matches_the_latest_that_gives_the_wanted_draft_wins_and_drafts_stop_at_what_is_known():
     row = [7, 8]
-    older = [7, 8, 1, 1, 1, 1, 7, 8, 2, 3]  # two matches of "7 8": the later one continues with 2 3
+    older = [7, 8, 1, 1, 1, 1, 7, 8, 2, 2, 2, 2, 7, 8, 3]  # three matches of "7 8", the last followed by one token
     drafts, _ = table([row, older], groups=[0, 0])
-    assert drafts[0] == [2, 3]  # only what the sibling has written so far
+    assert drafts[0] == [2, 2, 2, 2]  # 2 x 2 wanted: the latest match that 4 tokens follow
+    drafts, _ = table([row, [7, 8, 2, 3]], groups=[0, 0])
+    assert drafts[0] == [2, 3]  # only what the sibling has written so far (its text does not end as the match does)
+
+
+# A row caught in a loop (degenerate repetition until max_new_tokens: the RL long tail). Its latest match sits just
+# before its end, followed by one period of the loop; that period repeats past the end (found by review: a row drafted
+# one period per step, [5] of 6 wanted in a period-1 loop, whatever a sibling wrote).
+
+def test_a_looping_row_drafts_a_full_chain():
+    assert table([[3] + [5] * 20], [0])[0][0] == [5] * 6
+    assert table([[3] + [5, 6] * 10], [0])[0][0] == [5, 6] * 3
+    assert table([[3] + [5, 6, 7] * 7], [0])[0][0] == [5, 6, 7] * 2
+    assert table([[3, 5, 6, 7, 5, 6, 7]], [0])[0][0] == [5, 6, 7] * 2  # two periods in: a 3-token match, 6 drafts
+
+
+def test_a_sibling_in_the_same_loop_and_an_earlier_completion_give_a_full_chain():
+    # The sibling has written 20 tokens of the loop: its end matches too, and its earlier positions have 6 tokens after.
+    drafts, _ = table([[3] + [5] * 4, [3] + [5] * 20], [0, 0])
+    assert drafts == [[5] * 6, [5] * 6]
+    # An earlier completion that looped: its latest match is one token before its end; an earlier one gives the chain.
+    corpus = build_corpus([40, 41, 42], [[5] * 12], size=16, prompt_tail=2)
+    drafts, _ = table([[40, 41, 42, 5, 5]], groups=[0], corpora=[corpus])
+    assert drafts[0] == [5] * 6
+    # A sibling whose text ended otherwise gives only what it wrote: past its end it need not repeat.
+    drafts, _ = table([[1, 5, 6, 7], [5, 6, 7, 5, 9]], [0, 0])
+    assert drafts[0] == [5, 9]
 
 
 def test_the_corpus_holds_earlier_completions_behind_the_prompt_tail():
@@ -96,15 +122,25 @@ def test_a_match_at_an_entrys_end_does_not_hide_one_that_continues():
 
 def _propose_reference(history, length, group, corpus, max_draft, settings):
     """propose() spelled out: every place a row's suffix may match, the longest one that a token follows; among equally
-    long ones the latest: the table after the corpus, a later position after an earlier one (then a later row)."""
+    long ones the one followed by the most of the wanted tokens, then the latest: the table after the corpus, a later
+    position after an earlier one (then a later row). In a table row whose last tokens are the match, what follows the
+    match repeats past the row's end."""
     B = len(history)
     tokens, n = np.full((B, max_draft), -1), np.zeros(B, int)
+
+    def suffix(r):
+        return [int(history[r][length[r] - j]) for j in range(min(settings.match_tokens, length[r] + 1))]
+
     for b in range(B):
-        query = [int(history[b][length[b] - j]) for j in range(min(settings.match_tokens, length[b] + 1))]
+        query = suffix(b)
         texts = [((0, 0), [t if t != SEPARATOR else None for t in corpus[b]])]
         texts += [((1, r), list(history[r][: length[r] + 1])) for r in range(B) if group[r] == group[b]]
         found = []
         for (where, r), text in texts:
+            same_end = 0
+            if where == 1:
+                while same_end < min(len(query), len(suffix(r))) and query[same_end] == suffix(r)[same_end]:
+                    same_end += 1
             for p in range(len(text) - 1):
                 run = 0
                 while run < len(query) and p - run >= 0 and text[p - run] == query[run]:
@@ -114,10 +150,12 @@ def _propose_reference(history, length, group, corpus, max_draft, settings):
                     if t is None or len(follow) == max_draft:
                         break
                     follow.append(t)
+                if follow and where == 1 and run <= same_end:
+                    follow = [follow[i % len(follow)] for i in range(max_draft)]
+                wanted = min(int(settings.spec_factor * run), max_draft) if run >= settings.min_match else 0
                 if follow:
-                    found.append(((run, where, p, r), follow))
-        (run, *_), follow = max(found, key=lambda f: f[0]) if found else ((0,), [])
-        k = min(int(settings.spec_factor * run), len(follow)) if run >= settings.min_match else 0
+                    found.append(((run, min(wanted, len(follow)), where, p, r), follow))
+        (run, k, *_), follow = max(found, key=lambda f: f[0]) if found else ((0, 0), [])
         tokens[b, :k], n[b] = follow[:k], k
     return tokens, n
 
@@ -125,7 +163,7 @@ def _propose_reference(history, length, group, corpus, max_draft, settings):
 def test_propose_equals_a_reference_on_random_tables():
     rng = np.random.default_rng(0)
     settings = MatchSettings(match_tokens=4, min_match=2, spec_factor=1.5)
-    for _ in range(40):  # a small vocabulary: many matches of every length
+    for _ in range(60):  # a small vocabulary: many matches of every length, loops in rows
         history = rng.integers(0, 3, (3, 12)).astype(np.int32)
         length, group = rng.integers(0, 12, 3).astype(np.int32), rng.integers(0, 2, 3).astype(np.int32)
         corpus = rng.integers(-1, 3, (3, 20)).astype(np.int32)
@@ -339,3 +377,29 @@ def test_earlier_rollouts_feed_the_next_one(model):
     again = engine.generate(reqs)
     assert [c.tokens for c in again] == [c.tokens for c in first]
     assert engine.stats.drafts_history > before + 20  # greedy repeats itself: most tokens drafted
+
+
+def looping_model(period: int) -> nnx.Module:
+    """A model whose greedy text falls into the loop 5, 6, ..., 4 + period at once: layers that add nothing to the
+    residual, token t embedded as unit vector t % hidden, and a head from each of those to its successor in the loop."""
+    model = tiny_model()
+    model.layers.wo.set_value(jnp.zeros_like(model.layers.wo.get_value()))
+    model.layers.w_down.set_value(jnp.zeros_like(model.layers.w_down.get_value()))
+    H, V = TINY.hidden_size, TINY.vocab_size
+    model.embed.set_value(jnp.eye(V, H))
+    head = np.zeros((H, V), np.float32)
+    head[np.arange(H), [5 + (i - 4) % period if 5 <= i < 5 + period else 5 for i in range(H)]] = 1.0
+    model.lm_head.set_value(jnp.asarray(head))
+    return model
+
+
+def test_a_looping_row_is_drafted_whole_chains_and_decodes_as_plain():
+    """A row looping until max_new_tokens (the RL long tail) gets h6's 6 drafts per step once its match is 3 tokens
+    long, all accepted: 5.1 tokens per step over 72 tokens, where drafting one period (3 tokens) a step gave 3.4."""
+    model = looping_model(3)
+    engine = RolloutEngine(model, ONE_ROW, sd=SpecConfig(mode="on", strategies=("h6",)), progress=False)
+    reqs = [Request(p, max_new_tokens=72) for p in prompts(2, seed=3)]
+    for r, o in zip(reqs, engine.generate(reqs)):
+        assert o.tokens == greedy_generate(model, r.prompt_ids, r.max_new_tokens)
+        assert o.tokens[:6] == [5, 6, 7, 5, 6, 7]
+    assert engine.stats.acceptance_length() > 4.5

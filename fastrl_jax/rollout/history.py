@@ -5,9 +5,11 @@ prompts come back in later RL steps. For each row the device matcher finds, amon
   - the row's corpus: earlier completions of its prompt (from earlier RL steps, and siblings of this
     rollout that have finished), each behind the prompt's last tokens, and
   - the live rows of its group in the table (siblings still generating, and the row itself),
-the longest match of the row's last `match_tokens` tokens that text follows (the latest among equally long ones) and
-proposes what followed it as a chain of draft tokens, as many as spec_factor x the match length (at
-most max_draft). It is a few vectorised compares inside the compiled step: no host round trip.
+the longest match of the row's last `match_tokens` tokens that text follows (among equally long ones the one followed
+by the most of the wanted tokens, then the latest) and proposes what followed it as a chain of draft tokens, as many as
+spec_factor x the match length (at most max_draft). What follows a match in a text that ends as the match does (a row
+in a repetition loop, the RL long tail) repeats past that end, period after period. It is a few vectorised compares
+inside the compiled step: no host round trip.
 The policy verifies every drafted token, so drafting from history is as lossless as any drafter.
 
 `HistoryStore` keeps the earlier completions on the host, per prompt, bounded, as int32 arrays that a
@@ -64,34 +66,70 @@ def propose(history: jax.Array, length: jax.Array, group: jax.Array, corpus: jax
     # Match lengths ending at each corpus position and at each position of each table row, where a token follows
     # the match: a longer match at an entry's end (a completion cut by its length limit or by the corpus) would
     # otherwise win over one that has a continuation, and the row would draft nothing.
-    continues = jnp.concatenate([corpus[:, 1:], jnp.full((B, 1), SEPARATOR, corpus.dtype)], 1) != SEPARATOR
-    in_corpus = _run_lengths(corpus[:, :, None], query, ((corpus != SEPARATOR) & continues)[:, :, None])[:, :, 0]  # [B, M]
+    M = corpus.shape[1]
+    corpus_follow = _tokens_after(corpus, max_draft)  # [B, M]
+    in_corpus = _run_lengths(corpus[:, :, None], query, ((corpus != SEPARATOR) & (corpus_follow > 0))[:, :, None])[:, :, 0]
     rows_text = jnp.broadcast_to(history.T[None], (B, S1, B))  # [B, S1, Bt]: row r's text at p
     table_ok = (group[None, :] == group[:, None])[:, None, :] & (jnp.arange(S1)[None, :, None] < length[None, None, :])
     in_table = _run_lengths(rows_text, query, table_ok)  # [B, S1, Bt]
 
-    # The longest match wins; among equal ones, the latest (the table after the corpus, later after earlier).
-    M = corpus.shape[1]
-    order = jnp.concatenate([jnp.arange(M), M + jnp.arange(S1 * B)])
-    runs = jnp.concatenate([in_corpus, in_table.reshape(B, S1 * B)], axis=1)
-    best = jnp.argmax(runs * (M + S1 * B) + order[None, :], axis=1)
-    run = jnp.take_along_axis(runs, best[:, None], 1)[:, 0]
+    # How many tokens follow each match: in the corpus up to the entry's separator; in a table row up to its length,
+    # and without end where the row's own last tokens are the match (the row itself, or a sibling in the same phase
+    # of the same loop): after the d tokens up to that end the text ends as it did at the match, so the matcher
+    # would find the match again and continue with the same d tokens: a loop's period repeats, draft[i] = draft[i-d].
+    # Without it a row stuck in a loop (the RL long tail) drafted one period per step.
+    same_end = jnp.sum(jnp.cumprod(query[:, None, :] == query[None, :, :], axis=2), axis=2)  # [B, Bt] common suffix
+    periodic = in_table <= same_end[:, None, :]  # [B, S1, Bt]
+    table_follow = jnp.where(periodic, max_draft, length[None, None, :] - jnp.arange(S1)[None, :, None])
 
-    # What followed the match: D tokens after it in the corpus, or in the table row up to its length.
-    after = best[:, None] + 1 + jnp.arange(max_draft)[None, :]  # [B, D] in the corpus' index space
+    # The longest match wins; among equal ones, the one that gives the longest draft (up to the wanted length: a
+    # loop's latest match in a sibling or the corpus sits just before the text's end), then the latest (the table
+    # after the corpus, later after earlier).
+    def key(run, follow):
+        return run * (max_draft + 1) + jnp.clip(follow, 0, _wanted(run, max_draft, settings))  # >= 0 off the text
+
+    corpus_key, corpus_best = _latest_max(key(in_corpus, corpus_follow))
+    table_key, cell = _latest_max(key(in_table, table_follow).reshape(B, S1 * B))
+    is_corpus = corpus_key > table_key
+    n = jnp.where(is_corpus, corpus_key, table_key) % (max_draft + 1)
+
+    # What followed the match: the next tokens in the corpus, or in the table row (periodically past its end).
+    after = corpus_best[:, None] + 1 + jnp.arange(max_draft)[None, :]  # [B, D]
     from_corpus = jnp.take_along_axis(corpus, jnp.minimum(after, M - 1), 1)
-    corpus_ok = (after < M) & (from_corpus != SEPARATOR)
-    cell = jnp.maximum(best - M, 0)
     r, p = cell % B, cell // B  # the table row and position of a table match
-    tpos = p[:, None] + 1 + jnp.arange(max_draft)[None, :]
+    period = jnp.maximum(length[r] - p, 1)[:, None]
+    tpos = p[:, None] + 1 + jnp.arange(max_draft)[None, :] % period
     from_table = history[r[:, None], jnp.minimum(tpos, S1 - 1)]
-    table_ok = tpos <= length[r][:, None]
-    is_corpus = (best < M)[:, None]
-    tokens = jnp.where(is_corpus, from_corpus, from_table)
-    available = jnp.sum(jnp.cumprod(jnp.where(is_corpus, corpus_ok, table_ok), axis=1), axis=1)
-    wanted = jnp.floor(settings.spec_factor * run).astype(jnp.int32)
-    n = jnp.where(run >= settings.min_match, jnp.minimum(jnp.minimum(wanted, max_draft), available), 0)
+    tokens = jnp.where(is_corpus[:, None], from_corpus, from_table)
     return jnp.where(jnp.arange(max_draft)[None, :] < n[:, None], tokens, -1), n.astype(jnp.int32)
+
+
+def _wanted(run: jax.Array, max_draft: int, settings: MatchSettings) -> jax.Array:
+    """The draft length a match of `run` tokens asks for: spec_factor x run, at most max_draft, none below min_match."""
+    wanted = jnp.minimum(jnp.floor(settings.spec_factor * run).astype(jnp.int32), max_draft)
+    return jnp.where(run >= settings.min_match, wanted, 0)
+
+
+def _tokens_after(corpus: jax.Array, most: int) -> jax.Array:
+    """For corpus [B, M]: how many tokens follow each position before a separator (or the end), at most `most`."""
+    padded = jnp.pad(corpus, ((0, 0), (0, most)), constant_values=SEPARATOR)
+    run = jnp.ones(corpus.shape, jnp.int32)
+    total = jnp.zeros(corpus.shape, jnp.int32)
+    for k in range(1, most + 1):  # a few fused compares: a cumulative min over M is a scan of log M passes
+        run = run * (padded[:, k: k + corpus.shape[1]] != SEPARATOR)
+        total = total + run
+    return total
+
+
+def _latest_max(key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """For key [B, N]: each row's largest key and the last index holding it, [B] each, in one pass (one score of key
+    and index would overflow int32 on large tables)."""
+    def pick(a, b):
+        take_b = (b[0] > a[0]) | ((b[0] == a[0]) & (b[1] > a[1]))
+        return jnp.where(take_b, b[0], a[0]), jnp.where(take_b, b[1], a[1])
+
+    index = jax.lax.broadcasted_iota(jnp.int32, key.shape, 1)
+    return jax.lax.reduce((key, index), (jnp.int32(-1), jnp.int32(-1)), pick, (1,))
 
 
 def _run_lengths(text: jax.Array, query: jax.Array, end_ok: jax.Array) -> jax.Array:
