@@ -306,7 +306,7 @@ def test_a_failed_final_checkpoint_fails_the_run(tmp_path):
 
 def test_a_resume_takes_what_the_checkpoint_has_and_names_a_setting_it_does_not_fit(tmp_path, capsys):
     """History drafting off for a step and back on: the resume starts its store fresh from the newest
-    step instead of falling back past it (and dropping its metrics); a changed optimizer is named."""
+    step instead of falling back past it (and dropping its metrics); a setting no step fits is named."""
     common = ["rl.keep_checkpoints=4", "rollout.steps_per_call=2"]
     history = ["sd.mode=on", "sd.strategies=['h4']"]
     make_trainer(tmp_path, *common, *history, steps=1).run()
@@ -315,8 +315,9 @@ def test_a_resume_takes_what_the_checkpoint_has_and_names_a_setting_it_does_not_
     assert again.step == 2 and len(again.history) == 0
     assert "checkpoint step 2 has no history (off when it was saved): starting fresh" in capsys.readouterr().err
     again.close()
-    with pytest.raises(ConfigError, match=re.escape("optim.max_grad_norm (was 1.0, now 0.0) changed since it was saved")):
-        make_trainer(tmp_path, *common, "optim.max_grad_norm=0", steps=3, resume=True)
+    # A KL penalty needs the reference policy, which no step holds: no step fits, and the change is named
+    with pytest.raises(ConfigError, match=re.escape("rl.kl_coef (was 0.0, now 0.01) changed since it was saved")):
+        make_trainer(tmp_path, *common, "rl.kl_coef=0.01", steps=3, resume=True)
     assert checkpoint_steps(tmp_path / "run") == [1, 2] and not (tmp_path / "run" / "checkpoints.unreadable").exists()
     assert [m["step"] for m in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
 
