@@ -1,5 +1,5 @@
-"""Rollout benchmarks on SmolLM2-135M (the config's model.rollout_dtype, float32 on CPU), side by side in
-one run. Prints a table, writes JSON.
+"""Rollout benchmarks on the config's model (SmolLM2-135M by default; its model.rollout_dtype, float32 on
+CPU), side by side in one run. Prints a table, writes JSON. Output paths are checked before anything loads.
 
 --workload throughput (default): fastrl-jax's engine vs HF transformers `generate`: the same chat
 prompts, greedy, a fixed number of new tokens (no early stop, so both do the same work), batch
@@ -10,11 +10,13 @@ sizes 1, 16, 64.
 --workload longtail: a realistic RL rollout, 16 math word problems x 4 samples at temperature 0.7,
 up to 512 new tokens, run as plain decoding (with compaction), always-on speculative decoding (each
 strategy given, e.g. 3/1/4 h8 3/1/4+h8; the best is the comparison) and adaptive SD (the config's sd
-section), with the same seeds, so all produce the same tokens (checked; exit 1 otherwise). Reports the
-median of --repeats rollouts: wall time, tokens/s, speedups, the share of plain time spent at live
-batch <= the SD threshold and adaptive's speedup inside it, acceptance and the drafted tokens per step
-by source (EAGLE / history), the machine's facts, and a PNG timeline (live batch, tokens/s, SD on/off
-and strategy over time).
+section), with the same seeds, so all produce the same tokens (checked; exit 1 otherwise). Each engine
+runs every request once untimed after compiling (a program's first run pays one-time costs, and the
+adaptive bandit does not count it). Reports the median of --repeats rollouts, metric by metric: wall
+time, tokens/s, speedups, the share of plain time spent at live batch <= the SD threshold and adaptive's
+speedup inside it, acceptance; the drafted tokens per step by source (EAGLE / history), the machine's
+facts, and a PNG timeline (live batch, tokens/s, SD on/off and strategy over time) of the run of median
+seconds.
 
     python scripts/bench_rollout.py --workload longtail --drafter DRAFTER_DIR --repeats 3 --out longtail.json
 
@@ -23,7 +25,9 @@ p90 ~193 new tokens, as SmolLM2's answers to math problems at T=0.7) through a 6
 program compiled before the clock starts. Reports tok/s, the steady full-batch rate (decode calls with
 all 64 rows decoding, in the same run), their ratio `stream_vs_full_batch`, the mean live rows, the
 shares of time in prefill and in compilation (a length-bucket move that compiled), the idle row-steps
-of finished rows waiting for their refill, the median of --repeats runs, and a timeline PNG.
+of finished rows waiting for their refill: each metric's median over --repeats runs (and every run's),
+after one untimed rollout; and a timeline PNG. With --sd adaptive, a random drafter's (no --drafter)
+EAGLE arms sit out, as in the trainer.
 
     python scripts/bench_rollout.py --workload stream --repeats 3 --out stream.json
 """
@@ -190,9 +194,11 @@ def time_at_or_below(timeline, live_batch: int) -> float:
 
 
 def run_longtail(name, model, drafter, rollout_cfg, sd, requests, repeats: int, drafter_accept: float):
-    """`repeats` rollouts of the requests on one engine, compiled before the clock starts, each with a
-    fresh adaptive controller (a cold rollout, the conservative case). Returns the median run, with
-    every run's seconds. drafter_accept: the drafter's tokens per step as the engine assumes them."""
+    """`repeats` rollouts of the requests on one engine, compiled and run once untimed before the clock
+    starts, each with a fresh adaptive controller (a cold rollout, the conservative case). Returns the
+    median over the runs of seconds, tok/s and acceptance, each on its own, with every run's value (all_*);
+    stats, timeline and outputs are the run of median seconds'. drafter_accept: the drafter's tokens per
+    step as the engine assumes them."""
     from fastrl_jax.rollout.engine import RolloutEngine, bucket_for
 
     engine = RolloutEngine(model, rollout_cfg, sd=sd, drafter=drafter if sd.mode != "off" else None, progress=False,
@@ -207,6 +213,7 @@ def run_longtail(name, model, drafter, rollout_cfg, sd, requests, repeats: int, 
     engine.pool.warm_up(keys, progress=False)
     compile_s = time.perf_counter() - t0
     print(f"[{name}] {engine.pool_report()}; {compile_s:.0f}s", file=sys.stderr)
+    first_rollout(name, engine, requests)
     runs = []
     for _ in range(repeats):
         engine.reset_controller()
@@ -218,9 +225,25 @@ def run_longtail(name, model, drafter, rollout_cfg, sd, requests, repeats: int, 
         })
         print(f"[{name}] {s.tokens} tokens in {s.seconds['total']:.1f}s", file=sys.stderr)
     median = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
-    return {"name": name, "sd": dataclasses.asdict(sd), **median, "tok_s": median["tokens"] / median["seconds"],
-            "all_seconds": [r["seconds"] for r in runs], "start_seconds": compile_s, "programs": engine.pool_report(),
-            "identical_across_repeats": same_outputs(runs)}
+    return {"name": name, "sd": dataclasses.asdict(sd), **median,
+            "seconds": float(np.median([r["seconds"] for r in runs])),
+            "tok_s": float(np.median([r["tokens"] / r["seconds"] for r in runs])),
+            "acceptance_length": float(np.median([r["stats"]["acceptance_length"] for r in runs])),
+            "statistic": "seconds, tok_s, acceptance_length and seconds at the threshold: medians over the repeats, each "
+                         "on its own; stats, timeline: the run of median seconds",
+            "all_seconds": [r["seconds"] for r in runs], "all_tok_s": [r["tokens"] / r["seconds"] for r in runs],
+            "all_acceptance_length": [r["stats"]["acceptance_length"] for r in runs],
+            "all_timelines": [r["timeline"] for r in runs], "start_seconds": compile_s, "programs": engine.pool_report(),
+            "identical_across_repeats": same_outputs(runs), "untimed_first_rollout": True}
+
+
+def first_rollout(name: str, engine, requests) -> None:
+    """One untimed rollout of every request, after the warm-up compiled the programs: a program's first run
+    pays one-time costs (tens of ms on CPU against a fraction of one later), and the adaptive bandit does not
+    count a call that was one (its arm stays untried), so without it the first timed run is no repeat."""
+    t0 = time.perf_counter()
+    check_completions(name, engine.generate(requests))
+    print(f"[{name}] untimed first rollout (every program's first run): {time.perf_counter() - t0:.1f}s", file=sys.stderr)
 
 
 # ---- stream workload ---------------------------------------------------------------------------
@@ -282,20 +305,23 @@ def live_rows(call) -> float:
     return call.tokens / call.steps if call.steps and not call.speculative else call.live
 
 
-def bench_stream(args) -> int:
-    from fastrl_jax import files
-    from fastrl_jax.config import SpecConfig, load_config
-    from fastrl_jax.machine import format_machine, machine_facts
-    from fastrl_jax.models.drafter_io import make_drafter
+STREAM_KEYS = ("tok_s", "full_batch_tok_s", "stream_vs_full_batch", "mean_live_rows", "prefill_share", "decode_admit_share",
+               "compile_share", "host_share", "bucket_moves", "idle_row_steps", "prefill_calls", "pack_padding",
+               "decode_admit_calls", "decode_calls")
+
+
+def stream_engine(cfg, policy, args, requests):
+    """The stream's engine with every program it can reach compiled and run once (an untimed first rollout)."""
+    from fastrl_jax.config import SpecConfig
+    from fastrl_jax.models.drafter_io import drafter_accept_prior, make_drafter
     from fastrl_jax.rollout.engine import RolloutEngine
 
-    cfg = load_config(args.config, args.set)
-    policy = load_smollm2(cfg)
-    requests = stream_requests(policy, args)
     sd = dataclasses.replace(cfg.sd, mode=args.sd) if args.sd != "off" else SpecConfig()
     rollout_cfg = stream_rollout_config(cfg, requests, args.batch, args.prompt_step, args.batch_buckets)
     drafter = make_drafter(cfg, policy.cfg, args.drafter, cfg.model.engine_dtype) if sd.uses_drafter() else None
-    engine = RolloutEngine(policy.model, rollout_cfg, sd=sd, drafter=drafter, progress=False)
+    # A random drafter accepts ~1 token per step: adaptive leaves its EAGLE arms out, as the trainer does.
+    engine = RolloutEngine(policy.model, rollout_cfg, sd=sd, drafter=drafter, progress=False,
+                           drafter_accept=drafter_accept_prior(args.drafter))
     t0 = time.perf_counter()
     shared = engine.shared_prefix_len(requests)  # every program the stream can reach, compiled first
     # (more requests than rows: only the full table prefills, it moves to smaller ones once the queue is empty)
@@ -306,6 +332,12 @@ def bench_stream(args) -> int:
           f"batch {args.batch}, refill {rollout_cfg.refill_rows} rows, shared prompt prefix {shared} tokens, "
           f"length buckets {rollout_cfg.length_buckets}",
           file=sys.stderr)
+    first_rollout("stream", engine, requests)
+    return engine, sd, rollout_cfg
+
+
+def stream_runs(engine, requests, args) -> list[dict]:
+    """--repeats timed streams, each with a fresh adaptive controller."""
     runs = []
     for r in range(args.repeats):
         engine.reset_controller()
@@ -316,28 +348,46 @@ def bench_stream(args) -> int:
         runs.append(stream_metrics(engine, seconds, args.batch) | {"outputs": outputs})
         print(f"[stream] run {r + 1}: {runs[-1]['tok_s']:.1f} tok/s, {runs[-1]['stream_vs_full_batch']:.2f} of full batch",
               file=sys.stderr)
-    median = sorted(runs, key=lambda m: m["seconds"])[len(runs) // 2]
-    identical = same_outputs(runs)
-    facts = machine_facts()
-    keys = ("tok_s", "full_batch_tok_s", "stream_vs_full_batch", "mean_live_rows", "prefill_share", "decode_admit_share",
-            "compile_share", "host_share", "bucket_moves", "idle_row_steps", "prefill_calls", "pack_padding",
-            "decode_admit_calls", "decode_calls")
-    print(f"machine: {format_machine(facts)}")
-    print(f"{len(requests)} requests (new tokens p50 {np.median([r.max_new_tokens for r in requests]):.0f}, max "
-          f"{max(r.max_new_tokens for r in requests)}), batch {args.batch}, sd {sd.mode}; median of {args.repeats}")
-    for k in keys:
-        print(f"  {k:<22} {median[k]:.3f}" if isinstance(median[k], float) else f"  {k:<22} {median[k]}")
-    print(f"  runs tok/s {[round(m['tok_s'], 1) for m in runs]}, stream / full batch "
-          f"{[round(m['stream_vs_full_batch'], 3) for m in runs]}, prefill {[round(m['prefill_share'], 3) for m in runs]}; "
-          f"outputs identical across runs: {'- (one run)' if identical is None else identical}")
-    summary = {k: median[k] for k in keys} | {"runs_tok_s": [m["tok_s"] for m in runs], "identical_across_runs": identical,
-                                              "requests": len(requests), "batch": args.batch, "sd": sd.mode,
-                                              "rollout": dataclasses.asdict(rollout_cfg), "machine": facts}
+    return runs
+
+
+def stream_summary(cfg, args, runs: list[dict], requests, sd, rollout_cfg) -> dict:
+    """Each metric's median over the runs (one run's figures need not be the medians of the others), every
+    run's value, and what was run."""
+    return ({k: float(np.median([m[k] for m in runs])) for k in STREAM_KEYS}
+            | {"statistic": f"median over {len(runs)} runs of each metric; by_run: every run's",
+               "by_run": {k: [m[k] for m in runs] for k in STREAM_KEYS}, "runs_tok_s": [m["tok_s"] for m in runs],
+               "identical_across_runs": same_outputs(runs), "untimed_first_rollout": True,
+               "requests": len(requests), "batch": args.batch, "sd": sd.mode, "repeats": args.repeats, "seed": args.seed,
+               "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "dtype": cfg.model.engine_dtype,
+               "model": cfg.model.path, "drafter": (args.drafter or "random") if sd.uses_drafter() else None,
+               "rollout": dataclasses.asdict(rollout_cfg)})
+
+
+def bench_stream(args) -> int:
+    from fastrl_jax import files
+    from fastrl_jax.config import load_config
+    from fastrl_jax.machine import format_machine, machine_facts
+
+    cfg = load_config(args.config, args.set)
+    policy = load_smollm2(cfg)
+    requests = stream_requests(policy, args)
+    engine, sd, rollout_cfg = stream_engine(cfg, policy, args, requests)
+    runs = stream_runs(engine, requests, args)
+    summary = stream_summary(cfg, args, runs, requests, sd, rollout_cfg) | {"machine": machine_facts()}
     files.write_json(args.out, {"summary": summary, "runs": [{k: v for k, v in m.items() if k != "outputs"} for m in runs]},
                      indent=1)
-    png = args.plot or str(Path(args.out).with_suffix(".png"))
-    if plot_stream(median, args.batch, png):
-        print(f"timeline plot: {png}")
+    print(f"machine: {format_machine(summary['machine'])}")
+    print(f"{len(requests)} requests (new tokens p50 {np.median([r.max_new_tokens for r in requests]):.0f}, max "
+          f"{max(r.max_new_tokens for r in requests)}), batch {args.batch}, sd {sd.mode}; each metric the median of "
+          f"{args.repeats} runs, after an untimed first rollout")
+    for k in STREAM_KEYS:
+        print(f"  {k:<22} {summary[k]:.3f}  {[round(x, 3) for x in summary['by_run'][k]]}")
+    identical = summary["identical_across_runs"]
+    print(f"  outputs identical across runs: {'- (one run)' if identical is None else identical}")
+    median = sorted(runs, key=lambda m: m["seconds"])[len(runs) // 2]  # a timeline is one run's: the median by seconds
+    if plot_stream(median, args.batch, args.plot):
+        print(f"timeline plot (the run of median seconds): {args.plot}")
     return 0 if identical is not False else 1
 
 
@@ -437,6 +487,8 @@ def bench_longtail(args) -> int:
     # float32: every run's tokens must equal plain decoding's; bfloat16 equals it up to near-ties of the top two
     # logits, which the verify forward's rounding settles its own way (docs/measurements.md): counted, not required
     summary["dtype"], summary["identical_required"] = cfg.model.engine_dtype, cfg.model.engine_dtype == "float32"
+    summary |= {"model": cfg.model.path, "seed": args.seed, "problems": args.problems, "samples": args.samples,
+                "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "untimed_first_rollout": True}
     summary["machine"] = machine_facts()
     summary["backend"] = jax.default_backend()
     summary |= {"rollout": dataclasses.asdict(rollout_cfg), "sd": dataclasses.asdict(adaptive_sd)}
@@ -444,12 +496,12 @@ def bench_longtail(args) -> int:
     files.write_json(args.out, {"summary": summary, "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs]},
                      indent=1)
     print_longtail(summary, runs)
-    plot = args.plot or str(Path(args.out).with_suffix(".png"))
     # Two lines: a drafter path after the workload ran past the figure's edge.
-    title = f"SmolLM2-135M rollout on {summary['backend']}: {summary['workload']}\ndrafter {drafter_name}"
+    title = f"{cfg.model.path} rollout on {summary['backend']}: {summary['workload']}\ndrafter {drafter_name}"
     best_on = min(on_runs, key=lambda r: r["seconds"]) if on_runs else None
-    if plot_timelines([r for r in (plain, best_on, adaptive) if r is not None], adaptive_sd.threshold_live_batch, title, plot):
-        print(f"timeline plot: {plot}")
+    if plot_timelines([r for r in (plain, best_on, adaptive) if r is not None], adaptive_sd.threshold_live_batch, title,
+                      args.plot):
+        print(f"timeline plot: {args.plot}")
     repeatable = all(r["identical_across_repeats"] is not False for r in runs)
     identical = all(r["identical_to_plain"] == len(requests) for r in runs)
     if not identical and not summary["identical_required"]:
@@ -465,11 +517,14 @@ def longtail_summary(args, runs, k: int, drafter_name: str) -> dict:
     def ratio(a: float, b: float) -> float:
         return a / b if b else float("nan")  # a rollout may never get down to the threshold
 
-    plain_tail = time_at_or_below(plain["timeline"], k)
+    def tail_seconds(run) -> float:  # median over the repeats' timelines
+        return float(np.median([time_at_or_below(t, k) for t in run.get("all_timelines", [run["timeline"]])]))
+
+    plain_tail = tail_seconds(plain)
     for run in runs:
         run["speedup"] = plain["seconds"] / run["seconds"]
         run["identical_to_plain"] = sum(a == b for a, b in zip(run["outputs"], plain["outputs"]))
-        run[f"seconds_at_live_batch_le_{k}"] = time_at_or_below(run["timeline"], k)
+        run[f"seconds_at_live_batch_le_{k}"] = tail_seconds(run)
         run[f"speedup_at_live_batch_le_{k}"] = ratio(plain_tail, run[f"seconds_at_live_batch_le_{k}"])
     lengths = np.array([len(o) for o in plain["outputs"]])
     best_on = min(runs[1:-1], key=lambda r: r["seconds"]) if len(runs) > 2 else None
@@ -477,13 +532,14 @@ def longtail_summary(args, runs, k: int, drafter_name: str) -> dict:
         "workload": f"{args.problems} math word problems x {args.samples} samples, T={args.temperature}, "
                     f"max {args.max_new_tokens} new tokens",
         "drafter": drafter_name, "repeats": args.repeats,
+        "statistic": "each run's seconds, tok/s, acceptance and seconds at the threshold: medians over the repeats",
         "response_tokens": {"p50": float(np.percentile(lengths, 50)), "p90": float(np.percentile(lengths, 90)),
                             "max": int(lengths.max()), "at_limit": int((lengths >= args.max_new_tokens).sum())},
         "threshold_live_batch": k, f"plain_share_at_live_batch_le_{k}": ratio(plain_tail, plain["seconds"]),
         "best_on": best_on["name"] if best_on else None, "adaptive_vs_plain": adaptive["speedup"],
         "adaptive_vs_best_on": best_on["seconds"] / adaptive["seconds"] if best_on else None,
         f"adaptive_speedup_at_live_batch_le_{k}": adaptive[f"speedup_at_live_batch_le_{k}"],
-        "acceptance": {r["name"]: r["stats"]["acceptance_length"] for r in runs[1:]},
+        "acceptance": {r["name"]: r.get("acceptance_length", r["stats"]["acceptance_length"]) for r in runs[1:]},
         "drafts_per_step": {r["name"]: r["stats"]["drafts_per_step"] for r in runs[1:]},
     }
 
@@ -503,7 +559,7 @@ def print_longtail(summary: dict, runs: list[dict]) -> None:
         src = st["drafts_per_step"]
         print(f"{run['name']:>16} {run['seconds']:>8.1f} {run['tok_s']:>7.1f} {run['speedup']:>7.2f}x "
               f"{run[f'seconds_at_live_batch_le_{k}']:>7.1f} {run[f'speedup_at_live_batch_le_{k}']:>6.2f}x "
-              f"{st['acceptance_length']:>7.2f} {src['eagle']:>6.2f} {src['history']:>6.2f} {run['identical_to_plain']:>4}/{n}"
+              f"{run.get('acceptance_length', st['acceptance_length']):>7.2f} {src['eagle']:>6.2f} {src['history']:>6.2f} {run['identical_to_plain']:>4}/{n}"
               + (", its repeats differ" if run["identical_across_repeats"] is False else ""))
     print(f"plain spends {summary[f'plain_share_at_live_batch_le_{k}']:.0%} of its time at live batch <= {k}; "
           f"adaptive is {summary['adaptive_vs_plain']:.2f}x plain "
@@ -514,14 +570,14 @@ def print_longtail(summary: dict, runs: list[dict]) -> None:
         {k2: round(v, 1) for k2, v in s["seconds"].items()}))
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=["throughput", "longtail", "stream"], default="throughput")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int,
-                        help="timed runs of each cell (throughput: the best is kept, default 2; longtail and stream: the "
-                             "median run is reported, so an odd count, default 3)")
+                        help="timed runs of each cell (throughput: the best is kept, default 2; longtail and stream: "
+                             "each figure is the median over the runs, an odd count, default 3)")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--out", default="bench_rollout.json")
     parser.add_argument("--config", default="configs/smollm2_cpu.yaml",
@@ -544,6 +600,11 @@ def main(argv=None) -> int:
     stream.add_argument("--sd", choices=["off", "adaptive"], default="off", help="speculation in the stream's tail")
     stream.add_argument("--prompt-step", type=int, default=32, help="prompt (pack) buckets every this many tokens")
     stream.add_argument("--batch-buckets", type=int, nargs="+", help="table sizes (default: powers of two up to --batch)")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     for flag in ("--batch-sizes", "--new-tokens", "--problems", "--samples", "--max-new-tokens", "--requests", "--batch",
                  "--prompt-step", "--batch-buckets"):
@@ -553,12 +614,24 @@ def main(argv=None) -> int:
     if args.repeats is None:
         args.repeats = 2 if args.workload == "throughput" else 3
     if args.repeats < 1 or args.workload != "throughput" and args.repeats % 2 == 0:
-        parser.error(f"--repeats {args.repeats}: {args.workload} reports its median run, one of the runs: use an odd count")
+        parser.error(f"--repeats {args.repeats}: {args.workload} reports medians over the runs: use an odd count")
+    from fastrl_jax.cli import check_output_file
+
+    try:  # before loading anything: a path that cannot be written would lose minutes of rollouts
+        args.out = str(check_output_file(args.out, "--out"))
+        if args.workload != "throughput":  # the one without a plot
+            args.plot = str(check_output_file(args.plot or str(Path(args.out).with_suffix(".png")), "--plot"))
+    except (OSError, ValueError) as e:
+        parser.error(str(e))
     if args.workload == "longtail":
         return bench_longtail(args)
     if args.workload == "stream":
         return bench_stream(args)
+    return bench_throughput(args)
 
+
+def bench_throughput(args) -> int:
+    """Plain decoding tok/s per batch size against HF transformers and the batch-1 memory floor."""
     import jax
     from flax import nnx
 
@@ -578,7 +651,7 @@ def main(argv=None) -> int:
     bandwidth = facts["copy_gbs"]
     floor = bandwidth * 1e9 / weight_bytes
 
-    print(f"SmolLM2-135M {dtype} ({weight_bytes / 1e6:.0f} MB), {args.new_tokens} new tokens, greedy", file=sys.stderr)
+    print(f"{cfg.model.path} {dtype} ({weight_bytes / 1e6:.0f} MB), {args.new_tokens} new tokens, greedy", file=sys.stderr)
     ours, compile_s, pool_report = bench_engine(model, prompt_ids, args.batch_sizes, args.new_tokens, args.repeats)
     if args.skip_hf:
         hf = {}
@@ -598,7 +671,7 @@ def main(argv=None) -> int:
             row["floor_fraction"] = ours[b][0] / floor
         rows.append(row)
     result = {
-        "model": f"SmolLM2-135M-Instruct {dtype}", "new_tokens": args.new_tokens, "backend": jax.default_backend(),
+        "model": f"{cfg.model.path} {dtype}", "new_tokens": args.new_tokens, "backend": jax.default_backend(),
         "weight_bytes": weight_bytes, "copy_bandwidth_gbs": bandwidth, "batch1_floor_tok_s": floor,
         "engine_start_seconds": compile_s, "programs": pool_report, "rows": rows, "machine": facts,
     }

@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from fastrl_jax import files
+from fastrl_jax.cli import check_output_file
 from fastrl_jax.machine import machine_facts
 from fastrl_jax.models import decoder as D
 from fastrl_jax.models.config import ModelConfig
@@ -131,6 +133,11 @@ def main(argv=None) -> None:
     parser.add_argument("--ops", type=int, default=0, help="print the N costliest source operations of each run")
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args(argv)
+    if args.out:
+        try:  # before the runs: a path that cannot be written would lose them all
+            check_output_file(args.out, "--out")
+        except (OSError, ValueError) as e:
+            parser.error(str(e))
 
     cfg = ModelConfig.from_hf_dict(KNOWN["smollm2-135m"])
     rows = []
@@ -144,8 +151,7 @@ def main(argv=None) -> None:
                 for name, ms in list(r.get("op_ms", {}).items())[: args.ops]:
                     print(f"{'':>20} {ms:8.2f} ms  {name}")
     if args.out:
-        result = {"jax": jax.__version__, "machine": machine_facts(), "rows": rows}
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        files.write_json(args.out, {"jax": jax.__version__, "machine": machine_facts(), "rows": rows})
 
 
 if __name__ == "__main__":

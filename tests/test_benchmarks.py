@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+from typing import ClassVar
 
 import pytest
 from helpers.checkpoints import kill_writes_half_way
@@ -16,7 +17,7 @@ def test_bench_rl_compares_sd_off_and_adaptive_from_the_same_seeds(tmp_path):
     out = tmp_path / "bench_rl.json"
     sd = ["sd.threshold_live_batch=16", "sd.patience_host_steps=1", "sd.strategies=['2/2/4', 'h3']",
           "sd.group_live_batch_ranges=[[4, 1, 16]]"]
-    code = bench_rl.main(["--config", "", "--steps", "2", "--out", str(out), "--set", *overrides, *sd,
+    code = bench_rl.main(["--config", "", "--steps", "2", "--repeats", "1", "--out", str(out), "--set", *overrides, *sd,
                           "drafter_online.min_buffer_tokens=16", "drafter_online.batch_rows=2",
                           "drafter_online.seq_len_tokens=32", "drafter_online.eval_rows=2", "drafter_train.unroll_steps=1"])
     result = json.loads(out.read_text())
@@ -24,15 +25,22 @@ def test_bench_rl_compares_sd_off_and_adaptive_from_the_same_seeds(tmp_path):
     assert [len(r["steps"]) for r in result["runs"]["adaptive"]] == [2]
     assert result["summary"]["all_steps"]["step_time_ratio"] > 0 and result["machine"]["cores_usable"] >= 1
     assert max(result["summary"]["sd_share_by_step"]) > 0  # speculation ran
+    # Step 1 compiled the rollout programs, and steps 2.. are reported with their compiles subtracted.
+    steps = result["runs"]["off"][0]["steps"]
+    assert steps[0]["compile_s"] > 0 and all(s["compile_s"] >= s["background_compile_s"] >= 0 for s in steps)
+    assert result["summary"]["steps_2_on"]["compile"] == "subtracted"
+    assert "compile_s" in result["summary"]["steps_2_on"]["adaptive"]
     has_matplotlib = importlib.util.find_spec("matplotlib") is not None  # the [plot] extra; CI installs [dev] only
     assert out.with_suffix(".png").is_file() == has_matplotlib
 
 
-def _rl_run(digests, rewards, seconds=30.0, sd_share=0.0):
+def _rl_run(digests, rewards, seconds=30.0, sd_share=0.0, compile_s=()):
     per = seconds / len(digests)
+    compile_s = list(compile_s) or [0.0] * len(digests)
     return {"steps": [{"step": i + 1, "rollout_s": per, "update_s": 0.0, "drafter_s": 0.0, "drafter_spot_s": 0.0,
-                       "step_s": per, "digest": d, "reward_mean": r, "sd_share": sd_share, "acceptance_length": 1.0}
-                      for i, (d, r) in enumerate(zip(digests, rewards))]}
+                       "compile_s": c, "step_s": per, "digest": d, "reward_mean": r, "sd_share": sd_share,
+                       "acceptance_length": 1.0}
+                      for i, (d, r, c) in enumerate(zip(digests, rewards, compile_s))]}
 
 
 def test_bench_rl_fails_when_adaptive_never_speculated():
@@ -40,8 +48,8 @@ def test_bench_rl_fails_when_adaptive_never_speculated():
     summary = load_script("bench_rl").summary
     off, plain = _rl_run(["a", "b"], [0.5, 0.6]), _rl_run(["a", "b"], [0.5, 0.6])
     tail = _rl_run(["a", "b"], [0.5, 0.6], sd_share=0.25)
-    assert not summary(off, plain, [off], [plain])["speculated"]
-    assert summary(off, tail, [off], [plain, tail, plain])["speculated"]
+    assert not summary([off], [plain])["speculated"]
+    assert summary([off, off, off], [plain, tail, plain])["speculated"]
 
 
 def _fake_bench_rl(monkeypatch, sd_share=0.25, adaptive_digests=("a", "b")):
@@ -75,7 +83,8 @@ def test_bench_rl_checks_its_output_before_the_runs_and_writes_it_whole(tmp_path
         bench_rl.main([*argv, "--out", str(tmp_path / "missing" / "bench_rl.json")])
     assert "does not exist" in capsys.readouterr().err and ran == []
     out = tmp_path / "bench_rl.json"
-    assert bench_rl.main([*argv, "--out", str(out)]) == 0 and ran == ["off", "adaptive"]
+    # The modes interleaved, so drift in the machine falls on both; three repeats by default.
+    assert bench_rl.main([*argv, "--out", str(out)]) == 0 and ran == ["off", "adaptive"] * 3
     result = json.loads(out.read_text())
     assert result["summary"]["speculated"] and result["resolved_config"]["rl"]["steps"] == 2
     assert result["machine"] == {"cpu": "fake"}
@@ -91,6 +100,52 @@ def test_bench_rl_exits_1_when_adaptive_never_speculated(tmp_path, monkeypatch, 
     out = tmp_path / "bench_rl.json"
     assert bench_rl.main(["--config", "", "--steps", "2", "--set", "rollout.compile_cache_dir=''", "--out", str(out)]) == 1
     assert "never speculated" in capsys.readouterr().err and not json.loads(out.read_text())["summary"]["speculated"]
+
+
+def test_bench_rl_ratios_are_medians_of_repeats_with_compiles_subtracted_from_steps_2_on():
+    """A program first reached at a later step (a length bucket, an SD arm) compiles inside steps 2.., and the
+    first run in a process compiles what later runs get from JAX's caches: steps 2.. are compared without the
+    compile seconds, and each figure is the median of the per-repeat ratios (off and adaptive of one repeat)."""
+    summary = load_script("bench_rl").summary
+    # Repeat 1 (cold): adaptive's step 2 compiles 8 of its 10 s; repeats 2, 3 are warm.
+    off = [_rl_run(["a", "b"], [0.5, 0.6], seconds=s) for s in (20.0, 8.0, 8.0)]
+    on = [_rl_run(["a", "b"], [0.5, 0.6], seconds=20.0, compile_s=[4.0, 8.0]),
+          _rl_run(["a", "b"], [0.5, 0.6], seconds=4.0, compile_s=[0.0, 0.0]),
+          _rl_run(["a", "b"], [0.5, 0.6], seconds=5.0, compile_s=[0.0, 1.0])]
+    s = summary(off, on)
+    late = s["steps_2_on"]
+    # per-repeat steps-2.. ratios: 10 / (10 - 8) = 5, 4 / 2 = 2, 4 / (2.5 - 1) = 2.67; their median
+    assert late["step_time_ratio_by_repeat"] == pytest.approx([5.0, 2.0, 4.0 / 1.5])
+    assert late["step_time_ratio"] == pytest.approx(4.0 / 1.5) and late["rollout_ratio"] == pytest.approx(4.0 / 1.5)
+    assert late["compile"] == "subtracted" and late["adaptive"]["compile_s"] == 1.0 and "median" in late["statistic"]
+    everything = s["all_steps"]  # as measured: compiles included
+    assert everything["compile"] == "included" and everything["step_time_ratio_by_repeat"] == pytest.approx([1.0, 2.0, 1.6])
+    assert everything["step_time_ratio"] == pytest.approx(1.6) and s["repeats"] == 3
+    assert s["runs_compile_s"]["adaptive"] == [12.0, 0.0, 1.0]
+
+
+def test_bench_rl_counts_each_compile_once_foreground_or_background():
+    """A step's compile seconds come from the program pools' per-compile records: a background compile the
+    rollout waited on is in its waited seconds too, and must not count twice."""
+    from fastrl_jax.rollout.pool import ProgramStats
+
+    compile_seconds = load_script("bench_rl").compile_seconds
+    def compiled(key, seconds, background=False):
+        return ProgramStats(key, seconds, temp_bytes=0, argument_bytes=0, from_cache=False, background=background)
+
+    old = compiled("a", 5.0)
+    before = [old]
+    after = [old, compiled("b", 2.0), compiled("c", 3.0, background=True)]
+    assert compile_seconds(before, after) == (5.0, 3.0)
+
+
+def test_bench_rl_refuses_a_missing_drafter_before_any_run(tmp_path, monkeypatch, capsys):
+    """rl.drafter_path is loaded by the adaptive runs only: a wrong path failed after the first SD-off run."""
+    bench_rl, ran = _fake_bench_rl(monkeypatch)
+    with pytest.raises(SystemExit):
+        bench_rl.main(["--config", "", "--steps", "2", "--out", str(tmp_path / "o.json"), "--set",
+                       "rollout.compile_cache_dir=''", f"rl.drafter_path={tmp_path / 'no_such_drafter'}"])
+    assert "no_such_drafter" in capsys.readouterr().err and ran == []
 
 
 @pytest.mark.parametrize("dtype, status", [("float32", 1), ("bfloat16", 0)])
@@ -112,11 +167,11 @@ def test_bench_rl_compares_every_run_of_both_modes(capsys):
     summary = load_script("bench_rl").summary
     same = _rl_run(["a", "b"], [0.5, 0.6])
     odd_one = _rl_run(["X", "b"], [0.5, 0.6], seconds=31.0)
-    assert summary(same, same, [same, same], [same])["identical_rollouts_and_rewards"]
-    assert not summary(odd_one, same, [same, odd_one, same], [same])["identical_rollouts_and_rewards"]
-    assert not summary(same, same, [same], [_rl_run(["a"], [0.5])])["identical_rollouts_and_rewards"]
+    assert summary([same, same], [same, same])["identical_rollouts_and_rewards"]
+    assert not summary([same, odd_one, same], [same, same, same])["identical_rollouts_and_rewards"]
+    assert not summary([same], [_rl_run(["a"], [0.5])])["identical_rollouts_and_rewards"]
     one = _rl_run(["a"], [0.5])
-    assert "steps_2_on" not in summary(one, one, [one], [one])
+    assert "steps_2_on" not in summary([one], [one])
     for script, argv in (("bench_rl", ["--repeats", "2"]), ("bench_rollout", ["--workload", "stream", "--repeats", "2"])):
         with pytest.raises(SystemExit):
             load_script(script).main(argv)
@@ -223,6 +278,9 @@ def test_longtail_writes_its_json_before_the_printout_and_the_plot(tmp_path, mon
     assert [r["name"] for r in result["runs"]] == ["plain", "on h2", "adaptive"]
     assert result["summary"]["adaptive_vs_plain"] == 1.0 and result["summary"]["machine"]["cores_usable"] >= 1
     assert all(r["identical_to_plain"] == 2 and "outputs" not in r for r in result["runs"])
+    # what ran, as fields (the workload's prose is for people)
+    assert {k: result["summary"][k] for k in ("model", "seed", "problems", "samples", "untimed_first_rollout")} == {
+        "model": "smollm2", "seed": 0, "problems": 16, "samples": 4, "untimed_first_rollout": True}
 
 
 @pytest.mark.parametrize("dtype, status", [("float32", 1), ("bfloat16", 0)])
@@ -296,3 +354,231 @@ def test_one_run_claims_no_identical_repeats():
     assert bench_rollout.same_outputs([run]) is None
     assert bench_rollout.same_outputs([run, {"outputs": [[1, 2], [3]]}, run]) is True
     assert bench_rollout.same_outputs([run, {"outputs": [[1, 2], [4]]}, run]) is False
+
+
+def _no_policy(*args, **kwargs):
+    raise AssertionError("loaded the policy before checking the output paths")
+
+
+@pytest.mark.parametrize("argv", [["--workload", "throughput"], ["--workload", "longtail"], ["--workload", "stream"],
+                                  ["--workload", "stream", "--plot", "{tmp}/missing/stream.png"]])
+def test_bench_rollout_checks_its_outputs_before_loading_anything(tmp_path, monkeypatch, capsys, argv):
+    """An --out (or --plot) in a directory that does not exist was found only when the minutes of rollouts were over."""
+    bench_rollout = load_script("bench_rollout")
+    monkeypatch.setattr(bench_rollout, "load_smollm2", _no_policy)
+    out = tmp_path / ("out.json" if "--plot" in argv else "missing/out.json")
+    with pytest.raises(SystemExit):
+        bench_rollout.main([a.format(tmp=tmp_path) for a in argv] + ["--out", str(out)])
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_profile_decode_checks_its_output_first_and_writes_strict_json(tmp_path, monkeypatch, capsys):
+    profile_decode = load_script("profile_decode")
+    ran = []
+    monkeypatch.setattr(profile_decode, "run", lambda cfg, layout, b, s, kv_len, steps, ops: ran.append(b) or {
+        "layout": layout, "batch": b, "slots": s, "kv_len": kv_len, "step_ms": float("nan"), "compile_s": 0.0})
+    monkeypatch.setattr(profile_decode, "machine_facts", lambda: {"cpu": "fake"})
+    argv = ["--batch", "1", "--slots", "16", "--layouts", "stacked"]
+    with pytest.raises(SystemExit):
+        profile_decode.main([*argv, "--out", str(tmp_path / "missing" / "profile.json")])
+    assert "does not exist" in capsys.readouterr().err and ran == []
+    out = tmp_path / "profile.json"
+    profile_decode.main([*argv, "--out", str(out)])
+    assert json.loads(out.read_text(), parse_constant=_refuse)["rows"][0]["step_ms"] is None  # NaN: null
+
+
+def _refuse(constant):
+    raise ValueError(f"non-strict JSON: {constant}")
+
+
+class _FakeStreamEngine:
+    """RolloutEngine for bench_rollout's stream workload: records how it was made and each generate."""
+
+    made: ClassVar[list] = []  # (keyword arguments, engine) of each made
+
+    def __init__(self, model, rollout_cfg, **kwargs):
+        self.pool = __import__("types").SimpleNamespace(warm_up=lambda keys, progress: None)
+        self.generated = 0
+        _FakeStreamEngine.made.append((kwargs, self))
+
+    def shared_prefix_len(self, requests):
+        return 0
+
+    def warm_up_keys(self, shared):
+        return []
+
+    def pool_report(self):
+        return ""
+
+    def reset_controller(self):
+        pass
+
+    def generate(self, requests):
+        import types
+
+        self.generated += 1
+        return [types.SimpleNamespace(tokens=[1, 2], finish_reason="length") for _ in requests]
+
+
+# Run 1 has the median seconds, but the highest ratio and prefill share of the three.
+_STREAM_RUNS = [{"seconds": 10.0, "ratio": 0.90, "prefill": 0.30}, {"seconds": 9.0, "ratio": 0.70, "prefill": 0.20},
+                {"seconds": 11.0, "ratio": 0.80, "prefill": 0.25}]
+
+
+def _fake_stream(tmp_path, monkeypatch, *argv):
+    """bench_rollout --workload stream, 3 runs of canned metrics on a faked engine; (exit status, JSON)."""
+    import types
+
+    from helpers.tiny import TINY, tiny_model
+
+    import fastrl_jax.rollout.engine as engine_module
+    from fastrl_jax.rollout.engine import Request
+
+    bench = load_script("bench_rollout")
+    monkeypatch.setattr(bench, "load_smollm2", lambda cfg: types.SimpleNamespace(model=tiny_model(), cfg=TINY, tokenizer=None))
+    monkeypatch.setattr(bench, "stream_requests", lambda policy, args: [Request([5, 6, 7], 2, 0.7, seed=i) for i in range(4)])
+    monkeypatch.setattr(engine_module, "RolloutEngine", _FakeStreamEngine)
+    monkeypatch.setattr(bench, "plot_stream", lambda *a: False)
+    _FakeStreamEngine.made = []
+    runs = iter(_STREAM_RUNS)
+
+    def metrics(engine, seconds, batch):
+        c = next(runs)
+        return {"seconds": c["seconds"], "tokens": 8, "tok_s": 8 / c["seconds"], "full_batch_tok_s": 8 / c["seconds"] / c["ratio"],
+                "stream_vs_full_batch": c["ratio"], "prefill_share": c["prefill"],
+                **{k: 0.0 for k in bench.STREAM_KEYS if k not in ("tok_s", "full_batch_tok_s", "stream_vs_full_batch",
+                                                                  "prefill_share")}}
+
+    monkeypatch.setattr(bench, "stream_metrics", metrics)
+    out = tmp_path / "stream.json"
+    code = bench.main(["--workload", "stream", "--requests", "4", "--batch", "4", "--repeats", "3", "--out", str(out),
+                       "--set", "rollout.compile_cache_dir=", *argv])
+    return code, json.loads(out.read_text())
+
+
+def test_stream_summary_is_each_metrics_median_and_says_what_ran(tmp_path, monkeypatch):
+    """'Median of N' for every figure, not the figures of the run whose seconds are the median (a 5-run tiny stream:
+    stream_vs_full_batch 0.3541 against a median of 0.3428); the JSON holds what a reader needs to rerun it."""
+    import numpy as np
+
+    code, result = _fake_stream(tmp_path, monkeypatch)
+    s = result["summary"]
+    assert code == 0 and "median" in s["statistic"]
+    for key in ("stream_vs_full_batch", "prefill_share", "full_batch_tok_s", "tok_s"):
+        assert s[key] == pytest.approx(float(np.median([r[key] for r in result["runs"]]))) and len(s["by_run"][key]) == 3
+    assert s["stream_vs_full_batch"] == 0.80 and s["prefill_share"] == 0.25  # the run of median seconds has 0.90, 0.30
+    assert {k: s[k] for k in ("repeats", "seed", "temperature", "max_new_tokens", "dtype", "model", "drafter")} == {
+        "repeats": 3, "seed": 0, "temperature": 0.7, "max_new_tokens": 512, "dtype": "float32", "model": "smollm2",
+        "drafter": None}
+
+
+def test_stream_runs_every_program_once_untimed_and_keeps_a_random_drafters_eagle_arms_out(tmp_path, monkeypatch):
+    """A program's first run pays one-time costs and the adaptive bandit does not count it: one untimed stream before
+    the timed ones. A random drafter accepts ~1 token per step: the engine is told so (drafter_accept_prior)."""
+    code, result = _fake_stream(tmp_path, monkeypatch, "--sd", "adaptive")
+    (kwargs, engine), = _FakeStreamEngine.made
+    assert code == 0 and engine.generated == 3 + 1 and result["summary"]["untimed_first_rollout"]
+    assert kwargs["drafter_accept"] == 1.0 and kwargs["drafter"] is not None
+    assert result["summary"]["sd"] == "adaptive" and result["summary"]["drafter"] == "random"
+
+
+def test_first_timed_longtail_run_runs_no_program_for_the_first_time(monkeypatch):
+    """The warm-up compiles every program but runs none: a first run costs tens of ms more on CPU, and adaptive's
+    bandit leaves such a call's arm untried; so run 1 was no repeat of runs 2.. (tiny adaptive: 0.296 / 0.081 /
+    0.062 s, first-run calls 11 / 2 / 0). Each figure is then the median over the runs, metric by metric."""
+    import dataclasses
+
+    from helpers.tiny import CFG, tiny_model
+
+    from fastrl_jax.config import SpecConfig
+    from fastrl_jax.rollout import engine as E
+
+    firsts = []
+    generate = E.RolloutEngine.generate
+
+    def counted(self, requests, *args, **kwargs):
+        before = self._first_runs
+        out = generate(self, requests, *args, **kwargs)
+        firsts.append(self._first_runs - before)
+        return out
+
+    monkeypatch.setattr(E.RolloutEngine, "generate", counted)
+    cfg = dataclasses.replace(CFG, batch_buckets=(4,), length_buckets=(64,), prompt_buckets=(16,))
+    requests = [E.Request(list(range(10, 22)) + [30 + i, 40 + i], max_new_tokens=8) for i in range(4)]
+    result = load_script("bench_rollout").run_longtail("plain", tiny_model(), None, cfg, SpecConfig(), requests, 3, 1.0)
+    assert len(firsts) == 1 + 3 and firsts[0] > 0 and firsts[1:] == [0, 0, 0], firsts
+    assert result["untimed_first_rollout"] and result["seconds"] == sorted(result["all_seconds"])[1]
+    assert result["tok_s"] == sorted(result["all_tok_s"])[1] and len(result["all_timelines"]) == 3
+
+
+def test_longtail_summary_takes_each_metrics_median_over_the_repeats():
+    """Seconds at live batch <= the threshold: the median over the repeats' timelines, not the run of median seconds'."""
+    from types import SimpleNamespace
+
+    longtail_summary = load_script("bench_rollout").longtail_summary
+
+    def run(name, tails):
+        timelines = [[{"end_s": 1.0, "live": 8}, {"end_s": 1.0 + t, "live": 2}] for t in tails]
+        return {"name": name, "seconds": 2.0, "outputs": [[1]], "timeline": timelines[0], "all_timelines": timelines,
+                "stats": {"acceptance_length": 1.0, "drafts_per_step": {}}, "acceptance_length": 2.5}
+
+    args = SimpleNamespace(problems=1, samples=1, temperature=0.7, max_new_tokens=4, repeats=3)
+    plain, adaptive = run("plain", [0.9, 0.5, 0.7]), run("adaptive", [0.1, 0.4, 0.35])
+    s = longtail_summary(args, [plain, adaptive], 4, "random")
+    assert plain["seconds_at_live_batch_le_4"] == pytest.approx(0.7) and adaptive["seconds_at_live_batch_le_4"] == pytest.approx(0.35)
+    assert s["adaptive_speedup_at_live_batch_le_4"] == pytest.approx(2.0) and s["acceptance"] == {"adaptive": 2.5}
+
+
+def test_throughput_names_the_configs_model(tmp_path, monkeypatch):
+    """The JSON said 'SmolLM2-135M-Instruct' whatever model.path loaded."""
+    import types
+
+    from helpers.tiny import TINY, tiny_model
+
+    import fastrl_jax.data.prompts
+
+    bench_rollout = load_script("bench_rollout")
+    monkeypatch.setattr(bench_rollout, "load_smollm2",
+                        lambda cfg: types.SimpleNamespace(model=tiny_model(), cfg=TINY, tokenizer=None, path=cfg.model.path))
+    monkeypatch.setattr(fastrl_jax.data.prompts, "chat_prompt_ids", lambda tokenizer, text: [5, 6, 7])
+    monkeypatch.setattr(bench_rollout, "bench_engine", lambda model, ids, sizes, n, repeats: ({b: (1.0, []) for b in sizes}, 0.0, ""))
+    out = tmp_path / "throughput.json"
+    assert bench_rollout.main(["--batch-sizes", "1", "--skip-hf", "--out", str(out), "--set", "rollout.compile_cache_dir=",
+                               "model.rollout_dtype=bfloat16"]) == 0
+    assert json.loads(out.read_text())["model"] == "smollm2 bfloat16"
+
+
+def _drift_metrics(tmp_path):
+    rows = [{"step": s, "reward_mean": 0.1 * s, "rollout_s": 10.0 + s, "drafter_accept": float("nan") if s == 2 else 1.5,
+             "drafter_accept_frozen": 1.5, "drafter_steps": 3 * s, "drafter_spot_s": 1.0, "drafter_loss": 2.0,
+             **({"eval_accuracy": 0.25} if s == 3 else {})} for s in (1, 2, 3)]
+    path = tmp_path / "run" / "metrics.jsonl"
+    path.parent.mkdir()
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_plot_drafter_drift_writes_strict_json_without_matplotlib(tmp_path, monkeypatch, capsys):
+    """matplotlib is an extra: the table and the JSON need none (it is imported for the plot alone), and a step's
+    unmeasured acceptance (NaN) is null in the JSON, not the NaN a strict reader refuses."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    out = tmp_path / "drift.json"
+    assert load_script("plot_drafter_drift").main([str(_drift_metrics(tmp_path)), "-o", str(tmp_path / "d.png"),
+                                                   "--out", str(out)]) == 0
+    result = json.loads(out.read_text(), parse_constant=_refuse)
+    assert [r["accept_online"] for r in result["rows"]] == [1.5, None, 1.5] and result["summary"]["steps_estimated"] == 2
+    assert "[plot]" in capsys.readouterr().err and not (tmp_path / "d.png").exists()
+
+
+def test_plot_rewards_without_matplotlib_writes_its_table_and_json_and_says_the_fix(tmp_path, monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    png = tmp_path / "r.png"
+    assert load_script("plot_rewards").main([str(_drift_metrics(tmp_path)), "-o", str(png), "--smooth", "2"]) == 1
+    captured = capsys.readouterr()
+    assert "[plot]" in captured.err and "run" in captured.out and not png.exists()
+    (run,) = json.loads(png.with_suffix(".json").read_text())["runs"]
+    assert run["reward_smoothed"] == pytest.approx([0.1, 0.15, 0.25]) and run["eval_accuracy"] == [0.25]
