@@ -60,10 +60,12 @@ class ModelConfig:
 
     @property
     def context_length(self) -> int:
-        """The positions the checkpoint is made for: max_position_embeddings, or the original length times a RoPE
-        scaling factor where that is more (Qwen2.5's YaRN recipe leaves max_position_embeddings at the original)."""
+        """The positions the checkpoint is made for: max_position_embeddings, or the original length times a YaRN or
+        linear scaling factor where that is more (Qwen2.5's YaRN recipe leaves max_position_embeddings at the
+        original); Llama 3's factor is no context ratio (3.2: 8192 x 32 against its 131072)."""
         p = self.rope_params
-        scaled = int(p.get("original_max_position_embeddings", 0) * p.get("factor", 1.0))
+        extends = p.get("rope_type", p.get("type")) in ("yarn", "linear")
+        scaled = int(p.get("original_max_position_embeddings", 0) * p.get("factor", 1.0)) if extends else 0
         return max(self.max_position_embeddings, scaled)
 
     @classmethod

@@ -11,6 +11,7 @@ import functools
 import hashlib
 import importlib.metadata
 import json
+import logging
 import re
 import sys
 from collections.abc import Callable
@@ -19,11 +20,13 @@ from typing import Any
 
 import gguf
 import numpy as np
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from fastrl_jax import files
 from fastrl_jax.models import hub
 from fastrl_jax.models.config import one_or_list
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -66,7 +69,7 @@ def read_gguf_tensors(path: str | Path) -> dict[str, np.ndarray]:
     A GGUF in the fastrl-jax cache directory (the fetched SmolLM2) keeps these tensors beside it as
     NAME.f32.safetensors, stamped (_stamp) and written again when the stamp changes: later loads read
     them instead of dequantizing (7 s of a SmolLM2 load on 2 CPU cores)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     from safetensors.numpy import save_file
 
     path = Path(path)
@@ -74,10 +77,12 @@ def read_gguf_tensors(path: str | Path) -> dict[str, np.ndarray]:
     if kept is None:
         return _dequantize(path)
     stamp = _stamp(path)
-    if kept.is_file():
+    try:
         with safe_open(str(kept), "numpy") as f:
             if f.metadata() == stamp:
                 return {name: f.get_tensor(name) for name in f.keys()}
+    except (OSError, SafetensorError):  # none kept yet, a damaged copy, or another user's: read the GGUF again
+        pass
     tensors = _dequantize(path)
     if sum(v.nbytes for v in tensors.values()) <= DEQUANTIZED_MAX_BYTES:
         contiguous = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
@@ -118,10 +123,12 @@ def _kept_copy(path: Path, suffix: str) -> Path | None:
 
 
 def _stamp(path: Path) -> dict[str, str]:
-    """What a kept copy was read from and how: the GGUF's size and mtime, this module and the packages it reads with
-    (a fix to the reading must not be hidden behind a copy made before it)."""
+    """What a kept copy was read from and how: the GGUF's size, mtime, inode and ctime (a file replaced by one of the same
+    size and mtime, `cp -p` or `rsync -a`, has another inode or ctime), this module and the packages it reads with (a
+    fix to the reading must not be hidden behind a copy made before it)."""
     stat = path.stat()
-    return {"gguf_size": str(stat.st_size), "gguf_mtime_ns": str(stat.st_mtime_ns), "reader": _READER_VERSION}
+    return {"gguf_size": str(stat.st_size), "gguf_mtime_ns": str(stat.st_mtime_ns), "gguf_inode": str(stat.st_ino),
+            "gguf_ctime_ns": str(stat.st_ctime_ns), "reader": _READER_VERSION}
 
 
 _READER_VERSION = ",".join([
@@ -222,9 +229,9 @@ def _tokenizer_spec(reader: gguf.GGUFReader, path: Path) -> dict[str, Any]:
     }
     settings = {
         "chat_template": meta("tokenizer.chat_template"),
-        # llama.cpp adds BOS to a sentencepiece vocabulary unless told otherwise, and older files
+        # llama.cpp adds BOS to a sentencepiece or Llama 3 vocabulary unless told otherwise, and older files
         # carry no flag.
-        "add_bos_token": meta("tokenizer.ggml.add_bos_token", kind == "llama"),
+        "add_bos_token": meta("tokenizer.ggml.add_bos_token", kind == "llama" or meta("tokenizer.ggml.pre") in _LLAMA3_NAMES),
         "add_eos_token": meta("tokenizer.ggml.add_eos_token", False),
     }
     return {"backend": backend.to_str(), "settings": settings | special_tokens}
@@ -258,14 +265,26 @@ def _byte_level_bpe(tokens: list[str], merges: list[str] | None, pre: str | None
         for index, token in enumerate(tokens)
     }
     pairs = [tuple(merge.split(" ")) for merge in merges or ()]
-    backend = Tokenizer(models.BPE(vocab, pairs, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+    # Llama 3's vocabularies take a pre-token that is a vocabulary word whole, whatever the merges reach (llama.cpp's
+    # ignore_merges, as Llama 3's tokenizer.json)
+    backend = Tokenizer(models.BPE(vocab, pairs, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
+                                   ignore_merges=pre in _LLAMA3_NAMES))
     if (split := _PRE_TOKENIZER_SPLITS.get(pre)) is not None:
         backend.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(split), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
+    elif pre in _DIGITS_FIRST:  # every digit its own pre-token, then GPT-2's split (SmolLM2's tokenizer.json, llama.cpp)
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ])
     else:
+        if pre not in (None, "default", "gpt2", "gpt-2"):
+            log.warning("tokenizer.ggml.pre %r is not one fastrl-jax knows: GPT-2's split is used, which may tokenize some "
+                        "text otherwise than the model was trained on", pre)
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if pre in _NFC:  # Qwen's tokenizer.json normalizes: NFD and NFC spellings of a text are the same ids
+        backend.normalizer = normalizers.NFC()
     backend.decoder = decoders.ByteLevel()
     return backend
 
@@ -323,13 +342,15 @@ _GPT4O_SPLIT = (
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_LLAMA3_NAMES = frozenset(["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                           "jina-v5-nano", "dbrx", "smaug-bpe"])
+_QWEN2_NAMES = frozenset(["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"])
+_NFC = _QWEN2_NAMES | {"qwen35"}
+# llama.cpp's pre-tokenizers that split every digit off before GPT-2's regex
+_DIGITS_FIRST = frozenset(["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"])
 _PRE_TOKENIZER_SPLITS = {
-    **dict.fromkeys(
-        ["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano",
-         "dbrx", "smaug-bpe"],
-        _LLAMA3_SPLIT,
-    ),
-    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"], _QWEN2_SPLIT),
+    **dict.fromkeys(_LLAMA3_NAMES, _LLAMA3_SPLIT),
+    **dict.fromkeys(_QWEN2_NAMES, _QWEN2_SPLIT),
     "qwen35": _QWEN35_SPLIT,
     "tekken": _TEKKEN_SPLIT,
     **dict.fromkeys(["gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"], _GPT4O_SPLIT),
@@ -343,7 +364,7 @@ def _open(path: str | Path) -> gguf.GGUFReader:
         raise FileNotFoundError(f"GGUF file {path} does not exist")
     stat = path.stat()
     try:
-        return _reader(path.resolve(), stat.st_size, stat.st_mtime_ns)
+        return _reader(path.resolve(), stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns)
     except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as e:
         # A short download or a stray file fails deep inside the reader's memmap parsing.
         # Only the copy fastrl-jax fetched itself comes back by deleting it; a user's own file does not.
@@ -355,10 +376,10 @@ def _open(path: str | Path) -> gguf.GGUFReader:
 
 
 @functools.lru_cache(maxsize=1)
-def _reader(path: Path, size: int, mtime_ns: int) -> gguf.GGUFReader:
+def _reader(path: Path, size: int, mtime_ns: int, inode: int, ctime_ns: int) -> gguf.GGUFReader:
     # Parsing the header takes seconds (each vocabulary string becomes its own numpy view, ~150 MB
     # of Python objects for a 49k vocabulary) and loading a model parses it three times: config,
-    # tensors, tokenizer. One file is kept; size and mtime in the key make a replaced file re-read.
+    # tensors, tokenizer. One file is kept; its stat in the key (as _stamp's) makes a replaced file re-read.
     return gguf.GGUFReader(path)
 
 
@@ -436,10 +457,12 @@ _HEADER_PARTS = {"config": _config, "tokenizer": _tokenizer_spec}
 
 def _rope_scaling(meta, arch: str) -> dict[str, Any] | None:
     """HF's rope_scaling dict from llama.cpp's `rope.scaling.*` keys, or None when unscaled."""
-    kind = meta(f"{arch}.rope.scaling.type")
+    # llama.cpp's default type is linear, and older conversions (2023's 16k Vicunas) give only rope.scale_linear
+    factor = meta(f"{arch}.rope.scaling.factor") or meta(f"{arch}.rope.scale_linear")
+    kind = meta(f"{arch}.rope.scaling.type") or ("linear" if factor not in (None, 0.0, 1.0) else None)
     if kind in (None, "none"):
         return None
-    scaling = {"rope_type": kind, "factor": meta(f"{arch}.rope.scaling.factor")}
+    scaling = {"rope_type": kind, "factor": factor}
     optional = {
         "original_max_position_embeddings": "rope.scaling.original_context_length",
         "beta_fast": "rope.scaling.yarn_beta_fast",
