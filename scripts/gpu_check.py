@@ -7,9 +7,11 @@ Run it from outside the checkout with -P when fastrl-jax is installed with `pip 
 (docs/gpu.md): kernels/ becomes fastrl_jax.kernels only when installed.
 
 Sections, in order (--sections picks some); each is timed and guarded, so a failure is recorded and
-the rest still run, none starts once the budget is spent, and the one in flight is stopped soon after
-(deadline). The JSON is rewritten before and after each, so a run killed mid-section keeps the rest:
-  environment      versions, device kind and memory (always run first: every JSON names its machine)
+the rest still run, none starts once the budget is spent (but environment and memory: milliseconds), and the
+one in flight is stopped soon after (deadline). The JSON is rewritten before and after each, and within a section
+after each row, engine, trace or GRPO run (Ctx.keep), so a run killed mid-section keeps the rest:
+  environment      versions, device, driver, XLA_/JAX_/FASTRL_ variables, command line, sources' sha256 (always
+                   run first: every JSON names its machine and build)
   kernel_tests     tests/test_kernels.py under pytest (the GPU's Pallas / Triton backends vs the reference)
   greedy_vs_hf     the model's greedy ids vs transformers on the same device, float32, highest precision
   sd_lossless      speculative vs plain decoding, float32 and bfloat16, greedy and sampled (random drafter)
@@ -128,9 +130,28 @@ class Ctx:
     files: Path | None = None  # the sections' own files (traces, test XML, longtail, drafter, GRPO runs); None: out
     in_section: bool = False  # the alarm interrupts a section, never the writing between them
     stopped: str = ""  # why no further section starts (SIGTERM)
+    section: str = ""  # the section in flight (run_section), whose partial figures keep() writes
 
     def __post_init__(self):
         self.files = self.files or self.out
+
+    def keep(self, **partial) -> None:
+        """Writes the figures a section has so far (still "running"): a kill inside the next compile, which
+        the alarm cannot interrupt, then loses only the row in flight. Nothing outside run_section."""
+        if self.section:
+            self.results[self.section].update(partial)
+            with self.alarm_held():
+                write(self)
+
+    @contextlib.contextmanager
+    def alarm_held(self):
+        """The budget's alarm does not raise inside (it repeats every ALARM_EVERY_S, so it is late, not lost): for
+        writing the figures and stopping a child process, which an exception would leave half done."""
+        was, self.in_section = self.in_section, False
+        try:
+            yield
+        finally:
+            self.in_section = was
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -191,17 +212,60 @@ def environment(ctx: Ctx) -> dict:
             pass
     dev = jax.devices()[0]
     stats = dev.memory_stats() or {}
+    # What tells two runs apart besides the versions: the flags (XLA_FLAGS changes the build), the command
+    # line with its --set overrides, the driver and the card, and the sources that ran.
+    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("XLA_", "JAX_", "FASTRL_"))}
     return {
         "summary": f"{dev.device_kind} x{jax.device_count()} ({jax.default_backend()}), jax {versions.get('jax')}",
         "backend": jax.default_backend(), "device_kind": dev.device_kind, "device_count": jax.device_count(),
-        "memory_bytes": stats.get("bytes_limit"), "versions": versions, "python": platform.python_version(),
-        "date": datetime.date.today().isoformat(), "reduced": ctx.sizes.reduced,
+        # the allocator's limit (XLA_PYTHON_CLIENT_MEM_FRACTION of the card, 75% by default), not the card's memory
+        "allocator_limit_bytes": stats.get("bytes_limit"), "gpus": _nvidia_smi(), "torch_cuda": _torch_cuda(),
+        "versions": versions, "python": platform.python_version(), "env": env,
+        "argv": getattr(ctx.args, "argv", sys.argv),
+        "sources_sha256": sources_sha256(), "date": datetime.date.today().isoformat(), "reduced": ctx.sizes.reduced,
     }
 
 
+def _nvidia_smi() -> list[str] | str | None:
+    """Each GPU's 'name, driver_version, memory.total' (the card's memory), None without nvidia-smi (CPU)."""
+    import shutil
+
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        proc = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:  # a hung driver must not cost the run
+        return f"{type(e).__name__}: {e}"
+    return proc.stdout.strip().splitlines() if proc.returncode == 0 else f"exit {proc.returncode}: {proc.stderr[-300:]}"
+
+
+def _torch_cuda() -> str | None:
+    """The CUDA torch was built for (the HF comparisons run on it), None without torch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch.version.cuda
+
+
+def sources_sha256() -> str:
+    """One sha256 over fastrl_jax/, kernels/ and scripts/ of the checkout that ran (paths and contents): the
+    device machine gets a copy of the working tree, uncommitted edits included, so a commit id would not do."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted(p for d in ("fastrl_jax", "kernels", "scripts") for p in (ROOT / d).rglob("*")
+                       if p.is_file() and "__pycache__" not in p.parts):
+        digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
 def _pytest(ctx: Ctx, args: tuple[str, ...], name: str, timeout_s: float) -> dict:
-    """Runs pytest on the checkout's tests in a child process; pass/fail counts from its JUnit XML."""
-    xml = ctx.files / f"{name}.xml"
+    """Runs pytest on the checkout's tests in a child process; pass/fail counts from its JUnit XML. Past its time
+    (or at the budget's alarm) it is interrupted, so it still writes the XML of the tests that ran: status "cut"."""
+    xml, log = ctx.files / f"{name}.xml", ctx.files / f"{name}.log"
+    xml.unlink(missing_ok=True)  # a previous run's counts must not pass for this one's
     workers = max(ctx.sizes.pytest_workers, 1)
     if workers > 1 and importlib.util.find_spec("xdist") is None:
         print(f"[gpu_check] {name}: pytest-xdist is not installed, so the tests run in one process", file=sys.stderr)
@@ -211,34 +275,57 @@ def _pytest(ctx: Ctx, args: tuple[str, ...], name: str, timeout_s: float) -> dic
            f"--junitxml={xml}", "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"), *parallel,
            *[str(ROOT / a) if a.startswith("tests") else a for a in args]]
     t0 = time.monotonic()
-    # In its own process group, killed whole: xdist workers and what the tests started would hold the GPU
-    proc = subprocess.Popen(cmd, cwd=ctx.files, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    # Output to a file, not a pipe: a process the tests started and left would hold a pipe open. In its own
+    # process group, killed whole: xdist workers and what the tests started would hold the GPU.
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(cmd, cwd=ctx.files, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        out, code = proc.communicate(timeout=timeout_s)[0], proc.returncode
+        code = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         code = "timeout"
+    except BudgetSpent as e:
+        code = f"cut: {e}"
     finally:
-        if proc.returncode is None:  # timed out, or the budget's alarm
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            out = proc.communicate()[0]
-    tail = (f"timed out after {timeout_s:.0f}s: " if code == "timeout" else "") + out[-3000:]
+        with ctx.alarm_held():
+            _stop_pytest(proc)
     wall = time.monotonic() - t0
-    counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
-    failed = []
-    if xml.is_file():
-        for suite in ET.parse(xml).getroot().iter("testsuite"):
-            for key in counts:
-                counts[key] += int(suite.get(key, 0))
-        for case in ET.parse(xml).getroot().iter("testcase"):
-            for bad in (*case.iter("failure"), *case.iter("error")):
-                failed.append(f"{case.get('name')}: {(bad.get('message') or '')[:200]}")
+    with ctx.alarm_held():  # after a cut, the alarm (every ALARM_EVERY_S) must not throw away the counts
+        tail = (f"timed out after {timeout_s:.0f}s: " if code == "timeout" else "") + log.read_text(errors="replace")[-3000:]
+        counts, failed = _junit_counts(xml)
     passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
     return {"summary": f"{passed} passed, {counts['failures'] + counts['errors']} failed, {counts['skipped']} skipped "
                        f"in {wall:.0f}s, {workers} process(es) (exit {code})",
-            "passed": passed, **counts, "wall_s": wall, "workers": workers, "exit": code, "failed": failed[:20],
-            "output_tail": tail}
+            "status": "ok" if isinstance(code, int) else "cut", "passed": passed, **counts, "wall_s": wall,
+            "workers": workers, "exit": code, "failed": failed[:20], "output_tail": tail}
+
+
+def _stop_pytest(proc: subprocess.Popen, xml_wait_s: float = 10.0) -> None:
+    """SIGINT first, so that pytest (its xdist controller) ends the session and writes the JUnit XML of the tests
+    that ran (SIGKILL leaves none), then SIGKILL to the whole group for what is left. Called with the alarm held:
+    raised here it would skip the kill and leave the workers on the GPU."""
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=xml_wait_s)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _junit_counts(xml: Path) -> tuple[dict, list[str]]:
+    """(tests / failures / errors / skipped summed over the suites, 'name: message' of each failure) from a JUnit
+    XML; zeros when pytest wrote none."""
+    counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    failed = []
+    with contextlib.suppress(FileNotFoundError, ET.ParseError):  # none, or cut off by the SIGKILL
+        root = ET.parse(xml).getroot()
+        for suite in root.iter("testsuite"):
+            for key in counts:
+                counts[key] += int(suite.get(key, 0))
+        for case in root.iter("testcase"):
+            for bad in (*case.iter("failure"), *case.iter("error")):
+                failed.append(f"{case.get('name')}: {(bad.get('message') or '')[:200]}")
+    return counts, failed
 
 
 def kernel_tests(ctx: Ctx) -> dict:
@@ -303,33 +390,51 @@ def sd_lossless(ctx: Ctx) -> dict:
     import jax
     from flax import nnx
 
-    from fastrl_jax.config import StrategySpec
-    from fastrl_jax.drafter import bench
     from fastrl_jax.models.decoder import DTYPES, cast_floating
     from fastrl_jax.models.drafter import Drafter
 
     policy = ctx.policy("float32")
     prompts = _check_prompts(ctx, policy.tokenizer)
-    rows = []
-    for dtype in ctx.sizes.sd_dtypes:
-        model = cast_floating(policy.model, DTYPES[dtype])
-        drafter = Drafter(policy.cfg, nnx.Rngs(0), DTYPES[dtype])
-        precision = "highest" if dtype == "float32" else "default"
-        with jax.default_matmul_precision("highest") if precision == "highest" else contextlib.nullcontext():
-            outputs = {}
-            found = bench.run_bench(
-                model, drafter, {"facts": prompts}, policy.stop_ids, base_cfg=ctx.config().rollout,
-                batch_sizes=[len(prompts)], strategies=[StrategySpec(ctx.sizes.strategies[-1])], temperatures=[0.0, 0.7],
-                vocabs=["full"], new_tokens=ctx.sizes.check_tokens, repeats=1, log=lambda line: None, completions=outputs)
-            forward = _teacher_forced(model, max(map(len, prompts)) + ctx.sizes.check_tokens)
-            for i, row in enumerate(found):
-                differences = [_first_difference(forward, prompts[r], a.tokens, b.tokens, row["temperature"], seed=r)
-                               for r, (a, b) in enumerate(zip(*outputs[i])) if r < len(prompts) and a.tokens != b.tokens]
-                rows.append({"dtype": dtype, "matmul_precision": precision, **row, "differences": differences})
-    return {"summary": ", ".join(_lossless_summary(r) for r in rows), "rows": rows}
+    rows, cut = [], None
+    try:  # rows are kept as each dtype finishes: a later dtype's failure or the budget's cut keeps them
+        for dtype in ctx.sizes.sd_dtypes:
+            try:
+                model = cast_floating(policy.model, DTYPES[dtype])
+                drafter = Drafter(policy.cfg, nnx.Rngs(0), DTYPES[dtype])
+                precision = "highest" if dtype == "float32" else "default"
+                with jax.default_matmul_precision("highest") if precision == "highest" else contextlib.nullcontext():
+                    rows += _lossless_rows(ctx, model, drafter, prompts, policy.stop_ids, dtype, precision)
+            except Exception as e:  # e.g. a bfloat16 program that fails to compile: the other dtype still runs
+                rows.append({"dtype": dtype, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            ctx.keep(rows=rows)
+    except BudgetSpent as e:
+        cut = str(e)
+    status = "cut" if cut else "error" if any("error" in r for r in rows) else "ok"
+    return {"summary": ", ".join(_lossless_summary(r) for r in rows) + (f" (cut: {cut})" if cut else ""), "rows": rows,
+            "status": status}
+
+
+def _lossless_rows(ctx: Ctx, model, drafter, prompts: list[list[int]], stop_ids, dtype: str, precision: str) -> list:
+    """sd_lossless of one dtype: bench-sd's rows at T=0 and 0.7, each with where its differing requests part."""
+    from fastrl_jax.config import StrategySpec
+    from fastrl_jax.drafter import bench
+
+    outputs, rows = {}, []
+    found = bench.run_bench(
+        model, drafter, {"facts": prompts}, stop_ids, base_cfg=ctx.config().rollout,
+        batch_sizes=[len(prompts)], strategies=[StrategySpec(ctx.sizes.strategies[-1])], temperatures=[0.0, 0.7],
+        vocabs=["full"], new_tokens=ctx.sizes.check_tokens, repeats=1, log=lambda line: None, completions=outputs)
+    forward = _teacher_forced(model, max(map(len, prompts)) + ctx.sizes.check_tokens)
+    for i, row in enumerate(found):
+        differences = [_first_difference(forward, prompts[r], a.tokens, b.tokens, row["temperature"], seed=r)
+                       for r, (a, b) in enumerate(zip(*outputs[i])) if r < len(prompts) and a.tokens != b.tokens]
+        rows.append({"dtype": dtype, "matmul_precision": precision, **row, "differences": differences})
+    return rows
 
 
 def _lossless_summary(row: dict) -> str:
+    if "error" in row:
+        return f"{row['dtype']}: {row['error']}"
     gaps = [abs(d["gap"]) for d in row["differences"] if "gap" in d]
     parted = f" (largest score gap where they part: {max(gaps):.3g})" if gaps else ""
     return f"{row['dtype']} T={row['temperature']:g} {row['same_tokens']}/{row['requests']}{parted}"
@@ -449,6 +554,7 @@ def plain_decode(ctx: Ctx) -> dict:
             except Exception as e:  # e.g. no checkpoint for 'model': the random-weight shapes still run
                 failed = True
                 rows.append({"model": shape, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            ctx.keep(rows=rows, copy_bandwidth_gbs=bandwidth)
             gc.collect()
             _free_torch()
     except BudgetSpent as e:
@@ -475,20 +581,24 @@ def _decode_shape(ctx: Ctx, br, shape: str, dtype: str, bandwidth: float, rows: 
     prompts = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (64, 32)).tolist()
     # Each --layer-loops loop (rollout.layer_loop: the scan copied MLP weights at every step on an H100, docs/gpu.md)
     # and each --attention backend (the kernels hand attention a copy of each layer's window, XLA need not).
-    ours = []
-    for attention in ctx.args.attention or [ctx.config().model.attention]:
-        model.cfg = dataclasses.replace(model.cfg, attention_backend=attention)
-        for loop in ctx.args.layer_loops:
-            backends.ran(clear=True)
-            tok_s, start_s = br.bench_engine(model, prompts, list(sizes.decode_batches), sizes.new_tokens, 1, loop)[:2]
-            ran = backends.ran().get("attention")  # what the programs traced (a kernel that fails falls back)
-            for b in sizes.decode_batches:
-                floor = b * bandwidth * 1e9 / read_bytes
-                ours.append({"model": ctx.label(shape), "dtype": dtype, "layer_loop": loop, "attention": attention,
-                             "attention_ran": ran, "batch": b, "tok_s": tok_s[b][0], "hf_tok_s": None, "floor_tok_s": floor,
-                             "floor_fraction": tok_s[b][0] / floor, "weight_bytes": weight_bytes,
-                             "read_bytes": read_bytes, "engine_start_s": start_s})
-                rows.append(ours[-1])
+    ours, configured = [], model.cfg
+    try:
+        for attention in ctx.args.attention or [ctx.config().model.attention]:
+            model.cfg = dataclasses.replace(configured, attention_backend=attention)
+            for loop in ctx.args.layer_loops:
+                backends.ran(clear=True)
+                tok_s, start_s = br.bench_engine(model, prompts, list(sizes.decode_batches), sizes.new_tokens, 1, loop)[:2]
+                ran = backends.ran().get("attention")  # what the programs traced (a kernel that fails falls back)
+                for b in sizes.decode_batches:
+                    floor = b * bandwidth * 1e9 / read_bytes
+                    ours.append({"model": ctx.label(shape), "dtype": dtype, "layer_loop": loop, "attention": attention,
+                                 "attention_ran": ran, "batch": b, "tok_s": tok_s[b][0], "hf_tok_s": None,
+                                 "floor_tok_s": floor, "floor_fraction": tok_s[b][0] / floor, "weight_bytes": weight_bytes,
+                                 "read_bytes": read_bytes, "engine_start_s": start_s})
+                    rows.append(ours[-1])
+                ctx.keep(rows=rows, copy_bandwidth_gbs=bandwidth)
+    finally:  # 'model' is the policy Ctx caches: later sections must run the configured backend, not the last timed
+        model.cfg = configured
     if not ctx.args.skip_hf and ctx.left() > 60:
         hf = br.bench_hf(hf_factory(), prompts, list(sizes.decode_batches), sizes.new_tokens, 1, 0)
         for r in ours:
@@ -537,15 +647,21 @@ def sd_step_profile(ctx: Ctx) -> dict:
             drafter = _random_drafter(ctx, model)
             for batch in sizes.profile_batches:
                 for strategy in sizes.strategies:
+                    cell = {"model": ctx.label(shape), "dtype": ctx.dtype, "batch": batch, "strategy": strategy,
+                            "layer_loop": "unrolled" if unrolled else "scan"}
                     if ctx.left() < 15:
-                        rows.append({"model": shape, "batch": batch, "strategy": strategy, "skipped": "budget"})
+                        rows.append({**cell, "skipped": "budget"})
                         continue
-                    ms = bench.profile_step(model, drafter, StrategySpec(strategy), batch=batch, repeats=5,
-                                            unrolled=unrolled)
-                    rows.append({"model": ctx.label(shape), "dtype": ctx.dtype, "batch": batch, "strategy": strategy,
-                                 "layer_loop": "unrolled" if unrolled else "scan",
-                                 "draft_vocab": len(drafter.draft_vocab[...]), **ms,
-                                 "sd_over_plain": ms["sd_step"] / ms["plain_decode_step"]})
+                    try:  # e.g. out of memory at the larger batch: the cells measured and the next ones stay
+                        # 50 repeats: a step is milliseconds once compiled, and 5 left the median to the noise
+                        ms = bench.profile_step(model, drafter, StrategySpec(strategy), batch=batch, repeats=50,
+                                                unrolled=unrolled)
+                        rows.append({**cell, "draft_vocab": len(drafter.draft_vocab[...]), **ms,
+                                     "sd_over_plain": ms["sd_step"] / ms["plain_decode_step"]})
+                    except Exception as e:
+                        failed = True
+                        rows.append({**cell, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                    ctx.keep(rows=rows)
     except BudgetSpent as e:
         cut = str(e)
     done = [r for r in rows if "sd_over_plain" in r]
@@ -559,10 +675,6 @@ def trace(ctx: Ctx) -> dict:
     """Profiler traces of one request decoded plainly and speculatively (each strategy, a random drafter over
     the reduced draft vocabulary) at batch 1 on the first profile shape, summarised per run (device_summary),
     so a step's time can be placed once the machine is gone. The traces (perfetto JSON) stay in the output."""
-    import shutil
-    import tempfile
-
-    import jax
     import numpy as np
 
     from fastrl_jax.config import SpecConfig, StrategySpec
@@ -577,32 +689,49 @@ def trace(ctx: Ctx) -> dict:
     cfg = bench_cfg(ctx.config().rollout, [1], 32, tokens, max(s.nodes() for s in specs))
     request = [Request(np.random.default_rng(0).integers(0, vocab, 32).tolist(), tokens)]
     runs, cut = {}, None
-    try:  # runs are kept as each trace ends: a section cut by the budget still reports them
+    try:  # runs are kept as each trace ends: a later run's failure or the budget's cut keeps them
         for spec in [None, *specs]:
             name = str(spec) if spec else "plain"
-            sd = SpecConfig(mode="on", strategies=(spec,)) if spec else SpecConfig()
-            engine = RolloutEngine(model, cfg, sd=sd, drafter=drafter if spec else None, progress=False)
-            engine.generate(request)  # compiles
-            path = ctx.files / f"trace_{name.replace('/', '-')}.json.gz"
-            with tempfile.TemporaryDirectory() as tmp:
-                with jax.profiler.trace(tmp, create_perfetto_trace=True):
-                    engine.generate(request)
-                shutil.copy(next(Path(tmp).rglob("perfetto_trace.json.gz")), path)
-            stats = engine.stats
-            steps = stats.steps_plain + stats.steps_sd
-            runs[name] = {"trace": path.name, "steps": steps, "tokens": stats.tokens, "wall_s": stats.seconds["total"],
-                          **device_summary(path, steps)}
-            if spec and "span_us_per_step" in runs["plain"]:
+            try:  # e.g. a strategy's program that fails to compile: the other runs still trace
+                sd = SpecConfig(mode="on", strategies=(spec,)) if spec else SpecConfig()
+                engine = RolloutEngine(model, cfg, sd=sd, drafter=drafter if spec else None, progress=False)
+                runs[name] = _traced_run(ctx, engine, request, name)
+            except Exception as e:
+                runs[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            if spec and "span_us_per_step" in runs[name] and "span_us_per_step" in runs["plain"]:
                 # An SD step's cost inside the engine's loop, which profile_step's step jitted alone can understate
                 runs[name]["step_over_plain"] = runs[name]["span_us_per_step"] / runs["plain"]["span_us_per_step"]
+            ctx.keep(runs=runs)
     except BudgetSpent as e:
         cut = str(e)
-    summary = "; ".join(f"{k} {r['steps']} steps, {r.get('busy_us_per_step', 0):.0f} us busy / "
+    summary = "; ".join(f"{k}: {r['error']}" if "error" in r else
+                        f"{k} {r['steps']} steps, {r.get('busy_us_per_step', 0):.0f} us busy / "
                         f"{r.get('span_us_per_step', 0):.0f} us per step, {r.get('kernels_per_step', 0):.0f} kernels"
                         for k, r in runs.items())
-    return {"summary": summary + (f" (cut: {cut})" if cut else ""), "status": "cut" if cut else "ok",
+    status = "cut" if cut else "error" if any("error" in r for r in runs.values()) else "ok"
+    return {"summary": summary + (f" (cut: {cut})" if cut else ""), "status": status,
             "model": ctx.label(shape), "dtype": ctx.dtype, "draft_vocab": len(drafter.draft_vocab[...]),
             "trace_dir": str(ctx.files), "runs": runs}
+
+
+def _traced_run(ctx: Ctx, engine, request: list, name: str) -> dict:
+    """One engine's request decoded once to compile, then again under the profiler: the perfetto trace goes to
+    --files, its per-step summary (device_summary) into the results."""
+    import shutil
+    import tempfile
+
+    import jax
+
+    engine.generate(request)  # compiles
+    path = ctx.files / f"trace_{name.replace('/', '-')}.json.gz"
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            engine.generate(request)
+        shutil.copy(next(Path(tmp).rglob("perfetto_trace.json.gz")), path)
+    stats = engine.stats
+    steps = stats.steps_plain + stats.steps_sd
+    return {"trace": path.name, "steps": steps, "tokens": stats.tokens, "wall_s": stats.seconds["total"],
+            **device_summary(path, steps)}
 
 
 def device_summary(trace: Path, steps: int, top: int = 20) -> dict:
@@ -716,38 +845,47 @@ def longtail(ctx: Ctx) -> dict:
 
 def grpo(ctx: Ctx) -> dict:
     """GRPO steps with SD off and adaptive (the drafter trained above if any), the same seeds. A run cut by the
-    budget keeps the steps it finished (each run's metrics.jsonl), so a lease learns how far it got."""
+    budget or failed keeps the steps it finished (each run's metrics.jsonl), so a lease learns how far it got."""
+    import shutil
+
     ctx.checkpoint()
     from fastrl_jax.rl.trainer import train
 
-    keys = ("rollout_s", "train_s", "tokens", "reward_mean", "sd_share")
-    runs, cut = {}, None
+    keys = ("rollout_s", "rollout_compile_s", "train_s", "tokens", "reward_mean", "sd_share")
+    dirs, errors, cut = {}, {}, None
     try:
         for mode in ("off", "adaptive"):
-            out_dir = ctx.files / ("grpo_" + mode)
+            out_dir = dirs[mode] = ctx.files / ("grpo_" + mode)
+            shutil.rmtree(out_dir, ignore_errors=True)  # the trainer refuses a directory that holds a run (a rerun)
             extra = [f"sd.mode={mode}", f"rl.steps={ctx.sizes.grpo_steps}", f"rl.out_dir={out_dir}",
                      "rl.checkpoint_every_steps=0", "rl.tensorboard=false", "rl.eval_every_steps=0"]
             if mode != "off" and ctx.shared.get("drafter_dir"):
                 extra.append(f"rl.drafter_path={ctx.shared['drafter_dir']}")
-            runs[mode] = out_dir
-            with open(os.devnull, "w") as devnull:
-                train(ctx.config(*extra), stream=devnull)
+            try:  # e.g. out of memory with SD on: the SD-off run's steps stay
+                with open(os.devnull, "w") as devnull:
+                    train(ctx.config(*extra), stream=devnull)
+            except Exception as e:
+                errors[mode] = f"{type(e).__name__}: {str(e)[:300]}"
+            ctx.keep(runs={m: _grpo_steps(d / "metrics.jsonl", keys) for m, d in dirs.items()}, errors=errors)
     except BudgetSpent as e:
         cut = str(e)
-    runs = {mode: _grpo_steps(out_dir / "metrics.jsonl", keys) for mode, out_dir in runs.items()}
-    if cut:
+    runs = {mode: _grpo_steps(out_dir / "metrics.jsonl", keys) for mode, out_dir in dirs.items()}
+    if cut or errors:
         done = ", ".join(f"{m} {len(r['rollout_s'])} of {ctx.sizes.grpo_steps} steps" for m, r in runs.items())
-        return {"status": "cut", "summary": f"{done} (cut: {cut})", "runs": runs}
-    # The first step compiles the update; later steps compare like for like.
+        why = f"cut: {cut}" if cut else "; ".join(f"{m}: {e}" for m, e in errors.items())
+        return {"status": "cut" if cut else "error", "summary": f"{done} ({why})", "runs": runs, "errors": errors}
+    # The first step compiles the update; later steps compare like for like, less the rollouts' own compiles
+    # (a new length bucket compiles at any step): the trainer's rollout_compile_s.
     later = slice(1, None) if ctx.sizes.grpo_steps > 1 else slice(None)
-    step = {m: sum(r["rollout_s"][later]) + sum(r["train_s"][later]) for m, r in runs.items()}
-    rollout = {m: sum(r["rollout_s"][later]) for m, r in runs.items()}
+    rollout = {m: sum(r["rollout_s"][later]) - sum(r["rollout_compile_s"][later]) for m, r in runs.items()}
+    step = {m: rollout[m] + sum(r["train_s"][later]) for m, r in runs.items()}
     same = runs["off"]["tokens"] == runs["adaptive"]["tokens"]
-    return {"summary": f"adaptive speed-up over SD off (SD off s / adaptive s): step time "
-                       f"{step['off'] / step['adaptive']:.2f}x, rollout {rollout['off'] / rollout['adaptive']:.2f}x; "
+    # None where compiles on the pool's thread, overlapping the rollout, leave no time to compare
+    speedup = {k: t["off"] / t["adaptive"] if min(t.values()) > 0 else None for k, t in (("step", step), ("rollout", rollout))}
+    return {"summary": f"adaptive speed-up over SD off (SD off s / adaptive s, rollout compiles left out): step time "
+                       f"{_fmt(speedup['step'], '.2f')}x, rollout {_fmt(speedup['rollout'], '.2f')}x; "
                        f"same token counts {same}",
-            "step_speedup": step["off"] / step["adaptive"], "rollout_speedup": rollout["off"] / rollout["adaptive"],
-            "same_token_counts": same, "runs": runs}
+            "step_speedup": speedup["step"], "rollout_speedup": speedup["rollout"], "same_token_counts": same, "runs": runs}
 
 
 def _grpo_steps(metrics: Path, keys: tuple[str, ...]) -> dict:
@@ -782,7 +920,8 @@ def run_section(ctx: Ctx, name: str) -> None:
     import jax
 
     need = MIN_SECONDS.get(name, 5)
-    if ctx.stopped or ctx.left() < need:
+    # environment and memory take milliseconds: they run past the budget (not past SIGTERM, the kill follows it)
+    if ctx.stopped or (ctx.left() < need and name not in ("environment", "memory")):
         why = ctx.stopped or f"budget: {max(ctx.left(), 0):.0f}s left, needs ~{need}s"
         ctx.results[name] = {"status": "skipped", "summary": why}
         return
@@ -790,20 +929,30 @@ def run_section(ctx: Ctx, name: str) -> None:
     ctx.results[name] = {"status": "running", "summary": f"started {ctx.args.budget_s - ctx.left():.0f}s into the run"}
     write(ctx)
     try:
-        ctx.in_section = True
+        ctx.in_section, ctx.section, budget_spent = True, name, False
         result = globals()[name](ctx)
         status = result.pop("status", "ok")  # a section cut by the budget says "cut" and keeps what it measured
     except (Exception, BudgetSpent) as e:  # recorded; the next section still runs (once the budget allows)
-        result = {"summary": f"{type(e).__name__}: {str(e)[:300]}", "traceback": traceback.format_exc()[-4000:]}
-        status = "error"
+        kept = {k: v for k, v in ctx.results[name].items() if k not in ("status", "summary")}  # from ctx.keep
+        result = {**kept, "summary": f"{type(e).__name__}: {str(e)[:300]}", "traceback": traceback.format_exc()[-4000:]}
+        status, budget_spent = "error", isinstance(e, BudgetSpent)
     finally:
-        ctx.in_section = False
+        ctx.in_section, ctx.section = False, ""
+    if status == "cut" or budget_spent:
+        _cancel_compiles()
     stats = jax.devices()[0].memory_stats() or {}
     ctx.results[name] = {"status": status, "seconds": time.monotonic() - t0,
                          "peak_bytes_so_far": stats.get("peak_bytes_in_use"), **result}
     print(f"[gpu_check] {name}: {status} in {time.monotonic() - t0:.0f}s: {result.get('summary', '')}", file=sys.stderr,
           flush=True)
     write(ctx)
+
+
+def _cancel_compiles() -> None:
+    """Drops the compiles the engines' pools queued on their threads: after a cut nothing will run them, and at
+    exit Python would wait for the whole queue (minutes on a GPU) before the JSON's process ends."""
+    if "fastrl_jax.rollout.pool" in sys.modules:
+        sys.modules["fastrl_jax.rollout.pool"].cancel_background_compiles()
 
 
 def _fmt(x, spec: str = ".1f") -> str:
@@ -827,7 +976,7 @@ def markdown(results: dict) -> str:
         if name in results:
             r = results[name]
             lines.append(f"| {name} | {r['status']} | {_fmt(r.get('seconds'), '.0f')} | {r.get('summary', '')} |")
-    decode = [r for r in results.get("plain_decode", {}).get("rows", []) if "batch" in r]
+    decode = [r for r in results.get("plain_decode", {}).get("rows", []) if "tok_s" in r]
     lines += _table("Plain decode", ["model", "dtype", "layer loop", "attention", "batch", "tok/s", "HF tok/s", "floor tok/s",
                                      "of floor"], [
         [r["model"], r["dtype"], r.get("layer_loop", "scan"), r.get("attention", "auto"), r["batch"], f"{r['tok_s']:.0f}",
@@ -837,7 +986,7 @@ def markdown(results: dict) -> str:
     phases = ("plain_decode_step", "draft_tree", "verify_forward", "accept", "cache_move", "other", "sd_step")
     lines += _table("SD step by phase (ms)", ["model", "strategy", "batch", "plain step", "draft tree", "verify", "accept",
                                               "cache move", "other", "SD step", "SD / plain"], [
-        [r["model"], r["strategy"], r["batch"], *(f"{r[k]:.2f}" for k in phases), f"{r['sd_over_plain']:.2f}x"]
+        [r["model"], r["strategy"], r["batch"], *(_fmt(r.get(k), ".2f") for k in phases), f"{r['sd_over_plain']:.2f}x"]
         for r in prof])
     traced = results.get("trace", {}).get("runs", {})
     lines += _table(f"Traced at batch 1 ({results.get('trace', {}).get('model', '')}, per step)", [
@@ -848,13 +997,13 @@ def markdown(results: dict) -> str:
          _fmt(r.get("host_reads_per_step"), ".1f"),
          ", ".join(f"{t['name'][:40]} {t['us_per_step']:.0f}" for t in r.get("top_kernels", [])[:3]),
          ", ".join(f"{t['op'][:50]} {t['us_per_step']:.0f}" for t in r.get("idle_after", [])[:3])]
-        for k, r in traced.items()])
+        for k, r in traced.items() if "steps" in r])
     bench_rows = [*results.get("sd_lossless", {}).get("rows", []), *results.get("trained_drafter", {}).get("rows", [])]
     lines += _table("Plain vs speculative (bench-sd rows)", ["dtype", "prompts", "T", "batch", "strategy", "vocab",
                                                              "plain tok/s", "SD tok/s", "accept", "speedup", "same"], [
         [r.get("dtype", ""), r["prompts"], f"{r['temperature']:g}", r["batch"], r["strategy"],
          r["vocab"], f"{r['plain_tok_s']:.0f}", f"{r['sd_tok_s']:.0f}", f"{r['acceptance_length']:.2f}",
-         f"{r['speedup']:.2f}x", f"{r['same_tokens']}/{r['requests']}"] for r in bench_rows])
+         f"{r['speedup']:.2f}x", f"{r['same_tokens']}/{r['requests']}"] for r in bench_rows if "speedup" in r])
     return "\n".join(lines) + "\n"
 
 
@@ -863,7 +1012,8 @@ def write(ctx: Ctx) -> None:
     file is replaced whole, so a kill in the middle of a write leaves the last one."""
     from fastrl_jax import files
 
-    files.write_text(ctx.out / "gpu_check.json", json.dumps(ctx.results, indent=1, default=str) + "\n")
+    # Through str first (a path, an exception in a row), then strict: a NaN ratio is written null, not NaN
+    files.write_json(ctx.out / "gpu_check.json", json.loads(json.dumps(ctx.results, default=str)), indent=1)
     files.write_text(ctx.out / "gpu_check.md", markdown(ctx.results))
 
 
@@ -924,6 +1074,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the device with JAX
     args = parse_args(argv)
+    args.argv = sys.argv if argv is None else [sys.argv[0], *argv]  # the environment section records it
     import jax
 
     from fastrl_jax.models.known_configs import KNOWN
@@ -934,7 +1085,7 @@ def main(argv=None) -> int:
     sizes = REDUCED if args.reduced or jax.default_backend() == "cpu" else FULL
     sizes = dataclasses.replace(sizes, shapes=tuple(args.shapes or sizes.shapes),
                                 profile_shapes=tuple(args.profile_shapes or sizes.profile_shapes))
-    args.config = args.config or str(ROOT / "configs" / ("smollm2_cpu.yaml" if sizes is REDUCED else "smollm2_gpu.yaml"))
+    args.config = args.config or str(ROOT / "configs" / ("smollm2_cpu.yaml" if sizes.reduced else "smollm2_gpu.yaml"))
     out = Path(args.out).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     files = Path(args.files).expanduser().resolve() if args.files else out
@@ -953,6 +1104,7 @@ def main(argv=None) -> int:
             for name in dict.fromkeys(["environment", *args.sections]):
                 run_section(ctx, name)
     finally:
+        _cancel_compiles()  # else the exit waits for the compiles the cut engines queued
         write(ctx)
     print(markdown(ctx.results))
     return int(any(r["status"] == "error" for r in ctx.results.values()))

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers.cli import COMPILE_FLAGS
 from helpers.scripts import load_script
 from helpers.tiny_run import tiny_overrides
@@ -157,7 +158,8 @@ def test_a_section_in_flight_is_on_disk_and_a_failed_write_keeps_the_last_json(t
 
 def test_the_budget_stops_a_section_that_swallows_exceptions(tmp_path, monkeypatch):
     """Library code that catches Exception (a kernel's compile check, a pool's background compile) cannot eat
-    the budget's alarm: the section is stopped and recorded, and the next one is skipped."""
+    the budget's alarm: the section is stopped and recorded, and the next one is skipped, but for memory, which
+    takes milliseconds."""
     import time
 
     gpu_check = load_script("gpu_check")
@@ -177,10 +179,11 @@ def test_the_budget_stops_a_section_that_swallows_exceptions(tmp_path, monkeypat
     t0 = time.monotonic()
     with gpu_check.deadline(ctx):
         gpu_check.run_section(ctx, "environment")
+        gpu_check.run_section(ctx, "kernel_tests")
         gpu_check.run_section(ctx, "memory")
     assert time.monotonic() - t0 < 2.5
     assert ctx.results["environment"]["status"] == "error" and "budget" in ctx.results["environment"]["summary"]
-    assert ctx.results["memory"]["status"] == "skipped"
+    assert ctx.results["kernel_tests"]["status"] == "skipped" and ctx.results["memory"]["status"] == "ok"
 
 
 def test_sigterm_stops_the_section_and_the_run_and_keeps_the_json(tmp_path, monkeypatch):
@@ -382,3 +385,150 @@ def test_grpo_cut_by_the_budget_keeps_the_steps_it_finished(tmp_path, monkeypatc
     assert got["runs"]["off"]["rollout_s"] == [2.0, 2.0] and got["runs"]["adaptive"]["tokens"] == [640], got
     assert got["runs"]["off"]["sd_share"] == [0.0, 0.0]
     assert got["summary"].startswith(f"off 2 of {gpu_check.REDUCED.grpo_steps} steps, adaptive 1 of"), got["summary"]
+
+
+def test_a_timed_out_test_section_keeps_what_passed(tmp_path):
+    """pytest past its time is interrupted before it is killed, so it writes the JUnit XML of the tests that ran:
+    a device_tests section that runs out of time reports what passed, not '0 passed'."""
+    gpu_check = load_script("gpu_check")
+    test = tmp_path / "test_some.py"
+    test.write_text("import time\n\n" + "".join(f"def test_ok{i}():\n    pass\n\n" for i in range(5))
+                    + "def test_zz_hang():\n    time.sleep(60)\n")
+    got = gpu_check._pytest(_ctx(gpu_check, tmp_path), (str(test),), "hang", timeout_s=8)
+    assert got["exit"] == "timeout" and got["status"] == "cut", got
+    assert got["passed"] == 5 and got["summary"].startswith("5 passed, 0 failed"), got["summary"]
+
+
+def _profile_ctx(gpu_check, tmp_path, monkeypatch):
+    import types
+
+    from helpers.tiny import tiny_model
+
+    from fastrl_jax.config import RolloutConfig
+
+    monkeypatch.setattr(gpu_check, "_model", lambda ctx, shape, dtype: (tiny_model(), None))
+    monkeypatch.setattr(gpu_check.Ctx, "config", lambda self, *extra: types.SimpleNamespace(
+        rollout=RolloutConfig(), model=types.SimpleNamespace(path="tiny", attention="reference")))
+    ctx = _ctx(gpu_check, tmp_path)
+    ctx.sizes = gpu_check.dataclasses.replace(gpu_check.REDUCED, profile_batches=(1, 4, 16))
+    return ctx
+
+
+def test_a_failing_cell_keeps_the_rows_measured_and_each_row_is_on_disk(tmp_path, monkeypatch):
+    """An ordinary error (out of memory at a larger batch) in one cell of sd_step_profile is recorded in its row and
+    the next cell runs; each finished row is written at once, so a kill inside the next compile keeps it."""
+    from fastrl_jax.drafter import bench
+
+    gpu_check = load_script("gpu_check")
+    ctx = _profile_ctx(gpu_check, tmp_path, monkeypatch)
+    on_disk = []
+
+    def profile_step(*args, batch, **kwargs):
+        rows = json.loads((tmp_path / "gpu_check.json").read_text())["sd_step_profile"].get("rows", [])
+        on_disk.append([r["batch"] for r in rows])
+        if batch == 4:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
+        return {"plain_decode_step": 2.0, "sd_step": 3.0}
+
+    monkeypatch.setattr(bench, "profile_step", profile_step)
+    gpu_check.run_section(ctx, "sd_step_profile")
+    got = ctx.results["sd_step_profile"]
+    assert on_disk == [[], [1], [1, 4]], on_disk
+    assert got["status"] == "error" and [(r["batch"], r.get("sd_over_plain")) for r in got["rows"]] == [
+        (1, 1.5), (4, None), (16, 1.5)], got
+    assert "RESOURCE_EXHAUSTED" in got["rows"][1]["error"]
+
+
+def test_grpo_reruns_in_the_same_files_dir_keeps_a_failed_run_and_leaves_compiles_out(tmp_path, monkeypatch):
+    """grpo clears its run directories (a second call into the same --files: the trainer refuses a directory
+    that holds a run); a run that fails keeps the other's steps; the speed-ups leave the rollouts' compiles out."""
+    from fastrl_jax.rl import trainer
+
+    gpu_check = load_script("gpu_check")
+    ctx = _ctx(gpu_check, tmp_path, config=str(ROOT / "configs" / "smollm2_cpu.yaml"))
+    ctx.sizes = gpu_check.dataclasses.replace(gpu_check.REDUCED, grpo_steps=2)
+    ctx.shared["checkpoint"] = tmp_path  # no GGUF needed: train is replaced
+    (tmp_path / "grpo_off").mkdir()
+    (tmp_path / "grpo_off" / "metrics.jsonl").write_text('{"rollout_s": 99.0}\n')  # a previous call's cut run
+    compile_s = {"off": [9.0, 2.0], "adaptive": [9.0, 2.0]}
+    rollout_s = {"off": [10.0, 4.0], "adaptive": [10.0, 3.0]}
+    fail = []
+
+    def train(cfg, stream):
+        out = Path(cfg.rl.out_dir)
+        out.mkdir(parents=True)  # what prepare_run_dir allows: no run in it
+        mode = cfg.sd.mode
+        (out / "metrics.jsonl").write_text("".join(json.dumps(
+            {"rollout_s": r, "rollout_compile_s": c, "train_s": 1.0, "tokens": 640}) + "\n"
+            for r, c in zip(rollout_s[mode], compile_s[mode])))
+        if mode in fail:
+            raise RuntimeError("RESOURCE_EXHAUSTED")
+
+    monkeypatch.setattr(trainer, "train", train)
+    got = gpu_check.grpo(ctx)
+    assert got["rollout_speedup"] == 2.0 and got["step_speedup"] == 1.5, got  # (4-2)/(3-2); (2+1)/(1+1)
+    fail.append("adaptive")
+    gpu_check.run_section(ctx, "grpo")
+    got = ctx.results["grpo"]
+    assert got["status"] == "error" and got["runs"]["off"]["rollout_s"] == [10.0, 4.0], got
+    assert "RESOURCE_EXHAUSTED" in got["errors"]["adaptive"]
+
+
+def test_environment_names_the_build(tmp_path, monkeypatch):
+    """Two runs that differ in XLA flags, command line or sources have different environment records; the
+    allocator's limit is not passed off as the card's memory."""
+    gpu_check = load_script("gpu_check")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION,WHILE,CONDITIONAL")
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--set", "rollout.layer_loop=unrolled"])
+    env = gpu_check.environment(_ctx(gpu_check, tmp_path))
+    assert env["env"]["XLA_FLAGS"].endswith("WHILE,CONDITIONAL") and "rollout.layer_loop=unrolled" in env["argv"]
+    assert len(env["sources_sha256"]) == 64 and "memory_bytes" not in env and "allocator_limit_bytes" in env
+    assert "gpus" in env and "torch_cuda" in env  # None on a CPU host without nvidia-smi / CUDA torch
+    json.dumps(env)
+
+
+def test_plain_decode_leaves_the_cached_policy_as_configured(tmp_path, monkeypatch):
+    """plain_decode --attention A B times each backend on --model's policy, which later sections share: they
+    must run the configured backend, not the last one timed."""
+    import types
+
+    from helpers.tiny import tiny_model
+
+    gpu_check = load_script("gpu_check")
+    model = tiny_model()
+    configured = model.cfg.attention_backend
+    ctx = _ctx(gpu_check, tmp_path, attention=["auto", "reference"])
+    ctx.shared.update(checkpoint=tmp_path, float32=types.SimpleNamespace(model=model, path=tmp_path))
+    monkeypatch.setattr(gpu_check.Ctx, "config", lambda self, *extra: types.SimpleNamespace(
+        model=types.SimpleNamespace(path="tiny", attention=configured)))
+    seen = []
+
+    def bench_engine(model, prompts, batches, new_tokens, repeats, loop):
+        seen.append(model.cfg.attention_backend)
+        return {b: (10.0,) for b in batches}, 1.0
+
+    monkeypatch.setattr(gpu_check, "_bench_rollout", lambda: types.SimpleNamespace(bench_engine=bench_engine))
+    assert gpu_check.plain_decode(ctx)["status"] == "ok" and seen == ["auto", "reference"]
+    assert ctx.policy("float32").model.cfg.attention_backend == configured
+
+
+def test_the_json_is_strict_and_a_cut_drops_the_queued_compiles(tmp_path, monkeypatch):
+    """A NaN ratio is written null (strict parsers refuse NaN); a section cut by the budget cancels the compiles
+    its engines queued, which the process would otherwise wait for at exit."""
+    from fastrl_jax.rollout import pool
+
+    gpu_check = load_script("gpu_check")
+    ctx = _ctx(gpu_check, tmp_path)
+    cancelled = []
+    monkeypatch.setattr(pool, "cancel_background_compiles", lambda: cancelled.append(True))
+
+    def environment(ctx):
+        raise gpu_check.BudgetSpent("gpu_check budget of 1s (+15s grace) spent")
+
+    monkeypatch.setattr(gpu_check, "environment", environment)
+    gpu_check.run_section(ctx, "environment")
+    assert cancelled == [True] and ctx.results["environment"]["status"] == "error"
+    ctx.results["memory"] = {"status": "ok", "summary": "", "ratio": float("nan")}
+    gpu_check.write(ctx)
+    strict = json.loads((tmp_path / "gpu_check.json").read_text(), parse_constant=lambda c: pytest.fail(c))
+    assert strict["memory"]["ratio"] is None
