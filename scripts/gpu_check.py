@@ -271,7 +271,9 @@ def _pytest(ctx: Ctx, args: tuple[str, ...], name: str, timeout_s: float) -> dic
         print(f"[gpu_check] {name}: pytest-xdist is not installed, so the tests run in one process", file=sys.stderr)
         workers = 1
     parallel = ["-n", str(workers), "--dist", "loadfile"] if workers > 1 else []
-    cmd = [sys.executable, *(["-P"] if sys.flags.safe_path else []), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    # SIGINT may be ignored where this process started (nohup, a pytest-xdist worker), and an ignored signal stays
+    # ignored in a child: pytest must take it, to write its XML when cut (_stop_pytest)
+    cmd = [sys.executable, *(["-P"] if sys.flags.safe_path else []), "-c", _PYTEST_TAKING_SIGINT, "-q", "-p", "no:cacheprovider",
            f"--junitxml={xml}", "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"), *parallel,
            *[str(ROOT / a) if a.startswith("tests") else a for a in args]]
     t0 = time.monotonic()
@@ -297,6 +299,10 @@ def _pytest(ctx: Ctx, args: tuple[str, ...], name: str, timeout_s: float) -> dic
                        f"in {wall:.0f}s, {workers} process(es) (exit {code})",
             "status": "ok" if isinstance(code, int) else "cut", "passed": passed, **counts, "wall_s": wall,
             "workers": workers, "exit": code, "failed": failed[:20], "output_tail": tail}
+
+
+_PYTEST_TAKING_SIGINT = ("import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                         "sys.exit(pytest.main(sys.argv[1:]))")
 
 
 def _stop_pytest(proc: subprocess.Popen, xml_wait_s: float = 10.0) -> None:
