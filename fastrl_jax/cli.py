@@ -803,11 +803,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:  # Ctrl-C: one line, not the traceback of wherever it landed
         print(f"\nfastrl-jax {args.command}: interrupted", file=sys.stderr)
-        if pool := sys.modules.get("fastrl_jax.rollout.pool"):  # not imported yet: nothing is compiling
-            pool.cancel_background_compiles()  # else exit waits for every queued program
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if pool := sys.modules.get("fastrl_jax.rollout.pool"):  # not imported yet: nothing is compiling
+            pool.cancel_background_compiles()  # else exit waits for every queued program, whatever the way out
 
 
 if __name__ == "__main__":

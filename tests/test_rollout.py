@@ -415,6 +415,66 @@ def test_a_failed_background_compile_is_raised_for_its_own_program_and_ready_nev
     assert float(pool.get(4)(jnp.ones(4))[0]) == 2 and float(pool.get(5)(jnp.ones(4))[0]) == 2 and pool.dropped > 2
 
 
+def test_near_the_memory_map_limit_the_pool_drops_again_and_queues_nothing_it_cannot_map():
+    """Found by review: after a drop that freed little (another pool's maps) above 95% of the limit, the next
+    drop's threshold lay past the limit itself, so the pool never dropped again; the mark of the last drop only
+    rose, though the process freed maps since; and ready() kept queuing compiles while a drop was due (each one a
+    compile the process had no maps for: a failed background compile turns its arm off)."""
+    from fastrl_jax.rollout.pool import ProgramPool
+
+    held = [0]
+
+    def build(key):
+        return jax.jit(lambda x: x + key), (jax.ShapeDtypeStruct((4,), jnp.float32),)
+
+    pool = ProgramPool(build, memory_maps=lambda: (held[0], 100))
+    for key in range(4):
+        pool.get(key)
+    held[0] = 96  # the drop frees nothing: the maps are another pool's
+    pool.get(4)
+    assert pool.dropped == 2
+    held[0] = 100
+    pool.get(5)
+    assert pool.dropped > 2
+    dropped, held[0] = pool.dropped, 50  # the other pool let its programs go
+    pool.get(6)
+    held[0] = 97
+    pool.get(7)
+    assert pool.dropped > dropped
+    release = threading.Event()
+    slow = ProgramPool(lambda key: (release.wait(30), build(key))[1], memory_maps=lambda: (held[0], 100))
+    slow.get(0), slow.get(1)
+    held[0] = 0
+    assert not slow.ready(10)  # compiling
+    held[0] = 99
+    assert not any(slow.ready(k) for k in range(11, 16)) and list(slow._pending) == [10]  # a drop is due: none queued
+    release.set()
+
+
+def test_a_compile_near_the_limit_waits_for_the_running_background_compile_only():
+    """A drop collected every pending compile first: get() stalled for the whole background queue (found by review:
+    5.3 s for four queued 1-second compiles); the queued ones are cancelled and asked for again later."""
+    from fastrl_jax.rollout.pool import ProgramPool
+
+    held, started = [0], threading.Event()
+
+    def build(key):
+        if isinstance(key, str):
+            started.set()
+            time.sleep(1.0)
+        return jax.jit(lambda x: x * 2), (jax.ShapeDtypeStruct((4,), jnp.float32),)
+
+    pool = ProgramPool(build, memory_maps=lambda: (held[0], 100))
+    pool.get(0), pool.get(1)
+    assert not any(pool.ready(k) for k in ("a", "b", "c", "d"))
+    started.wait(30)
+    held[0] = 99
+    t0 = time.perf_counter()
+    assert float(pool.get(2)(jnp.ones(4))[0]) == 2
+    assert time.perf_counter() - t0 < 2.5 and pool.dropped == 1
+    assert "a" in pool and not any(k in pool for k in "bcd")  # queued, cancelled: compiled when asked for again
+
+
 def test_a_program_found_ready_is_not_the_next_one_dropped():
     """The engine asks ready() for every program of a speculative call (the step's and the drafter prefill's)
     before it runs them: one found ready counts as used, so starting the other's compile near the memory-map

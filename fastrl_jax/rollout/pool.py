@@ -88,6 +88,7 @@ def _count_cache_hits() -> None:
 # The growth in memory maps, as a share of vm.max_map_count, that makes another drop worth it after one that
 # left the process near the limit (5% of 65530: ~10 SmolLM2 programs).
 MAP_GROWTH = 0.05
+MAP_CEILING = 0.95  # past this share of the limit a pool drops whatever an earlier drop left
 
 
 def memory_maps() -> tuple[int, int] | None:
@@ -183,7 +184,8 @@ class ProgramPool:
         self._raise_failed(key)
         future = self._pending.get(key)
         if future is None:
-            self._make_room(wait=False)
+            if self._make_room(wait=False):  # a drop is due once the pending compiles end: no more maps meanwhile
+                return False
             if self._thread is None:
                 self._thread = ThreadPoolExecutor(1, thread_name_prefix="compile")
             self._pending[key] = self._thread.submit(self._compiled, key)
@@ -238,17 +240,26 @@ class ProgramPool:
             background=background,
         )
 
-    def _make_room(self, wait: bool) -> None:
+    def _make_room(self, wait: bool) -> bool:
         """Drops the least recently used half of the programs when the process is near its memory-map limit
-        (after any background compile: JAX's caches are cleared with no compile under way; without `wait`,
-        a pending compile puts the drop off). Maps a drop did not free belong to something else (another
-        engine's pool in this process): the next drop waits until the process holds MAP_GROWTH of the limit
-        more than just after this one, instead of emptying the pool at every compile."""
+        (after the running background compile, the queued ones cancelled: JAX's caches are cleared with no
+        compile under way; without `wait`, a pending compile puts the drop off, and it returns True: a drop is
+        due). Maps a drop did not free belong to something else (another engine's pool in this process): the
+        next drop waits until the process holds MAP_GROWTH of the limit more than just after this one (or than
+        the least seen since, when something else freed maps), instead of emptying the pool at every compile,
+        but never past MAP_CEILING of the limit."""
         maps = self._memory_maps()
-        if (maps is None or maps[0] < max(self._map_share * maps[1], self._maps_after_drop + MAP_GROWTH * maps[1])
-                or len(self._programs) + len(self._pending) < 2 or self._pending and not wait):
-            return
+        if maps is not None:
+            self._maps_after_drop = min(self._maps_after_drop, maps[0])
+        if (maps is None or maps[0] < max(self._map_share * maps[1],
+                                          min(self._maps_after_drop + MAP_GROWTH * maps[1], MAP_CEILING * maps[1]))
+                or len(self._programs) + len(self._pending) < 2):
+            return False
+        if self._pending and not wait:
+            return True
         t0 = time.perf_counter()
+        for key in [k for k, future in self._pending.items() if future.cancel()]:
+            del self._pending[key]  # queued, not started: asked for again after the drop, not waited for now
         for key in list(self._pending):
             try:
                 self._collect(key)
@@ -269,6 +280,7 @@ class ProgramPool:
                         "apart): dropped the %d least recently used programs, which recompile when reached "
                         "again; `sysctl -w vm.max_map_count=262144` keeps them", *maps, len(drop))
         self.dropped += len(drop)
+        return False
 
     def compile_seconds(self) -> float:
         """Seconds callers waited for compiles over the pool's life, recompiles of dropped programs
