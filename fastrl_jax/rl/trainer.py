@@ -230,7 +230,7 @@ class Trainer:
         spot trainer's bank; then the buffer update and the hand-off of a changed drafter to the engines.
         dropped: rollouts the policy does not train on (rl.filter_groups' equal-reward groups), which are the
         policy's own samples all the same: they join the buffer too."""
-        t0 = time.perf_counter()
+        t0, compiled = time.perf_counter(), self.spot.estimate_compile_s
         on, spot = self.cfg.drafter_online, self.spot
         changed = spot.steps_done != self._estimated_at
         out = {"drafter_accept": spot.acceptance(requests, completions, step) if changed else math.nan}
@@ -238,7 +238,7 @@ class Trainer:
             # The starting drafter: the current one until it has trained.
             out["drafter_accept_frozen"] = (spot.acceptance(requests, completions, step, frozen=True)
                                             if spot.steps_done else out["drafter_accept"])
-        spot.deposit(-(time.perf_counter() - t0))
+        spot.deposit(-(time.perf_counter() - t0 - (spot.estimate_compile_s - compiled)))  # its first compile: not an SD cost
         spot.add([*requests, *(r for r, _ in dropped)], [*completions, *(c for _, c in dropped)], step)
         if changed:
             self._estimated_at, self._drafter_accept = spot.steps_done, out["drafter_accept"]

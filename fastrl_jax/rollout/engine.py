@@ -734,17 +734,19 @@ class RolloutEngine:
         diff = _counters(table.slots)[:5] - before[:5]  # [5, B] per row
         tokens, row_steps, eagle, hist, idle = (int(x) for x in diff.sum(1))
         rec.stats.idle_row_steps += idle
+        # A call that was some program's first run (one-time loading) measures neither a strategy nor plain decoding:
+        # the bandit's arm stays untried or keeps its rewards, and the bank's savings skip it.
+        measured = self._first_runs == first_runs
         if strategy.is_plain:
             rec.decode_call(live, tokens, int(diff[0].max()), seconds, kv_len, batch)
-            self._plain_step_s[batch, kv_len] = seconds / max(int(diff[0].max()), 1)
+            if measured:
+                self._plain_step_s[batch, kv_len] = seconds / max(int(diff[0].max()), 1)
         else:
             rec.sd_call(strategy.label, live, tokens, row_steps, int(diff[1].max()), seconds, eagle, hist, kv_len, batch)
             plain_step = self._plain_step_s.get((batch, self._plain_kv_len(longest)))
-            if plain_step is not None:  # plain decoding emits a token per live row and step
+            if plain_step is not None and measured:  # plain decoding emits a token per live row and step
                 rec.stats.sd_saved_s += tokens / live * plain_step - seconds - prefill_s
-        # The drafter prefill a switch to EAGLE needed is part of the arm's cost; a call that was some program's
-        # first run is not the arm's (it stays untried, or keeps its rewards, and is measured at the next visit).
-        if pulled and self._first_runs == first_runs:
+        if pulled and measured:  # the drafter prefill a switch to EAGLE needed is part of the arm's cost
             self.chooser.record(strategy, live, tokens / (seconds + prefill_s) / live)
 
     def _plain_kv_len(self, longest: int) -> int:
