@@ -329,10 +329,10 @@ def _source_dtype(path: Path) -> str | None:
 
 def _head_rows(args: argparse.Namespace, cfg, source: Path, drafter):
     """The policy's LM head rows of the drafter's vocabulary ([K, H]), which an EAGLE-3 export writes (its
-    lm_head.weight): for the drafter of a train run's checkpoint (source: RUN/checkpoints/STEP/drafter), that checkpoint's policy's,
-    whose head RL moved away from the base model's and which the drafter scored with (the policy loads, on
-    _export_mesh as export-policy: the run's own mesh may need more devices than this machine has); else the base
-    model's, read alone."""
+    lm_head.weight): for the drafter of a train run's checkpoint (source: RUN/checkpoints/STEP/drafter), that
+    checkpoint's policy's, whose head RL moved away from the base model's and which the drafter scored with (the
+    policy loads, on _export_mesh as export-policy: the run's own mesh may need more devices than this machine
+    has); else the base model's, read alone."""
     import numpy as np
 
     from fastrl_jax.models.hub import resolve_model_path
@@ -691,17 +691,20 @@ def _add_bench_sd(sub) -> None:
     bs.add_argument("--strategies", nargs="+", default=["6/4/16", "5/4/8", "4/2/6"],
                     help="steps/topk/verify_tokens (EAGLE tree), hD (history chain) or S/K/V+hD (both)")
     bs.add_argument("--samples-per-prompt", type=_count, default=1,
-                    help="ask each prompt this many times in a row (other seeds), as an RL group: hD drafts from the earlier ones")
+                    help="ask each prompt this many times in a row (other seeds), as an RL group: hD drafts from the "
+                         "earlier ones")
     bs.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     bs.add_argument("--vocab", nargs="+", choices=["reduced", "full"],
                     help="the drafter's reduced draft vocabulary and/or the same weights over the full vocabulary "
                          "(default: both, or full for a drafter without a reduced one)")
-    bs.add_argument("--new-tokens", "--max-new-tokens", dest="new_tokens", type=_count, default=128, help="max new tokens per request (stop tokens end earlier)")
+    bs.add_argument("--new-tokens", "--max-new-tokens", dest="new_tokens", type=_count, default=128,
+                    help="max new tokens per request (stop tokens end earlier)")
     bs.add_argument("--prompt-sets", nargs="*", choices=["math", "chat"], default=["math", "chat"],
                     help="held-out prompt sets, each timed apart: the built-in math task, general chat")
     bs.add_argument("--prompt-file", nargs="*", default=[], metavar="JSONL",
                     help='more prompt sets, named by file stem: {"prompt": text} or {"prompt_ids": [...]} per line')
-    bs.add_argument("--prompts", type=_count, default=16, help="prompts per set; each batch size generates all of them, batch size at a time")
+    bs.add_argument("--prompts", type=_count, default=16,
+                    help="prompts per set; each batch size generates all of them, batch size at a time")
     bs.add_argument("--repeats", type=_count, default=1, help="timed runs per cell after the compiling one (best is kept)")
     bs.add_argument("--profile", action="store_true", help="also time each phase of one speculative step at batch 1")
     bs.add_argument("--out", "--output", dest="out", default="bench_sd.json")
@@ -718,7 +721,8 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--prompt", help="one prompt text")
     source.add_argument("--prompts", help='JSONL file: {"prompt": text} or {"prompt_ids": [...]} per line')
     gen.add_argument("--raw", action="store_true", help="encode prompt texts as is, without the chat template")
-    gen.add_argument("--output", "--out", dest="output", help="write JSONL results here (input order) instead of printing completions")
+    gen.add_argument("--output", "--out", dest="output",
+                     help="write JSONL results here (input order) instead of printing completions")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     gen.add_argument("--top-k", type=int, default=0, help="0 is off")

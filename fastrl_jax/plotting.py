@@ -16,3 +16,15 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save(fig, path, **savefig) -> None:
+    """Writes `fig` to `path` whole or not at all (files.replacing; the temporary name keeps the suffix, from which
+    savefig picks the format) and closes it."""
+    import matplotlib.pyplot as plt
+
+    from fastrl_jax import files
+
+    with files.replacing(path) as tmp:
+        fig.savefig(tmp, **{"dpi": 120} | savefig)
+    plt.close(fig)

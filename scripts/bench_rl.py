@@ -142,8 +142,7 @@ def summary(all_off: list[dict], all_on: list[dict]) -> dict:
 
 
 def plot(off: dict, adaptive: dict, path: str) -> bool:
-    from fastrl_jax import files
-    from fastrl_jax.plotting import pyplot
+    from fastrl_jax.plotting import pyplot, save
 
     if (plt := pyplot()) is None:
         return False
@@ -162,9 +161,7 @@ def plot(off: dict, adaptive: dict, path: str) -> bool:
     ax.set_ylabel("seconds")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    with files.replacing(path) as tmp:  # keeps the suffix: savefig picks the format from it
-        fig.savefig(tmp, dpi=120)
-    plt.close(fig)
+    save(fig, path)
     return True
 
 

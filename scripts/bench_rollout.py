@@ -392,7 +392,7 @@ def bench_stream(args) -> int:
 
 
 def plot_stream(run: dict, batch: int, path: str) -> bool:
-    from fastrl_jax.plotting import pyplot
+    from fastrl_jax.plotting import pyplot, save
 
     if (plt := pyplot()) is None:
         return False
@@ -412,13 +412,12 @@ def plot_stream(run: dict, batch: int, path: str) -> bool:
     fig.suptitle(f"stream: {run['tok_s']:.0f} tok/s = {run['stream_vs_full_batch']:.2f} of full batch; "
                  f"prefill {run['prefill_share']:.0%} of the time; mean live rows {run['mean_live_rows']:.1f}")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
     return True
 
 
 def plot_timelines(runs, threshold: int, title: str, path: str) -> bool:
-    from fastrl_jax.plotting import pyplot
+    from fastrl_jax.plotting import pyplot, save
 
     if (plt := pyplot()) is None:
         return False
@@ -450,7 +449,7 @@ def plot_timelines(runs, threshold: int, title: str, path: str) -> bool:
     ax_s.set_xlabel("seconds")
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save(fig, path)
     return True
 
 

@@ -88,7 +88,7 @@ def main(argv=None) -> int:
 
 
 def plot(rows: list[dict], first: float, first_step: int, baseline: bool, path: str) -> bool:
-    from fastrl_jax.plotting import pyplot
+    from fastrl_jax.plotting import pyplot, save
 
     if (plt := pyplot()) is None:
         return False
@@ -110,9 +110,7 @@ def plot(rows: list[dict], first: float, first_step: int, baseline: bool, path: 
         ax.set(xlabel="RL step", ylabel=ylabel, title=title)
         ax.grid(alpha=0.3)
         ax.legend()
-    with files.replacing(path) as tmp:  # keeps the suffix: savefig picks the format from it
-        fig.savefig(tmp, dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    save(fig, path, bbox_inches="tight")
     return True
 
 

@@ -30,8 +30,7 @@ def _last(values: list[float]) -> str:
 
 
 def plot(runs: list[dict], path: str) -> bool:
-    from fastrl_jax import files
-    from fastrl_jax.plotting import pyplot
+    from fastrl_jax.plotting import pyplot, save
 
     if (plt := pyplot()) is None:
         return False
@@ -48,9 +47,7 @@ def plot(runs: list[dict], path: str) -> bool:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    with files.replacing(path) as tmp:  # keeps the suffix: savefig picks the format from it
-        fig.savefig(tmp, dpi=120)
-    plt.close(fig)
+    save(fig, path)
     return True
 
 

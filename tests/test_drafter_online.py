@@ -209,9 +209,9 @@ def test_online_config_validation(override, message):
         load_config(None, [override])
 
 
-def test_one_replica_spends_on_drafter_steps_only_what_speculation_saved(tmp_path: Path):
-    """tail_budget 'saved': a tail step needs seconds in the bank (what speculation saved, less the
-    estimates), and the steps' seconds come out of it; 'share' trains whatever the bank holds."""
+def _one_replica_spot(tmp_path: Path):
+    """(config, policy parameters, spot trainer, 4 requests, their completions with hidden states) of the tiny model
+    on one replica, tail_budget 'saved'."""
     cfg = load_config(None, [*tiny_overrides(tmp_path), "mesh.fsdp=-1", "sd.mode=adaptive", "drafter_online.tail_budget=saved",
                              "drafter_online.min_buffer_tokens=8", "drafter_online.batch_rows=2",
                              "drafter_online.seq_len_tokens=32", "drafter_train.unroll_steps=1"])
@@ -222,7 +222,13 @@ def test_one_replica_spends_on_drafter_steps_only_what_speculation_saved(tmp_pat
     drafter = Drafter(model.cfg, nnx.Rngs(0))
     requests = [Request([1, 2, 3, 4 + i], 8, 1.0, seed=i) for i in range(4)]
     completions, _ = RolloutWorkers(cfg, graphdef, params, mesh, drafter, keep_hidden=True).generate(requests, 4)
-    spot = SpotTrainer(cfg, drafter, graphdef, params, mesh, seed=0)
+    return cfg, params, SpotTrainer(cfg, drafter, graphdef, params, mesh, seed=0), requests, completions
+
+
+def test_one_replica_spends_on_drafter_steps_only_what_speculation_saved(tmp_path: Path):
+    """tail_budget 'saved': a tail step needs seconds in the bank (what speculation saved, less the
+    estimates), and the steps' seconds come out of it; 'share' trains whatever the bank holds."""
+    cfg, params, spot, requests, completions = _one_replica_spot(tmp_path)
     spot.add(requests, completions, step=1)
 
     def phase():
@@ -369,18 +375,7 @@ def test_the_first_acceptance_estimate_compiles_apart_from_what_the_bank_pays(tm
     """The estimate's program compiled at its first call, inside the time track_drafter charged to the bank as a
     cost of speculation: 2.27 s against 6 ms (tiny model), enough to keep tail training off for many steps (found by
     review). Its compile is counted apart (estimate_compile_s), which the trainer leaves out of the charge."""
-    cfg = load_config(None, [*tiny_overrides(tmp_path), "mesh.fsdp=-1", "sd.mode=adaptive",
-                             "drafter_online.tail_budget=saved", "drafter_online.min_buffer_tokens=8",
-                             "drafter_online.batch_rows=2", "drafter_online.seq_len_tokens=32",
-                             "drafter_train.unroll_steps=1"])
-    mesh = make_mesh(cfg.mesh)
-    model, _ = load_model(cfg.model.path, mesh, cfg.model.dtype)
-    graphdef, state = nnx.split(model)
-    params = nnx.to_pure_dict(state)
-    drafter = Drafter(model.cfg, nnx.Rngs(0))
-    requests = [Request([1, 2, 3, 4 + i], 8, 1.0, seed=i) for i in range(4)]
-    completions, _ = RolloutWorkers(cfg, graphdef, params, mesh, drafter, keep_hidden=True).generate(requests, 4)
-    spot = SpotTrainer(cfg, drafter, graphdef, params, mesh, seed=0)
+    _, _, spot, requests, completions = _one_replica_spot(tmp_path)
     first = spot.acceptance(requests, completions, 1)
     compiled = spot.estimate_compile_s
     assert compiled > 0 and spot.acceptance(requests, completions, 1) == first

@@ -22,7 +22,7 @@ from flax import nnx
 from fastrl_jax.config import RolloutConfig, SpecConfig, StrategySpec
 from fastrl_jax.models.decoder import Decoder, KVCache, unstack_layers
 from fastrl_jax.models.drafter import Drafter
-from fastrl_jax.plotting import pyplot
+from fastrl_jax.plotting import pyplot, save
 from fastrl_jax.rollout import accept as accept_lib
 from fastrl_jax.rollout import speculative
 from fastrl_jax.rollout.engine import Request, RolloutEngine
@@ -205,8 +205,7 @@ def plot(rows: list[dict], path: str | Path) -> bool:
         ax.set_title(f"temperature {t:g}")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
     return True
 
 
