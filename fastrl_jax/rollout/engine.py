@@ -208,8 +208,7 @@ class RolloutEngine:
         self._place_on_devices()
         self.pool = ProgramPool(self._build, compiler_options, mesh=self.mesh)
         self._failed_compiles: set[tuple] = set()  # background compiles that failed: their arms decode plainly there
-        self._ran: set[tuple] = set()  # programs run at least once
-        self._first_runs = 0  # calls that were a program's first run
+        self._ran: set[tuple] = set()  # programs run at least once: a call that grows it was some program's first run
         self._plain_step_s: dict[tuple[int, int], float] = {}  # (batch, kv_len): the latest plain call's seconds per step
         self.stats = RolloutStats()  # the last rollout's
         self.timeline: list[Call] = []  # the last rollout's program calls
@@ -616,9 +615,7 @@ class RolloutEngine:
         out = jax.block_until_ready(program(*args))
         seconds = time.perf_counter() - t0
         rec.timed(key[0], seconds)
-        if key not in self._ran:  # a program's first run pays one-time costs (loading it; 43 against 0.5 ms, CPU)
-            self._ran.add(key)
-            self._first_runs += 1
+        self._ran.add(key)  # a program's first run pays one-time costs (loading it; 43 against 0.5 ms, CPU)
         return out, seconds
 
     def _admit(self, table: _Table, queue: deque[int], requests: Sequence[Request], rec: Recorder) -> None:
@@ -700,7 +697,7 @@ class RolloutEngine:
         longest = int(max(before[5, r] for r in range(batch) if table.row_req[r] >= 0))
         prefill_s = 0.0
         wide = None
-        first_runs = self._first_runs
+        ran = len(self._ran)
         background = pulled and not strategy.is_plain and self.sd.compile_in_background
         if background and not self._sd_programs_ready(table, strategy, longest):
             if any(k in self._failed_compiles for k in self._sd_keys(table, strategy, longest)):
@@ -736,7 +733,7 @@ class RolloutEngine:
         rec.stats.idle_row_steps += idle
         # A call that was some program's first run (one-time loading) measures neither a strategy nor plain decoding:
         # the bandit's arm stays untried or keeps its rewards, and the bank's savings skip it.
-        measured = self._first_runs == first_runs
+        measured = len(self._ran) == ran
         if strategy.is_plain:
             rec.decode_call(live, tokens, int(diff[0].max()), seconds, kv_len, batch)
             if measured:
