@@ -456,21 +456,20 @@ class SpotTrainer:
             args = (jax.device_put(params, place.drafter), jax.device_put(self.rest, place.replicated), self.pgraphdef,
                     self._policy_on(place), batch)
             with jax.set_mesh(place.mesh):
-                counts = self._estimate_program(place, args)(*args)
+                counts = self._estimate_program(*args)(*args)
             accepted, anchors = (int(c) for c in counts)
         if jax.process_count() > 1:
             accepted, anchors = (sum(c) for c in zip(*allgather_json([accepted, anchors])))
         return 1.0 + accepted / anchors if anchors else float("nan")
 
-    def _estimate_program(self, place: _Placement, args: tuple):
-        """The acceptance estimate's program, compiled at its first use (a run whose drafter never trains never
-        needs it), its seconds counted apart in estimate_compile_s: a one-time cost the bank is not charged."""
+    def _estimate_program(self, params, rest, pgraphdef, pstate, batch):
+        """The acceptance estimate's program for these arguments (under their mesh), compiled at its first use (a
+        run whose drafter never trains never needs it), its seconds counted apart in estimate_compile_s: a one-time
+        cost the bank is not charged."""
         if self._estimate is None:
             t0 = time.perf_counter()
-            with jax.set_mesh(place.mesh):
-                params, rest, pgraphdef, pstate, batch = args
-                self._estimate = self._accept.lower(self.dgraphdef, params, rest, self.cfg.eval_depth, pgraphdef, pstate,
-                                                    batch).compile()
+            self._estimate = self._accept.lower(self.dgraphdef, params, rest, self.cfg.eval_depth, pgraphdef, pstate,
+                                                batch).compile()
             self.estimate_compile_s += time.perf_counter() - t0
         return self._estimate
 
