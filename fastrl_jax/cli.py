@@ -562,15 +562,16 @@ def _bench_sd_flags(args: argparse.Namespace) -> list:
 def _bench_sd_prompts(args: argparse.Namespace, cfg, tokenizer, vocab_size: int) -> dict[str, list[list[int]]]:
     """The prompt sets bench-sd times: held-out math / chat, and each --prompt-file's first --prompts."""
     from fastrl_jax.data.prompts import held_out_sets, read_jsonl_prompts
+    from fastrl_jax.rollout.requests import id_problem
 
     prompt_sets = held_out_sets(cfg, tokenizer, args.prompts, args.prompt_sets)
     for path in args.prompt_file:
         prompts = read_jsonl_prompts(path, tokenizer)
         if len(prompts) > args.prompts:
             print(f"[bench-sd] {path}: timing its first {args.prompts} of {len(prompts)} prompts (--prompts)", file=sys.stderr)
-        if bad := [i for i, p in enumerate(prompts[: args.prompts]) if not all(0 <= t < vocab_size for t in p)]:
-            raise ConfigError(f"bench-sd --prompt-file {path}: prompt {bad[0]}'s token ids must be in [0, {vocab_size}), "
-                              "the policy's vocabulary")
+        for i, p in enumerate(prompts[: args.prompts]):
+            if problem := id_problem(p, (), vocab_size):
+                raise ConfigError(f"bench-sd --prompt-file {path}: prompt {i}: {problem}, the policy's vocabulary")
         prompt_sets[Path(path).stem] = prompts[: args.prompts]
     return prompt_sets
 

@@ -63,7 +63,7 @@ def request_problem(r: Request, cfg: RolloutConfig, margin: int = 0, vocab_size:
     if len(r.stop_ids) > cfg.max_stop_ids:
         return f"{len(r.stop_ids)} stop ids, more than rollout.max_stop_ids={cfg.max_stop_ids}"
     if vocab_size is not None:
-        return _id_problem(r.prompt_ids, r.stop_ids, vocab_size)
+        return id_problem(r.prompt_ids, r.stop_ids, vocab_size)
     return None
 
 
@@ -86,7 +86,8 @@ def _type_problem(r: Request) -> str | None:
     return None
 
 
-def _id_problem(prompt_ids: Sequence[int], stop_ids: Sequence[int], vocab: int) -> str | None:
+def id_problem(prompt_ids: Sequence[int], stop_ids: Sequence[int], vocab: int) -> str | None:
+    """Why token ids fall outside a vocabulary of `vocab` tokens (None when they do not)."""
     if any(not 0 <= t < vocab for t in prompt_ids):
         return f"prompt token ids must be in [0, {vocab})"
     bad = [t for t in stop_ids if not 0 <= t < vocab]
