@@ -44,7 +44,7 @@ from flax import nnx
 
 from fastrl_jax.models.config import ModelConfig
 from fastrl_jax.models.drafter import Drafter
-from fastrl_jax.models.export import EXPORT_DTYPES, export_into, readable_as_umask_allows
+from fastrl_jax.models.export import export_dtype, export_into, readable_as_umask_allows
 from fastrl_jax.models.loading import HFTensor, hf_layer_tensors
 
 _FILE = "model.safetensors"
@@ -154,9 +154,8 @@ def _in_dtype(tensors: dict[str, np.ndarray], dtype: str | None) -> tuple[dict[s
     """The weights cast to `dtype` (an EXPORT_DTYPES key; None: as they are) and that dtype's name."""
     if dtype is None:
         return tensors, str(next(iter(tensors.values())).dtype)
-    if dtype not in EXPORT_DTYPES:
-        raise ValueError(f"export dtype {dtype!r} is not supported; use one of {', '.join(EXPORT_DTYPES)}")
-    return {k: v.astype(EXPORT_DTYPES[dtype]) for k, v in tensors.items()}, dtype
+    np_dtype = export_dtype(dtype)
+    return {k: v.astype(np_dtype) for k, v in tensors.items()}, dtype
 
 
 def export_eagle(drafter: Drafter, policy_cfg: ModelConfig, out_dir: str | Path, dtype: str | None = None) -> Path:

@@ -217,16 +217,21 @@ def export_into(out: str | Path, writer: bool = True, flag: str = "--out") -> It
         partial.rename(out)
 
 
+def export_dtype(name: str):
+    """The numpy dtype an export named `name` writes (a key of EXPORT_DTYPES); ValueError for another name."""
+    if name not in EXPORT_DTYPES:
+        raise ValueError(f"export dtype {name!r} is not supported; use one of {', '.join(EXPORT_DTYPES)}")
+    return EXPORT_DTYPES[name]
+
+
 def export_hf(model: Decoder, tokenizer, out: str | Path, *, dtype: str, stop_ids: Sequence[int],
               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, base_config: dict | None = None,
               base_generation_config: dict | None = None, on_file: Callable[[str], None] = lambda name: None) -> Path:
     """Writes `model` (float32 or bfloat16 parameters, sharded or not) and `tokenizer` as an HF
     checkpoint directory `out` (new or empty) with weights in `dtype` (a key of EXPORT_DTYPES).
     base_config / base_generation_config: the source checkpoint's files, whose other keys are kept."""
-    if dtype not in EXPORT_DTYPES:
-        raise ValueError(f"export dtype {dtype!r} is not supported; use one of {', '.join(EXPORT_DTYPES)}")
+    np_dtype = export_dtype(dtype)
     writer = jax.process_index() == 0
-    np_dtype = EXPORT_DTYPES[dtype]
     with export_into(out, writer) as partial:
         write_weights(tensor_plan(model, np_dtype), partial, np_dtype, max_shard_bytes, on_file)
         if writer:
