@@ -201,8 +201,9 @@ def _tokenizer_spec(reader: gguf.GGUFReader, path: Path) -> dict[str, Any]:
             f"{path} holds no usable tokenizer (tokenizer.ggml.model {kind!r}): GGUF tokenizers are built from "
             f"a 'gpt2' (byte-level BPE) or 'llama' (sentencepiece BPE) vocabulary with its merges or scores"
         )
+    pre = meta("tokenizer.ggml.pre")
     if kind == "gpt2":
-        backend = _byte_level_bpe(tokens, merges, meta("tokenizer.ggml.pre"))
+        backend = _byte_level_bpe(tokens, merges, pre)
     else:
         backend = _sentencepiece_bpe(tokens, merges, scores)
 
@@ -231,7 +232,7 @@ def _tokenizer_spec(reader: gguf.GGUFReader, path: Path) -> dict[str, Any]:
         "chat_template": meta("tokenizer.chat_template"),
         # llama.cpp adds BOS to a sentencepiece or Llama 3 vocabulary unless told otherwise, and older files
         # carry no flag.
-        "add_bos_token": meta("tokenizer.ggml.add_bos_token", kind == "llama" or meta("tokenizer.ggml.pre") in _LLAMA3_NAMES),
+        "add_bos_token": meta("tokenizer.ggml.add_bos_token", kind == "llama" or pre in _LLAMA3_NAMES),
         "add_eos_token": meta("tokenizer.ggml.add_eos_token", False),
     }
     return {"backend": backend.to_str(), "settings": settings | special_tokens}
