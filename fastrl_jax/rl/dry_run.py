@@ -27,7 +27,7 @@ from fastrl_jax.models.drafter import Drafter, feature_layers
 from fastrl_jax.models.drafter_io import fresh_draft_vocab
 from fastrl_jax.models.known_configs import KNOWN, known_config
 from fastrl_jax.models.loading import read_model_config
-from fastrl_jax.rl.update import TRAIN_LENGTH_QUANTUM, master_rules
+from fastrl_jax.rl.update import TRAIN_LENGTH_QUANTUM, master_rules, train_width
 from fastrl_jax.rollout.engine import RolloutEngine
 from fastrl_jax.rollout.speculative import Strategy
 from fastrl_jax.sharding import AXES, mesh_sizes, shardings_for
@@ -128,12 +128,10 @@ def memory_plan(cfg: Config, devices: int | None = None, platform: str | None = 
     # Compaction (programs.resize) builds the next smaller table while the largest one still lives.
     smaller = max((b for b in cfg.rollout.batch_buckets if b < B), default=0)
     compaction = (kv + hidden + drafter_kv) * smaller // B
-    rows = max(cfg.rl.micro_batch_size // (sizes["data"] * sizes["fsdp"]), 1)
-    vocab = mcfg.vocab_size // (sizes["tensor"] if mcfg.vocab_size % sizes["tensor"] == 0 else 1)  # head split on tensor
+    vocab = _on_tensor(mcfg.vocab_size, sizes)  # the head splits over tensor
     # Only the completion slots go through the head (update.sequence_logprobs), at most rl.max_new_tokens
     # rounded up as Trainer.build_batch rounds them.
-    completion = math.ceil(cfg.rl.max_new_tokens / TRAIN_LENGTH_QUANTUM) * TRAIN_LENGTH_QUANTUM
-    logits = 3 * rows * completion * vocab * 4  # logits, log-softmax and their gradient, float32
+    logits = 3 * _train_rows(cfg, sizes) * train_width(cfg.rl.max_new_tokens) * vocab * 4  # logits, log-softmax, gradient
     plan = {
         "devices": math.prod(sizes.values()), **{f"mesh_{k}": v for k, v in sizes.items()},
         "param_count": sum(math.prod(v.shape) for v in jax.tree.leaves(state)),
@@ -172,17 +170,25 @@ def train_activations(cfg: Config, mcfg: ModelConfig, sizes: dict[str, int], pla
     layer keeps its input (rows x T x hidden) and the backward pass recomputes one layer:
     num_layers x input + layer + lin + scores.
     """
-    q = TRAIN_LENGTH_QUANTUM
-    T = math.ceil(cfg.rollout.prompt_buckets[-1] / q) * q + math.ceil(cfg.rl.max_new_tokens / q) * q
-    rows = max(cfg.rl.micro_batch_size // (sizes["data"] * sizes["fsdp"]), 1)
-    heads, kv_heads, mlp = (n // (sizes["tensor"] if n % sizes["tensor"] == 0 else 1)
-                            for n in (mcfg.num_heads, mcfg.num_kv_heads, mcfg.intermediate_size))
+    T = train_width(cfg.rollout.prompt_buckets[-1]) + train_width(cfg.rl.max_new_tokens)
+    rows = _train_rows(cfg, sizes)
+    heads, kv_heads, mlp = (_on_tensor(n, sizes) for n in (mcfg.num_heads, mcfg.num_kv_heads, mcfg.intermediate_size))
     itemsize = np.dtype(DTYPES[cfg.model.dtype]).itemsize
     lin = rows * T * (7 * mcfg.hidden_size + (2 * heads + 4 * kv_heads) * mcfg.head_dim + 6 * mlp) * itemsize
     scores = 2 * rows * heads * T * T * 4
     layer = lin + (scores if attention_backend(cfg, platform) == "reference" else 0)
     kept = mcfg.num_layers * (rows * T * mcfg.hidden_size * itemsize if cfg.rl.remat else layer)
     return kept + (layer if cfg.rl.remat else 0) + lin + scores
+
+
+def _train_rows(cfg: Config, sizes: dict[str, int]) -> int:
+    """A device's rows of a training micro-batch: split over data x fsdp."""
+    return max(cfg.rl.micro_batch_size // (sizes["data"] * sizes["fsdp"]), 1)
+
+
+def _on_tensor(n: int, sizes: dict[str, int]) -> int:
+    """A device's share of `n` heads / columns where they split over tensor (whole where they do not divide)."""
+    return n // (sizes["tensor"] if n % sizes["tensor"] == 0 else 1)
 
 
 def attention_backend(cfg: Config, platform: str) -> str:

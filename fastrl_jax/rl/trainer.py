@@ -70,10 +70,6 @@ class NonFiniteLoss(TrainingStopped):
     """The loss became NaN/inf; the update was not applied and the last good checkpoint kept."""
 
 
-def _round_up(n: int, quantum: int) -> int:
-    return -(-n // quantum) * quantum
-
-
 def token_digest(sequences) -> str:
     """A short hash of token id sequences: equal rollouts, equal digests (benchmarks compare runs by it)."""
     h = hashlib.blake2b(digest_size=8)
@@ -257,8 +253,8 @@ class Trainer:
         Returns (tokens [N, P + C], pad [N], mask [N, C], advantages [N], rollout log-probs [N, C]).
         """
         n = len(requests)
-        P = _round_up(max(len(r.prompt_ids) for r in requests), update.TRAIN_LENGTH_QUANTUM)
-        C = _round_up(max(len(c.tokens) for c in completions), update.TRAIN_LENGTH_QUANTUM)
+        P = update.train_width(max(len(r.prompt_ids) for r in requests))
+        C = update.train_width(max(len(c.tokens) for c in completions))
         tokens = np.zeros((n, P + C), np.int32)
         pad = np.zeros(n, np.int32)
         mask = np.zeros((n, C), np.float32)

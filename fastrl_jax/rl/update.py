@@ -27,6 +27,12 @@ from fastrl_jax.sharding import DEFAULT_RULES, Rules, named_sharding
 
 TRAIN_LENGTH_QUANTUM = 32  # prompt and completion widths of a training batch are multiples of this
 
+
+def train_width(tokens: int) -> int:
+    """`tokens` rounded up to TRAIN_LENGTH_QUANTUM: the prompt or completion width of a training batch that holds
+    them (few widths, so few compiled update steps)."""
+    return -(-tokens // TRAIN_LENGTH_QUANTUM) * TRAIN_LENGTH_QUANTUM
+
 Params = dict[str, Any]
 
 
