@@ -94,13 +94,14 @@ def test_mixed_precision_grpo(tmp_path):
 
 def test_mixed_precision_grpo_with_adaptive_sd_and_online_drafter(tmp_path):
     """Two steps with bfloat16 engines, adaptive SD and online drafter training in the tail: the drafter
-    trains (float32) and its bfloat16 copy reaches the engine."""
+    trains (float32) and its bfloat16 copy reaches the engine. No plain arm: on a loaded machine the bandit
+    chose plain decoding for the whole second rollout."""
     trainer = _trainer(
         tmp_path, "mesh.fsdp=-1", "model.rollout_dtype=bfloat16", "rollout.steps_per_call=2", "sd.mode=adaptive",
-        "sd.threshold_live_batch=16", "sd.patience_host_steps=1", "sd.steps=2", "sd.topk=2", "sd.verify_tokens=4",
-        "drafter_online.min_buffer_tokens=16", "drafter_online.batch_rows=8", "drafter_online.seq_len_tokens=32",
-        "drafter_online.eval_rows=8", "drafter_online.tail_live_batch=16", "drafter_online.tail_time_share=0.9",
-        "drafter_train.unroll_steps=1", steps=2)
+        "sd.plain_arm=false", "sd.threshold_live_batch=16", "sd.patience_host_steps=1", "sd.steps=2", "sd.topk=2",
+        "sd.verify_tokens=4", "drafter_online.min_buffer_tokens=16", "drafter_online.batch_rows=8",
+        "drafter_online.seq_len_tokens=32", "drafter_online.eval_rows=8", "drafter_online.tail_live_batch=16",
+        "drafter_online.tail_time_share=0.9", "drafter_train.unroll_steps=1", steps=2)
     history = trainer.run()
     assert all(np.isfinite(h["loss"]) for h in history)
     assert history[-1]["sd_share"] > 0 and sum(h["drafter_steps"] for h in history) > 0
