@@ -133,6 +133,9 @@ def main(argv=None) -> None:
     parser.add_argument("--ops", type=int, default=0, help="print the N costliest source operations of each run")
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args(argv)
+    if min(args.slots) < args.kv_len or min(args.batch + args.slots + [args.kv_len, args.steps]) < 1:
+        parser.error(f"--slots {min(args.slots)} below --kv-len {args.kv_len} (attention reads that many slots), "
+                     f"or a size below 1")
     if args.out:
         try:  # before the runs: a path that cannot be written would lose them all
             check_output_file(args.out, "--out")

@@ -322,7 +322,7 @@ def test_profile_decode_json_holds_the_machine_facts(tmp_path, monkeypatch):
     monkeypatch.setattr(profile_decode, "run", lambda cfg, layout, b, s, kv_len, steps, ops: {
         "layout": layout, "batch": b, "slots": s, "kv_len": kv_len, "step_ms": 1.0, "compile_s": 0.0})
     out = tmp_path / "profile.json"
-    profile_decode.main(["--batch", "1", "--slots", "16", "--layouts", "stacked", "--out", str(out)])
+    profile_decode.main(["--batch", "1", "--slots", "16", "--kv-len", "16", "--layouts", "stacked", "--out", str(out)])
     result = json.loads(out.read_text())
     assert len(result["rows"]) == 1 and result["machine"]["copy_gbs"] > 0 and result["machine"]["cores_usable"] >= 1
 
@@ -378,13 +378,23 @@ def test_profile_decode_checks_its_output_first_and_writes_strict_json(tmp_path,
     monkeypatch.setattr(profile_decode, "run", lambda cfg, layout, b, s, kv_len, steps, ops: ran.append(b) or {
         "layout": layout, "batch": b, "slots": s, "kv_len": kv_len, "step_ms": float("nan"), "compile_s": 0.0})
     monkeypatch.setattr(profile_decode, "machine_facts", lambda: {"cpu": "fake"})
-    argv = ["--batch", "1", "--slots", "16", "--layouts", "stacked"]
+    argv = ["--batch", "1", "--slots", "16", "--kv-len", "16", "--layouts", "stacked"]
     with pytest.raises(SystemExit):
         profile_decode.main([*argv, "--out", str(tmp_path / "missing" / "profile.json")])
     assert "does not exist" in capsys.readouterr().err and ran == []
     out = tmp_path / "profile.json"
     profile_decode.main([*argv, "--out", str(out)])
     assert json.loads(out.read_text(), parse_constant=_refuse)["rows"][0]["step_ms"] is None  # NaN: null
+
+
+@pytest.mark.parametrize("argv", [["--slots", "64"], ["--batch", "0"], ["--steps", "0", "--kv-len", "8", "--slots", "8"]])
+def test_profile_decode_refuses_sizes_it_cannot_run(monkeypatch, capsys, argv):
+    """A cache of fewer slots than attention reads (the default --kv-len is 192) ended in a traceback."""
+    profile_decode = load_script("profile_decode")
+    monkeypatch.setattr(profile_decode, "run", _no_policy)
+    with pytest.raises(SystemExit):
+        profile_decode.main(argv)
+    assert "below" in capsys.readouterr().err
 
 
 def _refuse(constant):
