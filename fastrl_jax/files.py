@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import math
 import os
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,15 +15,39 @@ from pathlib import Path
 @contextlib.contextmanager
 def replacing(path: str | Path) -> Iterator[Path]:
     """A temporary path beside `path` for the block to write; renamed onto `path` when the block ends, removed
-    when it raises. A reader never sees half a file, and a kill mid-write leaves the previous file whole (and at
-    most a hidden `.NAME.PID.tmp.SUFFIX` behind; the suffix is kept for writers that add their own, as np.savez)."""
+    when it raises. A reader never sees half a file, and a kill mid-write leaves the previous file whole and a
+    hidden `.NAME.HOST.PID.tmp.SUFFIX` behind (the suffix kept for writers that add their own, as np.savez),
+    which the next write of `path` on this host removes once that process is gone (a killed dequantization of
+    a GGUF left 0.5 GB in the cache for good)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp{path.suffix}")
+    host = socket.gethostname().replace("/", "_")
+    _remove_orphans(path, host)
+    tmp = path.with_name(f".{path.name}.{host}.{os.getpid()}.tmp{path.suffix}")
     try:
         yield tmp
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _remove_orphans(path: Path, host: str) -> None:
+    """Removes the temporaries of `path` that processes of this host no longer running left behind (another
+    host's, on a shared file system, may be under way)."""
+    prefix = f".{path.name}.{host}."
+    for tmp in path.parent.glob(f"{glob.escape(prefix)}*.tmp{glob.escape(path.suffix)}"):
+        pid = tmp.name[len(prefix):].split(".", 1)[0]
+        if pid.isdigit() and not _running(int(pid)):
+            tmp.unlink(missing_ok=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def write_text(path: str | Path, text: str) -> None:

@@ -2,6 +2,8 @@
 
 import errno
 import os
+import socket
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -204,6 +206,22 @@ def test_a_failed_write_leaves_the_previous_file_whole_and_nothing_beside_it(tmp
             1 / 0
     assert [p.name for p in tmp_path.iterdir()] == ["3.npz"]
     np.testing.assert_array_equal(read_arrays(tmp_path / "3.npz")["a"], np.arange(3))
+
+
+def test_a_write_removes_what_killed_writes_of_the_same_file_on_this_host_left(tmp_path):
+    """A killed dequantization of a GGUF left its 0.5 GB temporary in the cache for good."""
+    host = socket.gethostname()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    orphan, other_host, live, other_file = (tmp_path / n for n in (
+        f".m.f32.safetensors.{host}.{gone}.tmp.safetensors", f".m.f32.safetensors.elsewhere.{gone}.tmp.safetensors",
+        f".m.f32.safetensors.{host}.{os.getppid()}.tmp.safetensors", f".n.f32.safetensors.{host}.{gone}.tmp.safetensors"))
+    for f in (orphan, other_host, live, other_file):
+        f.write_bytes(b"killed mid-write")
+    with replacing(tmp_path / "m.f32.safetensors") as tmp:
+        tmp.write_bytes(b"whole")
+    kept = [other_host, live, other_file]  # another host's may be under way, as may a running process's
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f.name for f in kept] + ["m.f32.safetensors"])
 
 
 def test_step_files_of_dropped_steps_and_a_killed_writes_leftovers_are_removed(tmp_path):
