@@ -28,6 +28,20 @@ def copy_bandwidth_gbs(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
     return 2 * nbytes / best / 1e9
 
 
+def device_copy_gbs(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
+    """Copy bandwidth of the default device in GB/s (read + write; HBM on a GPU): a decode step's floor is the
+    bytes it reads / this."""
+    x = jnp.ones(nbytes // 4, jnp.float32)
+    add_one = jax.jit(lambda x: x + 1)  # reads and writes every byte once
+    jax.block_until_ready(add_one(x))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(add_one(x))
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best / 1e9
+
+
 def matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
     """Measured float32 matmul rate of the default device (2 n^3 flops per product), in GFLOP/s."""
     a = jnp.ones((n, n), jnp.float32)
@@ -53,9 +67,9 @@ def cpu_model() -> str:
 
 
 def machine_facts() -> dict:
-    """The facts, measured now (the copy bandwidth and matmul rate take a few seconds). CPU ratios (an SD
-    step vs a plain step) differed up to 2.6x between machines, the copy bandwidth and the matmul rate
-    the usual cause."""
+    """The facts, measured now (the copy bandwidth and matmul rate take a few seconds; on an accelerator its own
+    memory's copy bandwidth too). CPU ratios (an SD step vs a plain step) differed up to 2.6x between machines,
+    the copy bandwidth and the matmul rate the usual cause."""
     pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
     versions = {}
     for name in ("jax", "jaxlib", "flax", "optax", "transformers", "torch"):
@@ -76,7 +90,7 @@ def machine_facts() -> dict:
         "device": jax.devices()[0].device_kind,
         "devices": jax.device_count(),
         "versions": versions,
-    }
+    } | ({} if jax.default_backend() == "cpu" else {"device_copy_gbs": round(device_copy_gbs(), 1)})
 
 
 def format_machine(facts: dict) -> str:

@@ -647,7 +647,7 @@ def bench_throughput(args) -> int:
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
     facts = machine_facts()
     print(f"machine: {format_machine(facts)}", file=sys.stderr)
-    bandwidth = facts["copy_gbs"]
+    bandwidth = facts.get("device_copy_gbs", facts["copy_gbs"])  # a GPU's HBM, not its host's memory
     floor = bandwidth * 1e9 / weight_bytes
 
     print(f"{cfg.model.path} {dtype} ({weight_bytes / 1e6:.0f} MB), {args.new_tokens} new tokens, greedy", file=sys.stderr)

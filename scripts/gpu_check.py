@@ -492,22 +492,6 @@ def _first_difference(forward, prompt: list[int], plain: list[int], sd: list[int
             "plain_is_best": int(jnp.argmax(scores)) == plain[t]}
 
 
-def device_copy_gbs(nbytes: int, repeats: int = 5) -> float:
-    """Copy bandwidth of the default device in GB/s (read + write): a decode step's floor is weight bytes / this."""
-    import jax
-    import jax.numpy as jnp
-
-    x = jnp.ones(nbytes // 4, jnp.float32)
-    add_one = jax.jit(lambda x: x + 1)  # reads and writes every byte once
-    jax.block_until_ready(add_one(x))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(add_one(x))
-        best = min(best, time.perf_counter() - t0)
-    return 2 * nbytes / best / 1e9
-
-
 def decode_read_bytes(model) -> int:
     """Weight bytes one decode step reads: all of them but an untied input embedding, of which a step reads a
     row per token (the tied one is the output head too, read whole)."""
@@ -546,6 +530,8 @@ def plain_decode(ctx: Ctx) -> dict:
     """Engine and HF tok/s per batch (random 32-token prompts, no stop, greedy) against the HBM floor (the bytes
     a step reads / the copy bandwidth). A shape that fails is recorded in its row and the next one runs."""
     import gc
+
+    from fastrl_jax.machine import device_copy_gbs
 
     br, sizes, dtype = _bench_rollout(), ctx.sizes, ctx.dtype
     bandwidth = device_copy_gbs(sizes.copy_bytes)

@@ -327,6 +327,16 @@ def test_profile_decode_json_holds_the_machine_facts(tmp_path, monkeypatch):
     assert len(result["rows"]) == 1 and result["machine"]["copy_gbs"] > 0 and result["machine"]["cores_usable"] >= 1
 
 
+def test_an_accelerators_facts_hold_its_own_memorys_bandwidth(monkeypatch):
+    """The batch-1 floor of a GPU run was weight bytes / the host's copy bandwidth, not the HBM's."""
+    from fastrl_jax import machine
+
+    assert "device_copy_gbs" not in machine.machine_facts() and machine.device_copy_gbs(2**20, 2) > 0
+    monkeypatch.setattr(machine.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(machine, "device_copy_gbs", lambda: 3350.04)
+    assert machine.machine_facts()["device_copy_gbs"] == 3350.0
+
+
 def test_stream_metrics_of_a_stream_without_decode_calls():
     """Requests of one new token each (--max-new-tokens 1) all finish at their prefill: no decode call ran, so
     the rates and live rows of decode calls are unmeasured (NaN), not a ZeroDivisionError after the stream ran."""
