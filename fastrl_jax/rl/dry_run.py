@@ -252,7 +252,7 @@ def plan(cfg: Config, devices: int | None = None, platform: str | None = None) -
         f"{m['mesh_data']} rollout replica(s) of {m['devices'] // m['mesh_data']} device(s)",
         "memory per device (GiB):",
     ]
-    rows_note = f"{max(cfg.rl.micro_batch_size // (m['mesh_data'] * m['mesh_fsdp']), 1)} rows per device"
+    rows_note = f"{_train_rows(cfg, {'data': m['mesh_data'], 'fsdp': m['mesh_fsdp']})} rows per device"
     notes = {
         "params": f"policy ({cfg.model.dtype} master weights), sharded fsdp x tensor"
                   + (" x data" if cfg.model.engine_dtype != cfg.model.dtype else ""),
