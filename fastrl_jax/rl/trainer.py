@@ -124,7 +124,7 @@ class Trainer:
         # Only the online drafter trainer reads the rollouts' hidden states: without it they stay on the device.
         self.workers = RolloutWorkers(cfg, self.graphdef, self.params, self.mesh, self.drafter, self.history,
                                       drafter_accept=drafter_accept_prior(rl.drafter_path), keep_hidden=online,
-                                      shared_prefix=self._shared_prefix(train_src))
+                                      shared_prefix=self._shared_prefix(train_src) if cfg.rollout.warm_up else 0)
         # Drafter steps done at its latest acceptance estimate; a random drafter's prior (~1 token per step)
         # stands for one at 0 steps, a checkpoint has none.
         self._estimated_at = None if rl.drafter_path else 0
