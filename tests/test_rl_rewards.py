@@ -77,6 +77,52 @@ def test_gsm8k_ground_truth_is_the_number_after_its_last_marker():
     assert rewards.correctness_reward("\\boxed{1,200}", "#### 1200") == 1.0
 
 
+@pytest.mark.parametrize("completion", [  # verl's gsm8k prompts ask for the answer after "####"; models write on
+    "She sells 16 - 3 - 4 = 9 eggs, 9 * 2 = 18 dollars.\n#### 18\nQuestion: Tom has 3 apples",
+    "16 - 3 - 4 = 9 eggs, 9 * 2 = 18.\n#### 18\n\nNote: step 2 used 3 eggs.",
+])
+def test_the_number_after_a_completions_gsm8k_marker_is_its_answer(completion):
+    """verl's gsm8k scorer reads the number after the last '####'; the last number scored these 0."""
+    assert rewards.correctness_reward(completion, "18") == 1.0 and rewards.format_reward(completion, "18") == 1.0
+
+
+@pytest.mark.parametrize("completion", ["9" * 4400 + " 1/2", "The answer is " + "9" * 4400 + " 1/2",
+                                        "\\boxed{" + "9" * 4400 + "\\frac{1}{2}}"])
+def test_a_looping_completions_digit_run_scores_instead_of_ending_the_run(completion):
+    """int() refuses over 4300 digits (ValueError): one looping completion ended the training run."""
+    assert rewards.correctness_reward(completion, "5") == 0.0
+
+
+@pytest.mark.parametrize("completion, truth", [
+    ("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{\\sqrt3}{2}"),  # verl strip_string's fix_sqrt
+    ("\\boxed{\\sqrt{2}}", "\\sqrt2"),
+    ("\\boxed{\\frac{a}{b}}", "\\frac ab"),  # its fix_fracs
+    ("\\boxed{y = 2x+1}", "2x+1"),  # a short left side
+    ("\\boxed{x = \\frac{\\pi}{2}}", "\\frac{\\pi}{2}"),
+    ("\\boxed{2\\sqrt{3}\\text{ cm}}", "2\\sqrt{3}"),  # its remove_right_units
+    ("\\boxed{5\\text{ cm}^2}", "5"),
+    ("The answer is \\frac{\\sqrt{3}}{2}.", "\\frac{\\sqrt{3}}{2}"),  # nested braces in a stated answer (was '\\frac')
+    ("The answer is $\\frac{1}{\\sqrt{2}}$.", "\\frac{1}{\\sqrt{2}}"),  # (was '\\frac{1}')
+])
+def test_symbolic_answers_equal_as_verls_strip_string_has_them(completion, truth):
+    assert rewards.correctness_reward(completion, truth) == 1.0
+
+
+def test_an_unboxed_fraction_is_not_its_denominator():
+    assert rewards.correctness_reward("So the probability is $\\frac{3}{4}$", "4") == 0.0
+    assert rewards.correctness_reward("So the probability is $\\frac{3}{4}$", "0.75") == 1.0
+
+
+def test_a_reward_of_another_signature_is_refused_at_the_start(tmp_path, monkeypatch):
+    """verl's compute_score(data_source, solution_str, ground_truth, extra_info) passed the start-up checks and
+    raised a TypeError at the first reward, after loading, compiling and a whole rollout."""
+    (tmp_path / "verl_style.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match="must be fn\\(completion, answer\\).*compute_score"):
+        rewards.combined(("verl_style:compute_score",), (1.0,))
+
+
 def test_format_reward():
     assert rewards.format_reward("The answer is 3", "3") == 1.0
     assert rewards.format_reward("\\boxed{3}", "4") == 1.0

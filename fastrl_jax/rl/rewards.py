@@ -8,6 +8,7 @@ weights, and the trainer sums them.
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
 from collections.abc import Callable
 from fractions import Fraction
@@ -24,11 +25,12 @@ _NUMBER = r"(?<!\d)-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:/\d+)?|(?<!\d)
 # (1 000); a number with the LaTeX that follows it (2\sqrt{3}, not the 2 alone); LaTeX (\frac{3}{4}; \sqrt{2},
 # which no number equals, rather than the 2 inside it); a choice, (B) or a capital letter, or yes / no / true /
 # false, the last two kinds only where the sentence ends ("the answer is no longer 5" states no answer).
-_LATEX = r"-?\\[a-zA-Z]+(?:\{[^{}]*\}|\d)*"
+_BRACED = r"\{(?:[^{}]|\{[^{}]*\})*\}"  # one level of nesting: \frac{\sqrt{3}}{2}
+_LATEX = r"-?\\[a-zA-Z]+(?:" + _BRACED + r"|\d)*"
 _ENDS = r"(?=\*\*|\$|\\[)\]]|[.,;!]?(?:\s*$|\s*\n)|[.,;!]\s)"
 _STATED = "|".join([
     r"-?\d+\s+\d+/\d+(?![\d/])", r"-?\d{1,3}(?: \d{3})+(?:\.\d+)?(?!\d)",
-    "(?:" + _NUMBER + r")(?:\\[a-zA-Z]+(?:\{[^{}]*\}|\d)*)*", _LATEX,
+    "(?:" + _NUMBER + r")(?:\\[a-zA-Z]+(?:" + _BRACED + r"|\d)*)*", _LATEX,
     r"\([A-Ea-e]\)", r"(?-i:[A-E])" + _ENDS, r"(?:yes|no|true|false)" + _ENDS,
 ])
 # The colon's blanks are their own group: "\s*:?" before a group that also takes blanks split a run of n blanks
@@ -37,7 +39,8 @@ _ANSWER_IS = re.compile(r"answer is(?:\s*:)?(?:[\s*_$]|\\[(\[$])*(" + _STATED + 
 _WRAPPER = r"\\(?:text|textbf|mathrm|mathbf)\{([^{}]*)\}"  # \text{7} is 7, \textbf{yes} is yes
 # A unit after the number (12\text{ cm}, 30^\circ, 30^{\circ}, 30°), dropped; only at the end: 2\text{ and }5 is not 25.
 _UNIT = re.compile(r"(?:" + _WRAPPER + r"|\^(?:\\circ|\{\\circ\})|\u00b0)$")
-_LAST_NUMBER = re.compile(_NUMBER)
+_LAST_NUMBER = re.compile(r"-?\\[dt]?frac\{-?\d+\}\{\d+\}|" + _NUMBER)  # \frac{3}{4}: not its 4
+_GSM8K = re.compile(r"####\s*\\?\$?(" + _NUMBER + ")")  # verl gsm8k strict: the number after the last "####"
 
 
 def register(name: str) -> Callable[[RewardFn], RewardFn]:
@@ -87,12 +90,16 @@ def last_boxed(text: str) -> str | None:
 
 
 def extract_answer(text: str) -> str | None:
-    """The final answer of a completion: the last \\boxed{}, else the last "The answer is X",
-    else the last number in the text; None when there is none. A Unicode minus (U+2212) is a minus."""
+    """The final answer of a completion: the last \\boxed{}, else the number after the last "####" (verl's gsm8k
+    format), else the last "The answer is X", else the last number in the text (verl gsm8k's flexible mode; its math
+    and strict modes give such a completion 0); None when there is none. A Unicode minus (U+2212) is a minus."""
     text = text.replace("\u2212", "-")
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed
+    marked = _GSM8K.findall(text)
+    if marked:
+        return marked[-1]
     stated = _ANSWER_IS.findall(text)
     if stated:
         return stated[-1]
@@ -111,7 +118,9 @@ def normalize_number(text: str | None) -> Fraction | None:
     if mixed:  # 1 1/2, 3\frac{1}{2}: a whole part and a fraction (not 11/2, nor the 3 alone)
         sign, whole, fraction = mixed.group(1), mixed.group(2), mixed.group(3) or mixed.group(4)
         part = normalize_number(fraction)
-        return None if part is None or part < 0 else (-1 if sign else 1) * (int(whole) + part)
+        if part is None or part < 0 or len(whole) > 4000:  # a looping completion's digits: int() refuses > 4300
+            return None
+        return (-1 if sign else 1) * (int(whole) + part)
     if re.search(r"\d(?:\s+\d+/\d|\s*\\[dt]?frac)", s):  # a mixed number among other text
         return None
     s = re.sub(r"\\([$%])", r"\1", s).replace("$", "")  # \$12.50, 50\%
@@ -149,11 +158,16 @@ def answers_match(predicted: str | None, truth: str) -> bool:
 
 def _canonical(text: str) -> str:
     """`text` without a \\text{} (\\textbf, \\mathrm, \\mathbf) around all of it, blanks (but between digits), LaTeX spacing and
-    \\left / \\right, with \\dfrac and \\tfrac as \\frac; a choice, (b) or B, as its capital letter."""
+    \\left / \\right, with \\dfrac and \\tfrac as \\frac; a choice, (b) or B, as its capital letter; and as verl's
+    strip_string: units in a trailing \\text{ ...}, a short left side ("y = "), \\sqrt3 as \\sqrt{3}, \\frac12 as \\frac{1}{2}."""
     whole = re.fullmatch(_WRAPPER, text.strip())
     s = re.sub(r"\\(?:left|right)(?![a-zA-Z])|\\[!,;: ]", "", whole.group(1) if whole else text)
+    s = re.sub(r"\\text\{\s[^{}]*\}(?:\^\{?\d\}?)?\s*$", "", s)  # right units (verl): 2\sqrt{3}\text{ cm}
     s = re.sub(r"(?<!\d)\s+|\s+(?!\d)", "", s)  # but between digits: "3 4" is two numbers, not 34
     s = re.sub(r"\\[dt]frac(?![a-zA-Z])", r"\\frac", s)
+    s = re.sub(r"^[a-zA-Z]\w?=(?!.*=)", "", s)  # "y = 2x+1": a short left side (verl's "k = ")
+    s = re.sub(r"\\sqrt(\w)", r"\\sqrt{\1}", s)  # \sqrt3 -> \sqrt{3} (verl fix_sqrt)
+    s = re.sub(r"\\frac(\w)(\w)", r"\\frac{\1}{\2}", s)  # \frac ab, \frac12 -> \frac{a}{b} (verl fix_fracs)
     choice = re.fullmatch(r"\(?([A-Ea-e])\)?", s)
     return choice.group(1).upper() if choice else s
 
@@ -167,7 +181,7 @@ def correctness_reward(completion: str, answer: str) -> float:
 @register("format")
 def format_reward(completion: str, answer: str) -> float:
     """1.0 when the completion states its answer explicitly (\\boxed{} or "The answer is")."""
-    return float(last_boxed(completion) is not None or bool(_ANSWER_IS.search(completion)))
+    return float(last_boxed(completion) is not None or bool(_ANSWER_IS.search(completion) or _GSM8K.search(completion)))
 
 
 def overlong_penalty(length: int, max_new_tokens: int, buffer: int, factor: float) -> float:
@@ -181,4 +195,12 @@ def combined(names: tuple[str, ...], weights: tuple[float, ...]) -> Callable[[st
     if len(names) != len(weights):
         raise ValueError(f"reward.functions has {len(names)} names but reward.weights has {len(weights)} weights")
     fns = [get(n) for n in names]
+    for n, f in zip(names, fns):
+        try:
+            inspect.signature(f).bind("", "")
+        except TypeError as e:
+            raise ValueError(f"reward {n!r} must be fn(completion, answer) -> float ({e}); wrap a verl "
+                             "compute_score(data_source, solution_str, ground_truth, extra_info) in one") from None
+        except ValueError:  # no signature to read (a builtin)
+            pass
     return lambda completion, answer: sum(w * f(completion, answer) for w, f in zip(weights, fns))
