@@ -127,7 +127,7 @@ def test_train_refuses_what_it_can_before_loading_and_leaves_no_run(tmp_path):
     for extra, message in [(["rl.max_new_tokens=100"], "max_new_tokens (100) leaves no room for a prompt"),
                            (["reward.functions=[corect]"], "corect"),
                            ([f"data.source={tmp_path / 'none.jsonl'}"], "data.source: no file"),
-                           ([f"data.source={tmp_path / 'no_answer.jsonl'}"], "record 2 has no 'answer' field"),
+                           ([f"data.source={tmp_path / 'no_answer.jsonl'}"], "record 2 has no 'answer' (absent or null"),
                            ([], "must be divisible by mesh data x fsdp = 3")]:
         for flags in ([], ["--dry-run", "--devices", "3"]):
             if flags and any(e.startswith("data.source") for e in extra):

@@ -121,7 +121,7 @@ def test_bad_files_fail_clearly(tmp_path):
         read_records(tmp_path / "missing.jsonl")
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "x"}) + "\n")
-    with pytest.raises(ValueError, match="record 1 has no 'answer' field"):
+    with pytest.raises(ValueError, match=r"record 1 has no 'answer' \(absent or null"):
         read_records(bad)
     bad.write_text(json.dumps({"text": "x", "answer": "1"}) + "\n")
     with pytest.raises(ValueError, match="needs a 'prompt' string or a 'messages' list"):

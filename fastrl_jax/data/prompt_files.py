@@ -100,7 +100,7 @@ def read_records(path: str | Path, prompt_field: str = "prompt", messages_field:
             raise ValueError(f"{where} is not an object: {str(row)[:80]}")
         answer = _field(row, answer_field)
         if answer is None:
-            raise ValueError(f"{where} has no '{answer_field}' field (set data.answer_field); keys: {sorted(row)}")
+            raise ValueError(f"{where} has no '{answer_field}' (absent or null; set data.answer_field); keys: {sorted(row)}")
         if isinstance(answer, (dict, list)):  # its str() would match no completion: every reward 0, silently
             raise ValueError(f"{where}: '{answer_field}' holds {str(answer)[:80]}, not an answer; name the field inside "
                              f"it, e.g. data.answer_field=reward_model.ground_truth for verl's files")
