@@ -38,7 +38,9 @@ class BlockConfig:
 
 # Starting points, not tuned on hardware yet (no accelerator here). GPU: rows and key blocks
 # >= 16 because Triton's tl.dot needs M, N, K >= 16; block_t 32 keeps G float32 accumulators
-# [32, D] in registers for G up to ~8. TPU: key blocks lane-aligned (128), rows a multiple of
+# [32, D] in registers for G * D up to 512 (SmolLM2's 3 x 64); above it gpu_blocks halves them
+# (sm_90 ptxas of the cross-lowered kernel, G=7 D=128 as Qwen2.5-7B on 4-way tensor parallelism:
+# 496-1776 bytes a thread spilled at 32 rows x 4 warps, none at 16 rows x 8 warps). TPU: key blocks lane-aligned (128), rows a multiple of
 # the 16-row bf16 sublane tile; each program stages its whole key row [S, D] and mask rows
 # [block_t, S] in VMEM, which bounds S (a window that does not fit fails to compile and the
 # dispatcher falls back). "interpret" uses small blocks so that CPU tests cover several key
@@ -75,9 +77,9 @@ def masked_attention(q, k, v, mask, interpret: bool = False, platform: str | Non
         raise NotImplementedError(
             f"the pallas backend compiles for GPU or TPU, not {platform!r}; use pallas_interpret to run it here"
         )
-    cfg = BLOCK_TABLE[platform]
     B, T, KV, G, D = q.shape
     S = k.shape[2]
+    cfg = gpu_blocks(G, D) if platform == "gpu" else BLOCK_TABLE[platform]
     if platform == "gpu" and (D < 16 or D & (D - 1)):
         raise NotImplementedError(f"the Pallas GPU kernel needs a power-of-two head dim >= 16, got D={D}")
 
@@ -120,6 +122,16 @@ def masked_attention(q, k, v, mask, interpret: bool = False, platform: str | Non
         name="masked_attention",
     )(qt, k, v, m)
     return out[:, :, :, :T].transpose(0, 3, 1, 2, 4)
+
+
+def gpu_blocks(G: int, D: int) -> BlockConfig:
+    """The GPU row of BLOCK_TABLE for G query heads a KV head of dimension D: past G * D = 512 the G float32
+    accumulators [block_t, D] take 16 rows with 8 warps (and 32-key blocks from 1024) so that they stay in
+    registers (sm_90 ptxas: G=5 and 7 at D=128 spill nothing then, G=8 8 bytes)."""
+    cfg = BLOCK_TABLE["gpu"]
+    if G * D <= 512:
+        return cfg
+    return dataclasses.replace(cfg, block_t=16, num_warps=8, block_s=32 if G * D >= 1024 else cfg.block_s)
 
 
 def _compiler_params(platform: str, cfg: BlockConfig):

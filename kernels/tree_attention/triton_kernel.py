@@ -27,7 +27,8 @@ import triton.language as tl
 MASK_VALUE = tl.constexpr(-0.7 * float(np.finfo(np.float32).max))
 
 # Starting points, not tuned on hardware: rows and keys >= 16 for tl.dot; 64 x 64 tiles with a
-# [64, D <= 128] float32 accumulator fit 4 warps' registers.
+# [64, D < 128] float32 accumulator fit 4 warps' registers; [64, 128] takes 8 (num_warps: at 4, sm_90
+# ptxas spilled 400 bytes a thread for Qwen2.5-7B's 48-token tree verify).
 BLOCK_M_MAX = 64
 BLOCK_S = 64
 NUM_WARPS = 4
@@ -108,6 +109,11 @@ def launch_params(q_shape, k_shape) -> dict:
     )
 
 
+def num_warps(block_m: int, D: int) -> int:
+    """Warps for an accumulator of [block_m, D] float32: 8 from [64, 128] on, so that it stays in registers."""
+    return 8 if block_m * D >= 64 * 128 else NUM_WARPS
+
+
 def masked_attention(q, k, v, mask):
     """Same contract as `reference.masked_attention` (shapes already checked by the caller)."""
     import jax_triton as jt  # here, so that the kernel itself imports (and is tested) without it
@@ -120,7 +126,7 @@ def masked_attention(q, k, v, mask):
         q, k, v, mask.astype(jnp.int8),
         kernel=masked_attention_kernel,
         name="masked_attention",
-        num_warps=NUM_WARPS,
+        num_warps=num_warps(params["BLOCK_M"], q.shape[-1]),
         num_stages=NUM_STAGES,
         F32=q.dtype == jnp.float32,
         **params,
