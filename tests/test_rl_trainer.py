@@ -150,21 +150,23 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
     assert load_config(tmp_path / "run" / "config.yaml") == trainer.cfg  # the run says what it ran with
 
 
-def test_a_stop_signal_ends_the_run_after_its_step_with_that_step_saved(tmp_path):
-    """SIGTERM (a preemption, SLURM's --signal notice before the time limit) during step 1 of 3, with checkpoints
-    due only every 10 steps: the step finishes, is saved, and the run stops, to be resumed from there."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_ends_the_run_after_its_step_with_that_step_saved(tmp_path, sig):
+    """SIGTERM (a preemption, SLURM's --signal notice before the time limit) or Ctrl-C during step 1 of 3, with
+    checkpoints due only every 10 steps: the step finishes, is saved, and the run stops, to be resumed from there
+    (Ctrl-C raised where it landed, losing every step since the last checkpoint: up to 19 with the 7B config)."""
     trainer = make_trainer(tmp_path, "rl.checkpoint_every_steps=10", steps=3)
-    original = trainer.rollout
+    original, before = trainer.rollout, signal.getsignal(sig)
 
     def preempted(records, step, first=0):
-        os.kill(os.getpid(), signal.SIGTERM)  # without the trainer's handler this ends the test process
+        os.kill(os.getpid(), sig)  # without the trainer's handler this ends the test process
         return original(records, step, first)
 
     trainer.rollout = preempted
-    with pytest.raises(TrainingStopped, match=r"SIGTERM: stopped after step 1 of 3; its checkpoint is saved and --resume"):
+    with pytest.raises(TrainingStopped, match=rf"{sig.name}: stopped after step 1 of 3; its checkpoint is saved and --resume"):
         trainer.run()
     assert checkpoint_steps(tmp_path / "run") == [1]
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handler is the trainer's only while it runs
+    assert signal.getsignal(sig) == before  # the handler is the trainer's only while it runs
     again = make_trainer(tmp_path, "rl.checkpoint_every_steps=10", steps=3, resume=True)
     assert again.step == 1
     again.close()

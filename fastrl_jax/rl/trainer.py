@@ -405,12 +405,13 @@ class Trainer:
         return metrics
 
     def run(self) -> list[dict[str, Any]]:
-        """Steps until rl.steps; returns this call's per-step metrics. SIGTERM or SIGUSR1 (a scheduler's
+        """Steps until rl.steps; returns this call's per-step metrics. Ctrl-C, SIGTERM or SIGUSR1 (a scheduler's
         preemption or time-limit notice, e.g. SLURM's --signal) ends the run after its current step, with that
-        step's checkpoint saved (TrainingStopped)."""
+        step's checkpoint saved (TrainingStopped); a second Ctrl-C stops at once."""
         history = []
         try:
-            with signals.deferred((signal.SIGTERM, signal.SIGUSR1), "fastrl-jax") as received:
+            stops = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+            with signals.deferred(stops, "fastrl-jax", at_once=(signal.SIGINT,)) as received:
                 if self.cfg.rl.eval_every_steps and self.step == 0:
                     history.append({"step": 0, **self._evaluation()})
                     self.metrics.log(history[-1])
