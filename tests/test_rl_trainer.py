@@ -184,6 +184,21 @@ def test_prompts_longer_than_the_largest_bucket_are_left_out_at_the_start(tmp_pa
     trainer.close()
 
 
+def test_prompts_leaving_no_room_for_the_completion_are_left_out_at_the_start(tmp_path, caplog):
+    """A prompt within the prompt buckets whose max_new_tokens did not fit the largest length bucket passed the
+    start and failed the step (or the evaluation, after the update) that drew it."""
+    prompts = tmp_path / "long.jsonl"
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(6)] + [{"prompt": "1+2+3+4+1+2+3=", "answer": "16"}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    trainer = make_trainer(tmp_path, f"data.source={prompts}", f"data.eval_source={prompts}", "rl.max_new_tokens=56",
+                           "sd.mode='off'", "rl.eval_every_steps=1", steps=1)
+    assert trainer.num_records == 6 and len(trainer.eval_records) == 6
+    assert "1 of 7 prompts are longer than the room rl.max_new_tokens leaves in the largest rollout.length_buckets " \
+           "(8 tokens)" in caplog.text
+    trainer.run()
+    trainer.close()
+
+
 def test_dapos_overlong_penalty_shapes_the_step_reward(tmp_path):
     trainer = make_trainer(tmp_path, "reward.overlong_buffer=6", "reward.overlong_penalty=0.5", steps=1)
     trainer.reward_fn = lambda completion, answer: 0.0

@@ -178,16 +178,21 @@ class Trainer:
         return shared_prefix_len(self.cfg.rollout, [self._prompt(src[int(i)]) for i in picks])
 
     def _fitting(self, records: list[dict], what: str) -> list[dict]:
-        """The records whose prompt fits the largest prompt bucket; the others are left out with a warning (verl's
-        data.filter_overlong_prompts), not found by the step that draws one."""
-        limit = self.cfg.rollout.prompt_buckets[-1]
+        """The records whose prompt fits the largest prompt bucket and leaves the largest length bucket room for
+        rl.max_new_tokens and the draft tree; the others are left out with a warning (verl's
+        data.filter_overlong_prompts, its max_prompt_length), not found by the step that draws one."""
+        ro, rl = self.cfg.rollout, self.cfg.rl
+        room = ro.length_buckets[-1] - rl.max_new_tokens - draft_margin(self.cfg.sd)
+        limit = min(ro.prompt_buckets[-1], room)
+        why = (f"the largest rollout.prompt_buckets ({limit} tokens)" if limit < room else
+               f"the room rl.max_new_tokens leaves in the largest rollout.length_buckets ({limit} tokens)")
         kept = [r for r in tqdm(records, desc="prompt lengths", unit="prompt", file=sys.stderr,
                                 disable=len(records) < 10_000) if len(self._prompt(r)) <= limit]
         if not kept:
-            raise ConfigError(f"{what}: no prompt fits the largest rollout.prompt_buckets ({limit} tokens); raise it")
+            raise ConfigError(f"{what}: no prompt fits {why}; raise it")
         if len(kept) < len(records):
-            log.warning("%s: %d of %d prompts are longer than the largest rollout.prompt_buckets (%d tokens) and are "
-                        "left out; raise it to keep them", what, len(records) - len(kept), len(records), limit)
+            log.warning("%s: %d of %d prompts are longer than %s and are left out; raise it to keep them",
+                        what, len(records) - len(kept), len(records), why)
         return kept
 
     # ---- one step -----------------------------------------------------------------------------
