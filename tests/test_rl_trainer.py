@@ -27,6 +27,7 @@ from fastrl_jax.models.loading import load_model, read_model_config
 from fastrl_jax.models.tokenizer import load_tokenizer
 from fastrl_jax.rl import dry_run, update
 from fastrl_jax.rl.trainer import NonFiniteLoss, Trainer, _own_bank, preflight
+from fastrl_jax.rollout.engine import Completion
 from fastrl_jax.sharding import make_mesh
 
 TESTS = Path(__file__).parent
@@ -196,6 +197,26 @@ def test_prompts_leaving_no_room_for_the_completion_are_left_out_at_the_start(tm
     assert "1 of 7 prompts are longer than the room rl.max_new_tokens leaves in the largest rollout.length_buckets " \
            "(8 tokens)" in caplog.text
     trainer.run()
+    trainer.close()
+
+
+def test_each_process_scores_a_share_and_all_train_on_the_gathered_scores(tmp_path, monkeypatch):
+    """Every process scored every completion itself and trained its own rows on its own scores: a reward that
+    differs between hosts (a judge's timeout) mixed two batches silently, and under rl.filter_groups the hosts drew
+    different numbers of batches and hung in the next collective. Process 1 of 2, the gather simulated."""
+    import fastrl_jax.rl.trainer as trainer_module
+
+    trainer = make_trainer(tmp_path)
+    scored = []
+    trainer.reward_fn = lambda text, answer: scored.append(text) or 0.5
+    monkeypatch.setattr(trainer_module.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(trainer_module.jax, "process_index", lambda: 1)
+    monkeypatch.setattr(trainer_module, "allgather_json", lambda share: [[(7.0, 1.0)] * 4, share])
+    records = [{"answer": "1"}, {"answer": "2"}]
+    completions = [Completion([5 + i], [0.0], "stop") for i in range(8)]  # 2 groups of rl.samples_per_prompt 4
+    reward, correct = trainer._rewards(records, completions)
+    assert len(scored) == 4  # its share: completions 1, 3, 5 and 7
+    assert reward.tolist() == [7.0, 0.5] * 4 and correct[::2] == [1.0] * 4
     trainer.close()
 
 

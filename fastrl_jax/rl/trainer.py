@@ -337,14 +337,24 @@ class Trainer:
                 "eval_s": time.perf_counter() - t0}
 
     def _rewards(self, records: list[dict], completions: list[Completion]) -> tuple[np.ndarray, list[float]]:
-        """Each completion's reward (reward.functions, DAPO's overlong shaping) and correctness."""
+        """Each completion's reward (reward.functions, DAPO's overlong shaping) and correctness. On several
+        processes each scores a share and all take the gathered scores: a reward that differs between hosts (a
+        judge's timeout, a sandbox) must not train each host's rows on its own scores, nor split rl.filter_groups'
+        draws (which hung the next collective)."""
         rl, shaping = self.cfg.rl, self.cfg.reward
-        texts = [self._text(c) for c in completions]
-        answers = [records[i // rl.samples_per_prompt]["answer"] for i in range(len(completions))]
-        reward = np.array([self.reward_fn(t, a) + rewards.overlong_penalty(len(c.tokens), rl.max_new_tokens,
-                                                                           shaping.overlong_buffer, shaping.overlong_penalty)
-                           for t, a, c in zip(texts, answers, completions)], np.float32)
-        return reward, [rewards.correctness_reward(t, a) for t, a in zip(texts, answers)]
+        processes, me = jax.process_count(), jax.process_index()
+
+        def score(i: int) -> tuple[float, float]:
+            text, answer = self._text(completions[i]), records[i // rl.samples_per_prompt]["answer"]
+            penalty = rewards.overlong_penalty(len(completions[i].tokens), rl.max_new_tokens, shaping.overlong_buffer,
+                                               shaping.overlong_penalty)
+            return float(self.reward_fn(text, answer)) + penalty, rewards.correctness_reward(text, answer)
+
+        scored = [score(i) for i in range(me, len(completions), processes)]
+        if processes > 1:
+            shares = allgather_json(scored)
+            scored = [shares[i % processes][i // processes] for i in range(len(completions))]
+        return np.array([r for r, _ in scored], np.float32), [c for _, c in scored]
 
     def _sample(self, step: int) -> _Sampled:
         """The step's rl.prompts_per_step groups, rolled out and rewarded. With rl.filter_groups (DAPO's dynamic
