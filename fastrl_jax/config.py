@@ -429,9 +429,12 @@ class RLConfig:
     top_p: float = 1.0
     top_k: int = 0
     minibatches_per_step: int = 1  # optimizer updates per rollout batch; > 1 makes later ones off-policy
-    # DAPO's dynamic sampling (verl algorithm.filter_groups): prompt groups whose rewards are all equal are
-    # dropped and more prompts drawn, at most max_gen_batches batches a step (0: no limit)
+    # DAPO's dynamic sampling (verl algorithm.filter_groups): prompt groups whose filter_groups_metric is the same
+    # for every sample are dropped and more prompts drawn, at most max_gen_batches batches a step (0: no limit)
     filter_groups: bool = False
+    # accuracy (verl's metric=acc, DAPO's recipe: the built-in correctness, whatever reward.functions add) | reward
+    # (the combined reward, verl's score: where correctness means nothing for a custom reward)
+    filter_groups_metric: str = "accuracy"
     max_gen_batches: int = 10
     micro_batch_size: int = 8  # sequences per forward/backward; gradients accumulate over a mini-batch
     clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high] (DAPO's clip-higher)
@@ -462,6 +465,7 @@ class RLConfig:
     def __post_init__(self):
         _check_choice("rl.loss_aggregation", self.loss_aggregation, LOSS_AGGREGATIONS)
         _check_choice("rl.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _check_choice("rl.filter_groups_metric", self.filter_groups_metric, ("accuracy", "reward"))
         _check_at_least("rl", self, ("steps", "prompts_per_step", "max_new_tokens", "minibatches_per_step",
                                      "micro_batch_size", "keep_checkpoints", "eval_prompts", "eval_samples"), 1)
         _check_at_least("rl", self, ("max_gen_batches",), 0)

@@ -242,10 +242,11 @@ def test_dapos_overlong_penalty_shapes_the_step_reward(tmp_path):
 @pytest.mark.parametrize("filter_groups", [False, True])
 def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ(tmp_path, filter_groups):
     """DAPO's dynamic sampling: prompts with an even answer get reward 0 from every sample (no gradient); with
-    rl.filter_groups their groups are dropped and further prompts drawn until 4 groups with a signal remain. The
-    dropped groups are the policy's samples all the same: the online drafter's buffer takes every drawn rollout."""
+    rl.filter_groups (on the reward) their groups are dropped and further prompts drawn until 4 groups with a signal
+    remain. The dropped groups are the policy's samples all the same: the online drafter's buffer takes every drawn
+    rollout."""
     trainer = make_trainer(tmp_path, f"rl.filter_groups={str(filter_groups).lower()}", "rl.max_gen_batches=20",
-                           "sd.mode=adaptive", steps=1)
+                           "rl.filter_groups_metric=reward", "sd.mode=adaptive", steps=1)
     trainer.reward_fn = lambda completion, answer: float(len(completion) % 3) if int(answer) % 2 else 0.0
     advantages, build = [], trainer.build_batch
 
@@ -263,6 +264,20 @@ def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ(tmp_path, f
         assert trainer.spot.buffer.added == metrics["gen_batches"] * 4 * 4  # batches x prompts x samples
     else:
         assert silent > 0 and "gen_batches" not in metrics  # the draw this test relies on has even answers
+
+
+def test_dynamic_sampling_filters_on_accuracy_as_dapo_does(tmp_path, monkeypatch):
+    """DAPO (verl's metric=acc) drops a group whose samples are all wrong (or all right) even when a secondary
+    reward term (format, the overlong penalty) varies: filtering on the combined reward kept them, and the step
+    trained on format or length alone. Here every sample is wrong and the reward varies: no group is kept."""
+    import fastrl_jax.rl.trainer as trainer_module
+
+    trainer = make_trainer(tmp_path, "rl.filter_groups=true", "rl.max_gen_batches=2", steps=1)
+    trainer.reward_fn = lambda completion, answer: float(len(completion) % 3)
+    monkeypatch.setattr(trainer_module.rewards, "correctness_reward", lambda completion, answer: 0.0)
+    metrics = trainer.run_step()
+    trainer.close()
+    assert metrics["gen_batches"] == 2 and metrics["accuracy"] == 0.0
 
 
 def test_a_failed_rollout_is_raised_as_it_is_and_stops_the_drafter_trainer_without_a_report(tmp_path):

@@ -358,8 +358,9 @@ class Trainer:
 
     def _sample(self, step: int) -> _Sampled:
         """The step's rl.prompts_per_step groups, rolled out and rewarded. With rl.filter_groups (DAPO's dynamic
-        sampling) a group whose rewards are all equal (no gradient) is dropped and further batches are drawn, up
-        to rl.max_gen_batches; short of groups then, equal-reward ones fill the step, with a warning."""
+        sampling) a group whose rl.filter_groups_metric (accuracy, or reward) is the same for every sample is
+        dropped and further batches are drawn, up to rl.max_gen_batches; short of groups then, dropped ones fill
+        the step, with a warning."""
         rl, n = self.cfg.rl, self.cfg.rl.samples_per_prompt
         kept, spare, stats, report, drawn, reward_s = [], [], RolloutStats(), {}, 0, 0.0
         while len(kept) < rl.prompts_per_step and not (drawn and drawn == rl.max_gen_batches):
@@ -373,10 +374,12 @@ class Trainer:
             for g in range(len(records)):
                 part = slice(g * n, (g + 1) * n)
                 group = (requests[part], completions[part], reward[part], correct[part])
-                (kept if not rl.filter_groups or np.ptp(reward[part]) > 0 else spare).append(group)
+                metric = correct[part] if rl.filter_groups_metric == "accuracy" else reward[part]
+                (kept if not rl.filter_groups or np.ptp(metric) > 0 else spare).append(group)
         if len(kept) < rl.prompts_per_step:
-            log.warning("step %d: %d of %d prompt groups have rewards that differ after %d batches "
-                        "(rl.max_gen_batches); equal-reward groups fill the step", step, len(kept), rl.prompts_per_step, drawn)
+            log.warning("step %d: %d of %d prompt groups have a %s that differs after %d batches (rl.max_gen_batches); "
+                        "groups without one fill the step", step, len(kept), rl.prompts_per_step, rl.filter_groups_metric,
+                        drawn)
         groups, dropped = (kept + spare)[: rl.prompts_per_step], (kept + spare)[rl.prompts_per_step:]
         return _Sampled([x for g in groups for x in g[0]], [x for g in groups for x in g[1]],
                         np.concatenate([g[2] for g in groups]), [x for g in groups for x in g[3]], stats, report, drawn,
