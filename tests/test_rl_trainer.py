@@ -262,6 +262,9 @@ def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ(tmp_path, f
     if filter_groups:
         assert silent == 0 and metrics["gen_batches"] > 1
         assert trainer.spot.buffer.added == metrics["gen_batches"] * 4 * 4  # batches x prompts x samples
+        # the engines' rate counts the dropped groups' tokens too (it read ~3x low), the trained count does not
+        assert metrics["generated_tokens"] > metrics["tokens"]
+        assert metrics["rollout_tokens_per_s"] == metrics["generated_tokens"] / metrics["rollout_s"]
     else:
         assert silent > 0 and "gen_batches" not in metrics  # the draw this test relies on has even answers
 

@@ -409,7 +409,10 @@ class Trainer:
         if rl.filter_groups:
             metrics["gen_batches"] = drawn
         metrics |= spot_report  # the online drafter trainer's steps during the rollout
-        metrics |= {"rollout_s": rollout_s, "train_s": train_s, "rollout_tokens_per_s": metrics["tokens"] / rollout_s, "lr": lr}
+        # The engines' rate counts every token generated (rl.filter_groups draws batches it drops); "tokens" and
+        # tokens_per_s (verl's perf/throughput) count the trained ones.
+        metrics |= {"rollout_s": rollout_s, "train_s": train_s, "generated_tokens": stats.tokens,
+                    "rollout_tokens_per_s": stats.tokens / rollout_s, "lr": lr}
         metrics |= train
         if self.spot is not None:
             metrics |= self.track_drafter(requests, completions, step, dropped)
