@@ -166,7 +166,7 @@ def test_a_coordinator_that_never_answers_is_one_error_that_names_the_fix():
     """JAX's own wait for the coordinator aborts the process with a C++ stack trace (DEADLINE_EXCEEDED)."""
     import socket
 
-    from fastrl_jax.rl.distributed import wait_for_coordinator
+    from fastrl_jax.rl.distributed import host_port, wait_for_coordinator
 
     with socket.socket() as listening:  # process 0's coordinator, up
         listening.bind(("127.0.0.1", 0))
@@ -175,6 +175,7 @@ def test_a_coordinator_that_never_answers_is_one_error_that_names_the_fix():
     port = free_port()  # nothing there
     with pytest.raises(ConnectionError, match=rf"--coordinator 127.0.0.1:{port}: nothing answered for 1s .*Start process 0"):
         wait_for_coordinator(f"127.0.0.1:{port}", 1)
+    assert host_port("[::1]:1234") == ("::1", 1234) and host_port("node-7.cluster:1234") == ("node-7.cluster", 1234)
 
 
 @pytest.mark.parametrize("explicit", [False, True], ids=["detected", "explicit-coordinator"])

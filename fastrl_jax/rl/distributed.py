@@ -37,15 +37,21 @@ def one_slurm_task_per_node(env: Mapping[str, str]) -> bool:
     return "SLURM_JOB_ID" in env and "JAX_LOCAL_DEVICE_IDS" not in env and tasks is not None and tasks == nodes
 
 
+def host_port(address: str) -> tuple[str, int]:
+    """HOST:PORT as (host, port); an IPv6 host in brackets, [::1]:1234 (the form jax.distributed takes), without
+    them (they were looked up as part of the name)."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
 def wait_for_coordinator(address: str, timeout_s: float) -> None:
     """Returns once something accepts connections at HOST:PORT (process 0's coordinator), else raises
     ConnectionError naming the fix: JAX's own wait ends the process with a C++ stack trace and
     DEADLINE_EXCEEDED, which names none."""
-    host, _, port = address.rpartition(":")
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            with socket.create_connection((host, int(port)), timeout=min(5.0, timeout_s)):
+            with socket.create_connection(host_port(address), timeout=min(5.0, timeout_s)):
                 return
         except OSError as e:
             if time.monotonic() >= deadline:
