@@ -45,13 +45,25 @@ def source(spec: str, seed: int, levels: Sequence[int] = math_problems.LEVELS, *
 
 
 def prompt_batches(src: Any, batch_size: int, seed: int, shuffle: bool = True) -> grain.MapDataset:
-    """Shuffled (per epoch, from `seed`), repeated forever, batched into lists of records."""
+    """Shuffled (per epoch, from `seed`), repeated forever, batched into lists of records. Each epoch's last
+    partial batch is left out (verl's drop_last), so no batch holds a prompt twice; a source smaller than one
+    batch fills its batches across epochs."""
+    n = len(src)
     ds = grain.MapDataset.source(src)
-    if shuffle and len(src) < _MATH_LEN:  # the generator is random already; a 2^30 permutation is wasted work
+    if shuffle and n < _MATH_LEN:  # the generator is random already; a 2^30 permutation is wasted work
         ds = ds.shuffle(seed=seed)
-    # drop_remainder: the stream never ends, and without it grain sizes an endless stream of 1-record batches at
-    # an int too large for an index (rl.prompts_per_step=1 failed)
-    return ds.repeat(None).batch(batch_size, drop_remainder=True, batch_fn=list)
+    records = ds.repeat(None)  # epoch e's record p at e * n + p, each epoch its own permutation
+    if n < batch_size:
+        # drop_remainder: the stream never ends, and without it grain sizes an endless stream of 1-record batches at
+        # an int too large for an index (rl.prompts_per_step=1 failed)
+        return records.batch(batch_size, drop_remainder=True, batch_fn=list)
+    per_epoch = n // batch_size
+
+    def batch(i: int, _) -> list[dict[str, Any]]:
+        first = i // per_epoch * n + i % per_epoch * batch_size
+        return [records[first + k] for k in range(batch_size)]
+
+    return grain.MapDataset.range(per_epoch).repeat(None).map_with_index(batch)
 
 
 class PromptIterator:
