@@ -47,8 +47,8 @@ class MetricsSink:
 
     def write(self, metrics: dict[str, Any]) -> None:
         """metrics: JSON-able, with an int "step"; finite numbers also go to TensorBoard."""
-        with open(self.path, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
+        with open(self.path, "a") as f:  # strict JSON: an unmeasured NaN as null (jq, JavaScript, Go refuse NaN)
+            f.write(json.dumps(files.strict_json(metrics), allow_nan=False) + "\n")
         scalars = {k: v for k, v in metrics.items()
                    if k != "step" and isinstance(v, (int, float)) and math.isfinite(v)}
         if self._tb is not None:
@@ -89,4 +89,6 @@ def _step(line: str) -> int:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    return [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
+    """A metrics.jsonl's lines; a null metric (written for NaN: unmeasured) as NaN."""
+    lines = [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
+    return [{k: math.nan if v is None else v for k, v in line.items()} for line in lines]

@@ -882,7 +882,9 @@ def grpo(ctx: Ctx) -> dict:
 
 def _grpo_steps(metrics: Path, keys: tuple[str, ...]) -> dict:
     """{key: [value per finished step]} from a run's metrics.jsonl (none yet: empty lists)."""
-    steps = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    from fastrl_jax.metric_sink import read_metrics
+
+    steps = read_metrics(metrics) if metrics.exists() else []
     return {key: [h.get(key, 0.0) for h in steps] for key in keys}
 
 

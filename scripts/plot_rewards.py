@@ -6,14 +6,15 @@ on stdout, the series as JSON, and a plot (matplotlib, the [plot] extra; the tab
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 
 def series(path: str, smooth: int) -> dict:
     """One run's training reward (raw and a moving average of `smooth` steps) and held-out accuracy by step."""
-    rows = [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
+    from fastrl_jax.metric_sink import read_metrics
+
+    rows = read_metrics(path)
     train = [r for r in rows if "reward_mean" in r]
     reward = [r["reward_mean"] for r in train]
     window = [reward[max(0, i - smooth + 1) : i + 1] for i in range(len(reward))]

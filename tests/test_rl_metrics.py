@@ -29,9 +29,12 @@ def test_table_and_sinks(tmp_path):
     out = io.StringIO()
     log = MetricsLog(tmp_path, tensorboard=True, stream=out)
     for step in (1, 2, 3):
-        log.log({"step": step, "reward_mean": step / 10})
+        log.log({"step": step, "reward_mean": step / 10, "acceptance_length": math.nan})
     log.close()
     assert [m["step"] for m in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    # strict JSON lines (jq and JavaScript refuse NaN): an unmeasured value is null, read back as NaN
+    first = (tmp_path / "metrics.jsonl").read_text().splitlines()[0]
+    assert '"acceptance_length": null' in first and math.isnan(read_metrics(tmp_path / "metrics.jsonl")[0]["acceptance_length"])
     assert len(out.getvalue().splitlines()) == 4  # header + 3 rows
     assert any((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     # a run resumed from step 2 drops what the killed run logged after it
