@@ -724,10 +724,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="encode prompt texts as is, without the chat template")
     gen.add_argument("--output", "--out", dest="output",
                      help="write JSONL results here (input order) instead of printing completions")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--max-new-tokens", type=int, default=128, help="per request (default 128)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     gen.add_argument("--top-k", type=int, default=0, help="0 is off")
-    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 is off")
     gen.add_argument("--seed", type=int, default=0, help="request i uses seed + i")
     gen.add_argument("--sd", choices=["off", "on", "adaptive"], default="off",
                      help="speculative decoding: off (default, whatever the config's sd.mode), on (always), "
@@ -767,7 +767,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(ex)
     ex.add_argument("--drafter", required=True, help="train-drafter out_dir, a train run's rl.out_dir (its online drafter), "
                     "or a drafter checkpoint directory")
-    ex.add_argument("--out", required=True, help="new directory: OUT/orbax and OUT/eagle are written")
+    ex.add_argument("--out", required=True, help="new directory: OUT/orbax and OUT/eagle (OUT/eagle3 for an EAGLE-3 drafter) are written")
     ex.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                     help="the SGLang export's weights (default: the policy checkpoint's torch_dtype, else the drafter's)")
     ex.set_defaults(func=cmd_export_drafter)
