@@ -165,14 +165,17 @@ class Decoder(nnx.Module):
 
 
 def run_layers(cfg: ModelConfig, layers: Layers, x, positions, cache: KVCache, start, mask, input_norm=True, remat=False,
-               capture: tuple[int, ...] = (), embeds=None, narrow=None, cached_slots: int | None = None):
+               capture: tuple[int, ...] = (), embeds=None, narrow=None, cached_slots: int | None = None, rows=None):
     """Scanned decoder layers over x [B, T, H]; new keys/values go to cache slots [start, start + T).
 
     mask [B, T, kv_len] gives the cache window attention reads. input_norm=False skips the first
     layer's input RMSNorm (the EAGLE drafter's layer has none). remat=True recomputes each layer's
     activations in the backward pass instead of keeping them (training memory). embeds [B, T, H]:
     the token embeddings an EAGLE-3 draft layer (Layers(embed_input=True)) reads beside x. narrow:
-    per-row windows (Decoder.__call__). cached_slots: as Decoder.hidden_and_features.
+    per-row windows (Decoder.__call__). cached_slots: as Decoder.hidden_and_features. rows: a PartitionSpec of
+    x under the context mesh that every layer's input and output keep (the training forward's rows split over
+    data x fsdp; unconstrained, XLA gathered the whole micro-batch onto every device to split the contractions
+    over the fsdp-sharded weight dimension instead).
 
     Returns (x, cache); with `capture` (static layer indices in [0, num_layers]) (x, features, cache),
     features [B, T, len(capture) * H] the residual stream entering each captured layer (num_layers:
@@ -185,13 +188,17 @@ def run_layers(cfg: ModelConfig, layers: Layers, x, positions, cache: KVCache, s
     if any(not 0 <= c <= cfg.num_layers for c in capture):
         raise ValueError(f"capture layers {capture} must lie in [0, {cfg.num_layers}]")
 
+    def keep(t):
+        return t if rows is None else jax.lax.with_sharding_constraint(t, rows)
+
     def layer(carry, inputs):
         x, aux = carry
         i, p, k_cached, v_cached = inputs
+        x = keep(x)
         aux = _grab(capture, i, x, aux)
         x, kv = _layer(cfg, p, x, k_cached[:, :, :kv_len], v_cached[:, :, :kv_len], cos, sin, start, mask, input_norm,
                        embeds, narrow, cached_slots)
-        return (x, aux), kv
+        return (keep(x), aux), kv
 
     if remat:
         layer = jax.checkpoint(layer)
