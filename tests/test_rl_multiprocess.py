@@ -38,8 +38,11 @@ def test_two_processes_one_mesh(tmp_path):
     # checkpoint holds the drafter every process keeps on one local device (Orbax refused it from several processes).
     # Process 0 reaches each rollout's gather 3 s late: process 1's replica trains the drafter meanwhile, from step 2
     # on (no steps in the rollout tail, so those are the only ones), and process 0 logs the merged report.
+    # Two mini-batches a step: the second's old log-probs are read whole on each process (they came back split over
+    # both processes' devices, which device_get refused).
     overrides = [*tiny_overrides(tmp_path, steps=2), "mesh.data=2", "mesh.fsdp=2", "rl.checkpoint_every_steps=1",
-                 "sd.mode=adaptive", "drafter_online.min_buffer_tokens=1", "drafter_online.tail_time_share=0"]
+                 "sd.mode=adaptive", "drafter_online.min_buffer_tokens=1", "drafter_online.tail_time_share=0",
+                 "rl.minibatches_per_step=2"]
     train = ["-m", "helpers.slow_gather", "3", "train", *overrides, f"rl.out_dir={tmp_path / 'multi'}"]
     errs = _two_processes(train)
     single = subprocess.run(

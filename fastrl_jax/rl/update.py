@@ -233,7 +233,10 @@ def jit_logprobs(graphdef, temperature: float, param_shardings, mesh: Mesh, micr
     def logp(params, tokens, pad, mask):
         return sequence_logprobs(graphdef, params, tokens, pad, mask.shape[-1], temperature)[0]
 
-    return jax.jit(traced_under(mesh, logp), in_shardings=(param_shardings, rows, pads, rows))
+    # Replicated out: the trainer reads them whole on every process (rows over data x fsdp span other hosts'
+    # devices, which device_get refuses: every multi-process run with rl.minibatches_per_step > 1 failed at step 1)
+    return jax.jit(traced_under(mesh, logp), in_shardings=(param_shardings, rows, pads, rows),
+                   out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
 def traced_under(mesh: Mesh, fn):
