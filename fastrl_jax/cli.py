@@ -767,7 +767,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(ex)
     ex.add_argument("--drafter", required=True, help="train-drafter out_dir, a train run's rl.out_dir (its online drafter), "
                     "or a drafter checkpoint directory")
-    ex.add_argument("--out", required=True, help="new directory: OUT/orbax and OUT/eagle (OUT/eagle3 for an EAGLE-3 drafter) are written")
+    ex.add_argument("--out", required=True,
+                    help="new directory: OUT/orbax and OUT/eagle (OUT/eagle3 for an EAGLE-3 drafter) are written")
     ex.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                     help="the SGLang export's weights (default: the policy checkpoint's torch_dtype, else the drafter's)")
     ex.set_defaults(func=cmd_export_drafter)

@@ -33,6 +33,7 @@ def train_width(tokens: int) -> int:
     them (few widths, so few compiled update steps)."""
     return -(-tokens // TRAIN_LENGTH_QUANTUM) * TRAIN_LENGTH_QUANTUM
 
+
 Params = dict[str, Any]
 
 

@@ -40,8 +40,8 @@ class BlockConfig:
 # >= 16 because Triton's tl.dot needs M, N, K >= 16; block_t 32 keeps G float32 accumulators
 # [32, D] in registers for G * D up to 512 (SmolLM2's 3 x 64); above it gpu_blocks halves them
 # (sm_90 ptxas of the cross-lowered kernel, G=7 D=128 as Qwen2.5-7B on 4-way tensor parallelism:
-# 496-1776 bytes a thread spilled at 32 rows x 4 warps, none at 16 rows x 8 warps). TPU: key blocks lane-aligned (128), rows a multiple of
-# the 16-row bf16 sublane tile; each program stages its whole key row [S, D] and mask rows
+# 496-1776 bytes a thread spilled at 32 rows x 4 warps, none at 16 rows x 8 warps). TPU: key blocks
+# lane-aligned (128), rows a multiple of the 16-row bf16 sublane tile; each program stages its whole key row [S, D] and mask rows
 # [block_t, S] in VMEM, which bounds S (a window that does not fit fails to compile and the
 # dispatcher falls back). "interpret" uses small blocks so that CPU tests cover several key
 # blocks, the ragged last block and several token blocks.
