@@ -86,6 +86,20 @@ def test_the_number_after_a_completions_gsm8k_marker_is_its_answer(completion):
     assert rewards.correctness_reward(completion, "18") == 1.0 and rewards.format_reward(completion, "18") == 1.0
 
 
+def test_a_markdown_heading_is_no_gsm8k_answer():
+    """'#### 1. Count the apples' (a chat model's numbered heading) was read as the answer 1, over "The answer is",
+    and earned the format reward alone."""
+    completion = "#### 1. Count the apples\nThere are 3 + 4 = 7 apples.\n#### 2. Double them\n7 * 6 = 42.\n\nThe answer is 42."
+    assert rewards.extract_answer(completion) == "42"
+    assert rewards.format_reward("#### 1. Count the apples\nThere are 7 apples.", "7") == 0.0
+    assert rewards.extract_answer("so 72 clips.\n#### 72") == "72" and rewards.extract_answer("#### $1,000.") == "1,000"
+
+
+def test_a_trailing_mixed_number_is_read_whole():
+    assert rewards.correctness_reward("so she has 3\\frac{1}{2} cups", "7/2") == 1.0
+    assert rewards.correctness_reward("so she has 3\\frac{1}{2} cups", "1/2") == 0.0
+
+
 @pytest.mark.parametrize("completion", ["9" * 4400 + " 1/2", "The answer is " + "9" * 4400 + " 1/2",
                                         "\\boxed{" + "9" * 4400 + "\\frac{1}{2}}"])
 def test_a_looping_completions_digit_run_scores_instead_of_ending_the_run(completion):

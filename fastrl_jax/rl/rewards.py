@@ -39,8 +39,9 @@ _ANSWER_IS = re.compile(r"answer is(?:\s*:)?(?:[\s*_$]|\\[(\[$])*(" + _STATED + 
 _WRAPPER = r"\\(?:text|textbf|mathrm|mathbf)\{([^{}]*)\}"  # \text{7} is 7, \textbf{yes} is yes
 # A unit after the number (12\text{ cm}, 30^\circ, 30^{\circ}, 30°), dropped; only at the end: 2\text{ and }5 is not 25.
 _UNIT = re.compile(r"(?:" + _WRAPPER + r"|\^(?:\\circ|\{\\circ\})|\u00b0)$")
-_LAST_NUMBER = re.compile(r"-?\\[dt]?frac\{-?\d+\}\{\d+\}|" + _NUMBER)  # \frac{3}{4}: not its 4
-_GSM8K = re.compile(r"####\s*\\?\$?(" + _NUMBER + ")")  # verl gsm8k strict: the number after the last "####"
+_LAST_NUMBER = re.compile(r"-?(?:\d+\s*)?\\[dt]?frac\{-?\d+\}\{\d+\}|" + _NUMBER)  # \frac{3}{4}: not its 4; 3\frac{1}{2} whole
+# verl gsm8k strict: the number after the last "####", alone to its line's end (not a heading's "#### 1. Setup")
+_GSM8K = re.compile(r"####[ \t]*\\?\$?(" + _NUMBER + r")[ \t]*\.?[ \t]*$", re.M)
 
 
 def register(name: str) -> Callable[[RewardFn], RewardFn]:
