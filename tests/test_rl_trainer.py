@@ -3,6 +3,7 @@ checkpoint failure, start-up errors, and the dry-run memory plan against a hand 
 
 import errno
 import json
+import logging
 import math
 import os
 import re
@@ -211,12 +212,17 @@ def test_each_process_scores_a_share_and_all_train_on_the_gathered_scores(tmp_pa
     trainer.reward_fn = lambda text, answer: scored.append(text) or 0.5
     monkeypatch.setattr(trainer_module.jax, "process_count", lambda: 2)
     monkeypatch.setattr(trainer_module.jax, "process_index", lambda: 1)
-    monkeypatch.setattr(trainer_module, "allgather_json", lambda share: [[(7.0, 1.0)] * 4, share])
+    other = [[(7.0, 1.0)] * 4, None]
+    monkeypatch.setattr(trainer_module, "allgather_json", lambda share: [other, share])
     records = [{"answer": "1"}, {"answer": "2"}]
     completions = [Completion([5 + i], [0.0], "stop") for i in range(8)]  # 2 groups of rl.samples_per_prompt 4
     reward, correct = trainer._rewards(records, completions)
     assert len(scored) == 4  # its share: completions 1, 3, 5 and 7
     assert reward.tolist() == [7.0, 0.5] * 4 and correct[::2] == [1.0] * 4
+    # A reward that raised on the other process's share is this one's error too (it waited in the gather for good)
+    other[:] = [[], "TypeError: a custom reward's bug"]
+    with pytest.raises(RuntimeError, match="reward.functions failed on process 0: TypeError: a custom reward's bug"):
+        trainer._rewards(records, completions)
     trainer.close()
 
 
@@ -269,13 +275,16 @@ def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ(tmp_path, f
         assert silent > 0 and "gen_batches" not in metrics  # the draw this test relies on has even answers
 
 
-def test_dynamic_sampling_filters_on_accuracy_as_dapo_does(tmp_path, monkeypatch):
+def test_dynamic_sampling_filters_on_accuracy_as_dapo_does(tmp_path, monkeypatch, caplog):
     """DAPO (verl's metric=acc) drops a group whose samples are all wrong (or all right) even when a secondary
     reward term (format, the overlong penalty) varies: filtering on the combined reward kept them, and the step
     trained on format or length alone. Here every sample is wrong and the reward varies: no group is kept."""
     import fastrl_jax.rl.trainer as trainer_module
 
     trainer = make_trainer(tmp_path, "rl.filter_groups=true", "rl.max_gen_batches=2", steps=1)
+    with caplog.at_level(logging.WARNING):  # the tiny runs' digit reward is no correctness: said at the start
+        preflight(trainer.cfg, 1, files=False)
+    assert "reward.functions ['helpers.tiny_run:digit_reward'] leave out" in caplog.text
     trainer.reward_fn = lambda completion, answer: float(len(completion) % 3)
     monkeypatch.setattr(trainer_module.rewards, "correctness_reward", lambda completion, answer: 0.0)
     metrics = trainer.run_step()

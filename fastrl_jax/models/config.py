@@ -159,9 +159,10 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[np.ndarray, float]:
     p = cfg.rope_params
     dim = int(cfg.head_dim * p.get("partial_rotary_factor", 1.0))
     base = float(p["rope_theta"])
-    # Rounded as transformers, SGLang and vLLM compute it (torch float32: arange / dim, pow, 1 / x): the correctly
-    # rounded float64 table differs from theirs in the last bit of ~1/3 of the entries, which positions multiply
-    # (2e-3 rad at 30000: logits 1.6e-3 apart, relative).
+    # In float32 steps as transformers, SGLang and vLLM compute it (torch: arange / dim, pow, 1 / x): the correctly
+    # rounded float64 table differed from theirs in the last bit of ~1/3 of the entries, which positions multiply
+    # (2e-3 rad at 30000: logits 1.6e-3 apart, relative). torch's float32 pow is not correctly rounded, so one
+    # low-frequency entry may still differ by an ulp (Qwen2.5-7B: 9e-7 rad at 30000).
     exponent = np.arange(0, dim, 2).astype(np.float32) / np.float32(dim)
     inv_freq = (np.float32(1.0) / (base ** exponent.astype(np.float64)).astype(np.float32)).astype(np.float64)
     kind = p.get("rope_type", "default")

@@ -229,7 +229,7 @@ class Trainer:
         """Acceptance estimates on this step's rollouts (before they join the buffer) of a drafter that has
         trained since its last estimate (an unchanged one keeps it, and the metric is NaN), paid from the
         spot trainer's bank; then the buffer update and the hand-off of a changed drafter to the engines.
-        dropped: rollouts the policy does not train on (rl.filter_groups' equal-reward groups), which are the
+        dropped: rollouts the policy does not train on (rl.filter_groups' dropped groups), which are the
         policy's own samples all the same: they join the buffer too."""
         t0, compiled = time.perf_counter(), self.spot.estimate_compile_s
         on, spot = self.cfg.drafter_online, self.spot
@@ -350,10 +350,17 @@ class Trainer:
                                                shaping.overlong_penalty)
             return float(self.reward_fn(text, answer)) + penalty, rewards.correctness_reward(text, answer)
 
-        scored = [score(i) for i in range(me, len(completions), processes)]
-        if processes > 1:
-            shares = allgather_json(scored)
-            scored = [shares[i % processes][i // processes] for i in range(len(completions))]
+        if processes == 1:
+            scored = [score(i) for i in range(len(completions))]
+        else:  # a reward that raises on one process's share is every process's error, not a hang in the gather
+            try:
+                mine, error = [score(i) for i in range(me, len(completions), processes)], None
+            except Exception as e:
+                mine, error = [], f"{type(e).__name__}: {e}"
+            shares = allgather_json([mine, error])
+            if failed := [(p, err) for p, (_, err) in enumerate(shares) if err]:
+                raise RuntimeError(f"reward.functions failed on process {failed[0][0]}: {failed[0][1]}")
+            scored = [shares[i % processes][0][i // processes] for i in range(len(completions))]
         return np.array([r for r, _ in scored], np.float32), [c for _, c in scored]
 
     def _sample(self, step: int) -> _Sampled:
@@ -688,6 +695,11 @@ def preflight(cfg: Config, mesh_rows: int, files: bool = True) -> None:
         raise ConfigError(f"reward.overlong_buffer ({cfg.reward.overlong_buffer}) must be below rl.max_new_tokens "
                           f"({rl.max_new_tokens}): the penalty starts that many tokens before the limit")
     check_wandb("rl.wandb_project", rl.wandb_project)
+    if rl.filter_groups and rl.filter_groups_metric == "accuracy" and "correct" not in cfg.reward.functions:
+        log.warning("rl.filter_groups keeps the groups whose built-in correctness (rl.filter_groups_metric=accuracy) "
+                    "differs, which reward.functions %s leave out: for answers that it cannot check, every group looks "
+                    "alike and each step draws rl.max_gen_batches batches; set rl.filter_groups_metric=reward",
+                    list(cfg.reward.functions))
     d = cfg.data
     for name in ("source", "eval_source")[: (1 + bool(rl.eval_every_steps)) * files]:
         path = getattr(d, name)
