@@ -293,6 +293,14 @@ def test_a_tensor_parallel_engine_holds_its_own_heads_of_the_cache():
         assert cache.k.sharding.spec == P(None, None, "tensor", None, None)
         assert {s.data.shape[2] for s in cache.k.addressable_shards} == {1}  # of TINY's 2 KV heads
     assert table.token.sharding.spec == P()
+    # The kept features split over tensor as XLA carries them: replicated, every call copied and gathered the
+    # whole [B, S, F] table (found by review)
+    assert table.hidden.sharding.spec == P(None, None, "tensor")
+    fn, args = engine._build(("decode", 4, 32))
+    with jax.set_mesh(mesh):
+        hlo = fn.lower(*args).compile().as_text()
+    whole = f"[4,{table.hidden.shape[1]},{table.hidden.shape[2]}]"
+    assert not [line for line in hlo.splitlines() if "all-gather" in line and whole in line]
 
 
 def test_an_engine_on_a_mesh_takes_a_drafter_loaded_on_one_device():

@@ -342,7 +342,9 @@ class RolloutEngine:
     def _placed(self, tree):
         """The shardings of a row table or prefix (arrays or shapes): every KV cache's heads split as the
         weights' are (TABLE_RULES: each device holds the keys and values of its own KV heads, not the whole
-        cache, and the attention kernels run per shard), every other field replicated."""
+        cache, and the attention kernels run per shard), the kept hidden states' features over tensor (as XLA
+        carries them through a call: replicated, each call copied and gathered the whole [B, S, F] table),
+        every other field replicated."""
         def one(x):
             if not isinstance(x, KVCache):
                 return self._replicated
@@ -351,7 +353,11 @@ class RolloutEngine:
             split = NamedSharding(self.mesh, logical_to_spec(KVCache.LOGICAL_AXES, x.k.shape, self.mesh, TABLE_RULES))
             return KVCache(k=split, v=split)
 
-        return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, KVCache))
+        out = jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, KVCache))
+        hidden = getattr(tree, "hidden", None)
+        if hidden is not None and self.mesh is not None and hidden.shape[-1] % self.mesh.shape["tensor"] == 0:
+            out = dataclasses.replace(out, hidden=NamedSharding(self.mesh, PartitionSpec(None, None, "tensor")))
+        return out
 
     def _shapes(self, make: Callable):
         """The shapes of make()'s arrays, each with its _placed sharding."""
