@@ -15,17 +15,23 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def _best_seconds(run, repeats: int) -> float:
+    """The fastest of `repeats` timed calls of run() (after one untimed call: a jitted function compiles there)."""
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def copy_bandwidth_gbs(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
     """Measured host memory copy bandwidth in GB/s, bytes read plus bytes written: the best of `repeats`
     copies of nbytes."""
     src = np.ones(nbytes // 4, np.float32)
     dst = np.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * nbytes / best / 1e9
+    return 2 * nbytes / _best_seconds(lambda: np.copyto(dst, src), repeats) / 1e9
 
 
 def device_copy_gbs(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
@@ -33,26 +39,14 @@ def device_copy_gbs(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
     bytes it reads / this."""
     x = jnp.ones(nbytes // 4, jnp.float32)
     add_one = jax.jit(lambda x: x + 1)  # reads and writes every byte once
-    jax.block_until_ready(add_one(x))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(add_one(x))
-        best = min(best, time.perf_counter() - t0)
-    return 2 * nbytes / best / 1e9
+    return 2 * nbytes / _best_seconds(lambda: jax.block_until_ready(add_one(x)), repeats) / 1e9
 
 
 def matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
     """Measured float32 matmul rate of the default device (2 n^3 flops per product), in GFLOP/s."""
     a = jnp.ones((n, n), jnp.float32)
     product = jax.jit(lambda x: x @ x)
-    product(a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        product(a).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best / 1e9
+    return 2 * n**3 / _best_seconds(lambda: product(a).block_until_ready(), repeats) / 1e9
 
 
 def cpu_model() -> str:
