@@ -14,19 +14,29 @@ from fastrl_jax.rl import dry_run, update
 from fastrl_jax.sharding import make_mesh, shardings_for
 
 QWEN7B = Path(__file__).parent.parent / "configs" / "qwen2.5_7b_1node.yaml"
+QWEN32B = QWEN7B.with_name("qwen2.5_32b_multinode.yaml")
 
 
 def test_history_drafting_keeps_no_hidden_states_or_drafter_cache():
-    # EAGLE strategies 8/4/48, 6/4/16, 5/4/8: the table keeps bfloat16 hidden states and a one-layer drafter cache
-    # of 64 rows x 4 KV heads x 128 (one head on each device of tensor=4), whose slots are the longest length bucket
-    # plus the 8/4/48 tree's 7 x 4 scratch
+    # EAGLE strategies 8/4/48, 6/4/16, 5/4/8: the table keeps bfloat16 hidden states (features split over tensor=4)
+    # and a one-layer drafter cache of 64 rows x 4 KV heads x 128 (one head on each device of tensor=4), whose slots
+    # are the longest length bucket plus the 8/4/48 tree's 7 x 4 scratch
     eagle = dry_run.memory_plan(load_config(QWEN7B))
-    assert eagle["hidden_states"] == 64 * 4096 * 3584 * 2
+    assert eagle["hidden_states"] == 64 * 4096 * (3584 // 4) * 2
     assert eagle["drafter_kv_cache"] == 2 * 64 * 1 * (4096 + 28) * 128 * 2
     # History chains only (RolloutEngine: no drafter, so neither): the plan must not count 2.25 GiB the run never holds
     history = dry_run.memory_plan(load_config(QWEN7B, ["sd.strategies=['h8']", "sd.group_live_batch_ranges=[]"]))
     assert history["hidden_states"] == history["drafter_kv_cache"] == history["drafter"] == 0
     assert history["total"] == sum(history[k] for k in dry_run.MEMORY_PARTS)
+
+
+def test_the_rollout_tables_rows_split_over_fsdp():
+    # Qwen2.5-32B on fsdp=2 x tensor=4 replicas: each device holds 32 / 2 rows of 8 / 4 KV heads, 64 layers x 4096
+    # slots x 128 in bfloat16 (RolloutEngine._placed); compaction's next table (16 rows) is whole on every device
+    plan = dry_run.memory_plan(load_config(QWEN32B, ["model.path=qwen2.5-32b"]))
+    assert plan["kv_cache"] == 2 * 64 * 16 * 2 * 4096 * 128 * 2
+    assert plan["hidden_states"] == 16 * 4096 * (5120 // 4) * 2
+    assert plan["compaction"] == plan["kv_cache"] + plan["hidden_states"] + plan["drafter_kv_cache"]
 
 
 def test_train_logits_cover_the_completion_slots():
@@ -57,14 +67,14 @@ def test_train_activations_follow_the_layer_tensors():
 
 def test_a_run_whose_plan_exceeds_what_jax_may_allocate_is_warned_before_it_loads(monkeypatch):
     cfg = load_config(QWEN7B, ["model.attention=reference"])  # the same plan on every platform
-    total = dry_run.memory_plan(cfg, 8)["total"]  # 56.7 GiB, 19.5 of them the update step's activations
+    total = dry_run.memory_plan(cfg, 8)["total"]  # 54.8 GiB, 19.5 of them the update step's activations
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
     warning = dry_run.memory_warning(cfg, 8, int(0.5 * 40 * 2**30))  # half of a 40 GiB card
-    assert "needs 56.7 GiB a device" in warning and "JAX may allocate 20.0 GiB" in warning
+    assert "needs 54.8 GiB a device" in warning and "JAX may allocate 20.0 GiB" in warning
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.5" in warning
     assert dry_run.memory_warning(cfg, 8, total) is None
     assert dry_run.memory_warning(cfg, 8, None) is None  # CPU: no device memory to plan against
-    assert "needs a device of 113.5 GiB: JAX allocates at most 50%" in dry_run.plan(cfg, 8)
+    assert "needs a device of 109.6 GiB: JAX allocates at most 50%" in dry_run.plan(cfg, 8)
 
 
 def _compiled_step(cfg, P: int, C: int):

@@ -2,6 +2,7 @@
 
 import dataclasses
 import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from fastrl_jax.models.config import ModelConfig
 from fastrl_jax.models.decoder import Decoder, KVCache
 from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.rl import update
+from fastrl_jax.rollout import programs
 from fastrl_jax.rollout.engine import Request, RolloutEngine
 from fastrl_jax.sharding import logical_to_spec, make_mesh, mesh_sizes, named_sharding, replica_meshes, shardings_for
 
@@ -301,6 +303,66 @@ def test_a_tensor_parallel_engine_holds_its_own_heads_of_the_cache():
         hlo = fn.lower(*args).compile().as_text()
     whole = f"[4,{table.hidden.shape[1]},{table.hidden.shape[2]}]"
     assert not [line for line in hlo.splitlines() if "all-gather" in line and whole in line]
+
+
+def test_an_engine_splits_its_tables_rows_over_fsdp():
+    """On fsdp=2 x tensor=2 each device of a replica holds half the rows of the KV caches (the policy's and the
+    drafter's) and of the kept hidden states, of its own KV heads: with rows whole every device along fsdp held the
+    whole table (found by review). Attention runs each device's rows, the other contractions every row over the
+    split weights; speculation moves each device's own rows, where a dynamic slice of the split row axis gathered
+    the whole cache onto every device; compaction takes rows across devices. Sampled outputs and hidden states
+    equal a one-device plain engine's."""
+    reqs = [Request(p, max_new_tokens=4 + 6 * (i % 5), temperature=0.8, seed=3 + i)
+            for i, p in enumerate(prompts(10, seed=5))]
+    plain = RolloutEngine(tiny_model(), CFG, keep_hidden=True, progress=False)
+    expected = plain.generate(reqs)
+    mesh = make_mesh(MeshConfig(fsdp=2, tensor=2), jax.devices()[:4])
+
+    def on_mesh(module):
+        graphdef, state = nnx.split(module)
+        return nnx.merge(graphdef, jax.device_put(state, shardings_for(state, mesh)))
+
+    model = tiny_model()
+    spec = SpecConfig(mode="on", steps=3, topk=2, verify_tokens=6)
+    engine = RolloutEngine(on_mesh(model), CFG, sd=spec, drafter=on_mesh(Drafter(model.cfg, nnx.Rngs(5))),
+                           keep_hidden=True, progress=False)
+    out = engine.generate(reqs)
+    assert [o.tokens for o in out] == [e.tokens for e in expected]
+    for o, e in zip(out, expected):
+        np.testing.assert_allclose(o.hidden_states, e.hidden_states, rtol=2e-3, atol=1e-2)  # entries up to ~400
+    assert engine.stats.calls["sd"] > 0 and engine.stats.calls["resize"] >= 2  # 16 -> 4 -> 1 rows
+
+    table = engine.pool.get(("empty", 4))()
+    for cache in (table.cache, table.draft.cache):
+        assert cache.k.sharding.spec == P(None, "fsdp", "tensor", None, None)
+        assert {s.data.shape[1:3] for s in cache.k.addressable_shards} == {(2, 1)}
+    assert {s.data.shape[0] for s in table.hidden.addressable_shards} == {2}
+    assert engine.pool.get(("empty", 1))().cache.k.sharding.spec == P(None, None, "tensor", None, None)  # one row: whole
+    L, B, _, S, _ = table.cache.k.shape
+    whole = re.compile(rf"= f32\[{L},{B},\d+,{S},\d+\].* all-gather")  # the whole cache, of a device's heads
+    for key in (("decode", 4, 32), ("sd", 4, 32, engine.strategies[0])):
+        fn, args = engine._build(key)
+        with jax.set_mesh(mesh):
+            hlo = fn.lower(*args).compile().as_text()
+        assert not whole.search(hlo), key
+
+
+@pytest.mark.parametrize("old, new", [(8, 4), (4, 1), (6, 4), (3, 1)])
+def test_compaction_takes_rows_split_over_fsdp(old, new):
+    """programs.resize's take of a table's split rows (each device takes those it holds, a reduce-scatter hands out
+    the new rows) equals jnp.take, from rows split or whole into rows split or whole; -1 gives zeros."""
+    mesh = make_mesh(MeshConfig(fsdp=2, tensor=2), jax.devices()[:4])
+    x = jnp.asarray(np.random.default_rng(old).standard_normal((2, old, 2, 3, 4)), jnp.float32)
+    index = np.random.default_rng(new).permutation(old)[:new]
+    index[0] = -1
+    rows = jnp.where(index < 0, old, index)
+    specs = [programs.cache_spec(mesh, n, 2) for n in (old, new)]
+    assert [s[1] for s in specs] == ["fsdp" if old % 2 == 0 else None, "fsdp" if new % 2 == 0 else None]
+    with jax.set_mesh(mesh):
+        out = jax.jit(lambda x, r: programs._take_split_rows(x, r, 1, *specs))(
+            jax.device_put(x, NamedSharding(mesh, specs[0])), rows)
+    assert out.sharding.is_equivalent_to(NamedSharding(mesh, specs[1]), out.ndim)
+    np.testing.assert_array_equal(out, jnp.take(x, rows, axis=1, mode="fill", fill_value=0))
 
 
 def test_an_engine_on_a_mesh_takes_a_drafter_loaded_on_one_device():

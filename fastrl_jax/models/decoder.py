@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
+from jax.sharding import PartitionSpec
 
-from fastrl_jax.kernels.tree_attention.api import cached_attention
+from fastrl_jax.kernels.tree_attention.api import cached_attention, shard_specs
 from fastrl_jax.models.config import ModelConfig, rope_inv_freq
 
 
@@ -175,7 +176,8 @@ def run_layers(cfg: ModelConfig, layers: Layers, x, positions, cache: KVCache, s
     per-row windows (Decoder.__call__). cached_slots: as Decoder.hidden_and_features. rows: a PartitionSpec of
     x under the context mesh that every layer's input and output keep (the training forward's rows split over
     data x fsdp; unconstrained, XLA gathered the whole micro-batch onto every device to split the contractions
-    over the fsdp-sharded weight dimension instead).
+    over the fsdp-sharded weight dimension instead); None under a mesh keeps every row on every device (the
+    engines' and drafters' calls, whose weights are not gathered: attention alone runs each device's rows, _attend).
 
     Returns (x, cache); with `capture` (static layer indices in [0, num_layers]) (x, features, cache),
     features [B, T, len(capture) * H] the residual stream entering each captured layer (num_layers:
@@ -188,6 +190,9 @@ def run_layers(cfg: ModelConfig, layers: Layers, x, positions, cache: KVCache, s
     if any(not 0 <= c <= cfg.num_layers for c in capture):
         raise ValueError(f"capture layers {capture} must lie in [0, {cfg.num_layers}]")
 
+    if rows is None and not jax.sharding.get_abstract_mesh().empty:
+        rows = PartitionSpec()
+
     def keep(t):
         return t if rows is None else jax.lax.with_sharding_constraint(t, rows)
 
@@ -197,7 +202,7 @@ def run_layers(cfg: ModelConfig, layers: Layers, x, positions, cache: KVCache, s
         x = keep(x)
         aux = _grab(capture, i, x, aux)
         x, kv = _layer(cfg, p, x, k_cached[:, :, :kv_len], v_cached[:, :, :kv_len], cos, sin, start, mask, input_norm,
-                       embeds, narrow, cached_slots)
+                       embeds, narrow, cached_slots, rows)
         return (keep(x), aux), kv
 
     if remat:
@@ -281,6 +286,7 @@ def run_layers_together(cfg: ModelConfig, layers: Layers, parts, capture: tuple[
     tables = [rope_tables(cfg, positions) for _, positions, *_ in parts]
     cos, sin = flat([c for c, _ in tables]), flat([s for _, s in tables])
     layer_params = nnx.to_pure_dict(nnx.state(layers))
+    every_row = None if jax.sharding.get_abstract_mesh().empty else PartitionSpec()  # as run_layers' rows=None
 
     def layer(carry, inputs):
         x, aux = carry
@@ -291,7 +297,7 @@ def run_layers_together(cfg: ModelConfig, layers: Layers, parts, capture: tuple[
         for q_, k_, v_, (k_cached, v_cached), (*_, start, mask, slots) in zip(split(q), split(k, 2), split(v, 2), cached, parts):
             kv_len = mask.shape[-1]
             attn.append(_attend(cfg, q_, k_cached[:, :, :kv_len], v_cached[:, :, :kv_len], k_, v_, start, mask,
-                                cached_slots=slots))
+                                cached_slots=slots, rows=every_row))
             new.append((k_, v_))
         return (_out_and_mlp(cfg, p, x, flat(attn)), aux), new
 
@@ -372,10 +378,10 @@ def _write_rows(cache: jax.Array, new: jax.Array, start: jax.Array, after: jax.A
 
 
 def _layer(cfg: ModelConfig, p, x, k_cached, v_cached, cos, sin, start, mask, input_norm=True, embeds=None, narrow=None,
-           cached_slots=None):
+           cached_slots=None, rows=None):
     """One decoder layer. k_cached/v_cached [B, KV, S, D] hold the prefix (slots < start)."""
     q, k, v = _qkv(cfg, p, x, cos, sin, input_norm, embeds)
-    attn = _attend(cfg, q, k_cached, v_cached, k, v, start, mask, narrow, cached_slots)
+    attn = _attend(cfg, q, k_cached, v_cached, k, v, start, mask, narrow, cached_slots, rows)
     return _out_and_mlp(cfg, p, x, attn), (k, v)
 
 
@@ -398,14 +404,32 @@ def _qkv(cfg: ModelConfig, p, x, cos, sin, input_norm=True, embeds=None):
     return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
 
-def _attend(cfg: ModelConfig, q, k_cached, v_cached, k, v, start, mask, narrow=None, cached_slots=None):
-    """Attention of queries [B, T, heads, D] over the cache window and the new keys -> [B, T, heads x D]."""
+def _attend(cfg: ModelConfig, q, k_cached, v_cached, k, v, start, mask, narrow=None, cached_slots=None, rows=None):
+    """Attention of queries [B, T, heads, D] over the cache window and the new keys -> [B, T, heads x D].
+
+    Under a mesh each device attends its own rows and KV heads, as the kernels split them (shard_specs): the
+    rollout tables keep each device's rows of the KV cache only, and the layers' x, which `rows` (its
+    PartitionSpec) places, may hold every row on every device (the engines' calls: their contractions split over
+    the fsdp-sharded weight dimension). The output goes back to x's rows."""
     B, T = q.shape[:2]
+    mesh = jax.sharding.get_abstract_mesh()
+    split = None if mesh.empty else shard_specs(mesh, B, cfg.num_kv_heads)
+    if split is not None:
+        (row, _, heads), c = split[0], jax.lax.with_sharding_constraint
+        x_row = rows[0] if rows else None
+        # The new queries, keys and values as their projections give them, on x's rows, then cut to attention's
+        # (cut straight to them, each device's projection of its own rows gathered the weights)
+        q = c(c(q, PartitionSpec(x_row, None, heads, None)), PartitionSpec(row, None, heads, None))
+        k, v = (c(c(a, PartitionSpec(x_row, heads, None, None)), PartitionSpec(row, heads, None, None)) for a in (k, v))
+        k_cached, v_cached = (c(a, PartitionSpec(row, heads, None, None)) for a in (k_cached, v_cached))
     G = cfg.num_heads // cfg.num_kv_heads
     qg = q.reshape(B, T, cfg.num_kv_heads, G, cfg.head_dim) / np.sqrt(cfg.head_dim).astype(q.dtype)
     attn = _windowed_attention(qg, k_cached, v_cached, k, v, start, mask, narrow, cached_slots,  # [B, T, KV, G, D]
                                cfg.attention_backend)
-    return attn.reshape(B, T, cfg.num_heads * cfg.head_dim)
+    out = attn.reshape(B, T, cfg.num_heads * cfg.head_dim)
+    if split is not None and rows is not None:
+        out = jax.lax.with_sharding_constraint(out, PartitionSpec(x_row, None, heads))
+    return out
 
 
 def _out_and_mlp(cfg: ModelConfig, p, x, attn):

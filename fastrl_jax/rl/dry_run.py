@@ -114,20 +114,22 @@ def memory_plan(cfg: Config, devices: int | None = None, platform: str | None = 
     rollout_params -= unrolled if mixed else 0
     itemsize = np.dtype(DTYPES[cfg.model.engine_dtype]).itemsize
     B, S = cfg.rollout.batch_buckets[-1], cfg.rollout.length_buckets[-1]
-    # The engine's row table lives on each replica's devices: KV caches split over KV heads along tensor where it
-    # divides them (RolloutEngine._placed), the rest whole.
-    heads = mcfg.num_kv_heads // (sizes["tensor"] if mcfg.num_kv_heads % sizes["tensor"] == 0 else 1)
-    kv = 2 * mcfg.num_layers * B * heads * S * mcfg.head_dim * itemsize
+    # The engine's row table lives on each replica's devices: KV caches split over rows along fsdp and KV heads along
+    # tensor where they divide them (RolloutEngine._placed), the hidden states over rows and features alike.
+    rows = B // sizes["fsdp"] if B % sizes["fsdp"] == 0 else B
+    heads = _on_tensor(mcfg.num_kv_heads, sizes)
+    kv = 2 * mcfg.num_layers * rows * heads * S * mcfg.head_dim * itemsize
     # Only EAGLE strategies keep hidden states and a drafter cache (history drafting needs neither); the
     # drafter's cache has the tree steps' scratch slots beyond the longest length bucket (RolloutEngine._empty).
     drafting = cfg.sd.uses_drafter()
     width = mcfg.hidden_size * max(len(feature_layers(cfg.drafter_train.kind, mcfg.num_layers)), 1)
-    hidden = B * S * width * itemsize if drafting else 0  # stored in the engine's dtype
+    hidden = rows * S * _on_tensor(width, sizes) * itemsize if drafting else 0  # stored in the engine's dtype
     scratch = max((Strategy(*s.parts()).scratch_slots for s in cfg.sd.strategy_list() if s.parts()[0]), default=0)
-    drafter_kv = 2 * B * heads * (S + scratch) * mcfg.head_dim * itemsize if drafting else 0
-    # Compaction (programs.resize) builds the next smaller table while the largest one still lives.
+    drafter_kv = 2 * rows * heads * (S + scratch) * mcfg.head_dim * itemsize if drafting else 0
+    # Compaction (programs.resize) builds the next smaller table while the largest one still lives, every row of it
+    # on every device (each device takes the rows it holds into it, and a reduce-scatter hands out the rows).
     smaller = max((b for b in cfg.rollout.batch_buckets if b < B), default=0)
-    compaction = (kv + hidden + drafter_kv) * smaller // B
+    compaction = (kv + hidden + drafter_kv) * smaller // rows
     vocab = _on_tensor(mcfg.vocab_size, sizes)  # the head splits over tensor
     # Only the completion slots go through the head (update.sequence_logprobs), at most rl.max_new_tokens
     # rounded up as Trainer.build_batch rounds them.
@@ -264,7 +266,7 @@ def plan(cfg: Config, devices: int | None = None, platform: str | None = None) -
                           "norm and head)",
         "unrolled_layers": "the engines' per-layer copy of the layer weights (rollout.layer_loop unrolled, or auto on GPUs)",
         "kv_cache": f"rollout KV cache, {cfg.rollout.batch_buckets[-1]} rows x {cfg.rollout.length_buckets[-1]} slots, "
-                    f"KV heads split over tensor where it divides them",
+                    f"rows split over fsdp and KV heads over tensor where they divide them",
         "hidden_states": "last-layer hidden states kept for the drafter (EAGLE strategies)",
         "drafter_kv_cache": "drafter's one-layer KV cache (EAGLE strategies)",
         "compaction": "the next smaller row table, built beside the largest when rows finish",

@@ -38,10 +38,7 @@ from fastrl_jax.rollout.pool import ProgramPool, compile_error
 from fastrl_jax.rollout.requests import draft_margin, request_problem
 from fastrl_jax.rollout.sampling import SamplingParams
 from fastrl_jax.rollout.stats import Call, Recorder, RolloutStats
-from fastrl_jax.sharding import DEFAULT_RULES, logical_to_spec, shardings_for
-
-# A row table's KV caches: heads split like the weights', rows and slots whole on every device of a replica.
-TABLE_RULES = tuple((name, None if name == "batch" else axes) for name, axes in DEFAULT_RULES)
+from fastrl_jax.sharding import shardings_for
 
 log = logging.getLogger(__name__)
 
@@ -340,23 +337,24 @@ class RolloutEngine:
         return jax.device_put(drafter_state, shardings_for(drafter_state, self.mesh))
 
     def _placed(self, tree):
-        """The shardings of a row table or prefix (arrays or shapes): every KV cache's heads split as the
-        weights' are (TABLE_RULES: each device holds the keys and values of its own KV heads, not the whole
-        cache, and the attention kernels run per shard), the kept hidden states' features over tensor (as XLA
-        carries them through a call: replicated, each call copied and gathered the whole [B, S, F] table),
-        every other field replicated."""
+        """The shardings of a row table or prefix (arrays or shapes): its KV caches and kept hidden states split as
+        programs.cache_spec and hidden_spec say (each device holds its own rows of its own KV heads; with rows whole,
+        every device along fsdp held the whole table), every other field replicated."""
+        if self.mesh is None:
+            return jax.tree.map(lambda x: KVCache(k=self._replicated, v=self._replicated) if isinstance(x, KVCache)
+                                else self._replicated, tree, is_leaf=lambda x: isinstance(x, KVCache))
+
         def one(x):
             if not isinstance(x, KVCache):
                 return self._replicated
-            if self.mesh is None:
-                return KVCache(k=self._replicated, v=self._replicated)
-            split = NamedSharding(self.mesh, logical_to_spec(KVCache.LOGICAL_AXES, x.k.shape, self.mesh, TABLE_RULES))
+            split = NamedSharding(self.mesh, programs.cache_spec(self.mesh, x.k.shape[1], x.k.shape[2]))
             return KVCache(k=split, v=split)
 
         out = jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, KVCache))
         hidden = getattr(tree, "hidden", None)
-        if hidden is not None and self.mesh is not None and hidden.shape[-1] % self.mesh.shape["tensor"] == 0:
-            out = dataclasses.replace(out, hidden=NamedSharding(self.mesh, PartitionSpec(None, None, "tensor")))
+        if hidden is not None:
+            spec = programs.hidden_spec(self.mesh, hidden.shape[0], hidden.shape[-1])
+            out = dataclasses.replace(out, hidden=NamedSharding(self.mesh, spec))
         return out
 
     def _shapes(self, make: Callable):

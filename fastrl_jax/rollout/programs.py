@@ -12,7 +12,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
+from jax.sharding import PartitionSpec
 
+from fastrl_jax.kernels.tree_attention.api import shard_specs
 from fastrl_jax.models.decoder import KVCache, attention_mask
 from fastrl_jax.rollout.sampling import SamplingParams, sample
 
@@ -288,6 +290,19 @@ def _decoded(model, s: Slots, hidden, features, cache: KVCache) -> Slots:
     )
 
 
+def cache_spec(mesh, batch: int, kv_heads: int) -> PartitionSpec:
+    """A row table's KV cache [L, B, KV, S, D] on `mesh`, split as attention splits it (the kernels' shard_specs):
+    rows over fsdp and KV heads over tensor where they divide, so each device holds its own rows of its own heads."""
+    specs = shard_specs(mesh, batch, kv_heads)
+    return PartitionSpec(None, *(specs[1] if specs is not None else (None, None)), None, None)
+
+
+def hidden_spec(mesh, batch: int, features: int) -> PartitionSpec:
+    """A row table's kept features [B, S, F]: rows as its caches', features over tensor where they divide (as XLA
+    carries them through a call)."""
+    return PartitionSpec(cache_spec(mesh, batch, 1)[1], None, "tensor" if features % mesh.shape["tensor"] == 0 else None)
+
+
 def resize(slots: Slots, index: jax.Array) -> Slots:
     """A table of len(index) rows taking row index[i] of `slots`; index -1 gives an empty dead row."""
     rows = jnp.where(index < 0, slots.batch, index)  # past the end: filled (take wraps -1 to the last row)
@@ -295,15 +310,53 @@ def resize(slots: Slots, index: jax.Array) -> Slots:
     def take(x, axis=0):
         return jnp.take(x, rows, axis=axis, mode="fill", fill_value=0)
 
+    mesh = jax.sharding.get_abstract_mesh()
+
     def take_cache(c: KVCache) -> KVCache:
-        return KVCache(k=take(c.k, 1), v=take(c.v, 1))
+        if mesh.empty:
+            return KVCache(k=take(c.k, 1), v=take(c.v, 1))
+        specs = [cache_spec(mesh, n, c.k.shape[2]) for n in (slots.batch, len(index))]
+        return KVCache(k=_take_split_rows(c.k, rows, 1, *specs), v=_take_split_rows(c.v, rows, 1, *specs))
 
     stop_ids = jnp.where((index >= 0)[:, None], take(slots.stop_ids), -1)
-    out = jax.tree.map(take, slots.replace(cache=None, stop_ids=None, draft=None))
+    out = jax.tree.map(take, slots.replace(cache=None, stop_ids=None, draft=None, hidden=None))
     # An empty row's top_p is 1, as in Slots.empty: a fill of 0 would turn top-p filtering on for every row
     top_p = jnp.where(index >= 0, out.params.top_p, 1.0)
     out = out.replace(cache=take_cache(slots.cache), stop_ids=stop_ids, params=out.params.replace(top_p=top_p))
+    if slots.hidden is not None:
+        F = slots.hidden.shape[-1]
+        out = out.replace(hidden=take(slots.hidden) if mesh.empty else _take_split_rows(
+            slots.hidden, rows, 0, hidden_spec(mesh, slots.batch, F), hidden_spec(mesh, len(index), F)))
     if slots.draft is not None:
         draft = jax.tree.map(take, slots.draft.replace(cache=None)).replace(cache=take_cache(slots.draft.cache))
         out = out.replace(draft=draft)
     return out
+
+
+def _take_split_rows(x: jax.Array, rows: jax.Array, axis: int, old: PartitionSpec, new: PartitionSpec) -> jax.Array:
+    """jnp.take(x, rows, axis, mode="fill", fill_value=0) of a table array whose rows are split over the mesh as
+    `old` says, into rows split as `new` says: each device takes the rows it holds (zeros for the others) and a
+    reduce-scatter sums every device's part into each device's own new rows. Left to XLA, the whole new table
+    was summed onto every device (an all-reduce: two whole tables of temporaries, more than the layout saves)."""
+    src, dst = old[axis], new[axis]
+
+    def local(x, rows):
+        n = x.shape[axis]
+        if src is not None:  # rows of other devices, and past the end, are filled with zeros
+            rows = rows - jax.lax.axis_index(src) * n
+            rows = jnp.where((rows >= 0) & (rows < n), rows, n)
+        elif dst is not None:  # every device holds every row: take its own new rows only
+            part = rows.shape[0] // jax.lax.psum(1, dst)
+            rows = jax.lax.dynamic_slice_in_dim(rows, jax.lax.axis_index(dst) * part, part)
+        taken = jnp.take(x, rows, axis=axis, mode="fill", fill_value=0)
+        if src is None:
+            return taken
+        if dst == src:
+            return jax.lax.psum_scatter(taken, src, scatter_dimension=axis, tiled=True)
+        whole = jax.lax.psum(taken, src)
+        if dst is None:
+            return whole
+        part = whole.shape[axis] // jax.lax.psum(1, dst)
+        return jax.lax.dynamic_slice_in_dim(whole, jax.lax.axis_index(dst) * part, part, axis)
+
+    return jax.shard_map(local, in_specs=(old, PartitionSpec()), out_specs=new, check_vma=False)(x, rows)

@@ -19,11 +19,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
+from jax.sharding import PartitionSpec
 
 from fastrl_jax.models.decoder import KVCache
 from fastrl_jax.rollout import accept as accept_lib
 from fastrl_jax.rollout import history as history_lib
-from fastrl_jax.rollout.programs import Slots, steps_until_rows_finish
+from fastrl_jax.rollout.programs import Slots, cache_spec, steps_until_rows_finish
 from fastrl_jax.rollout.sampling import SamplingParams, gumbel_at
 
 
@@ -306,7 +307,19 @@ def coupled_logp(logits: jax.Array, params: SamplingParams | None, position: jax
 
 
 def _move_path(cache: KVCache, start, order):
-    """In each row b, slot start[b] + i takes the entry at slot start[b] + order[b, i]."""
+    """In each row b, slot start[b] + i takes the entry at slot start[b] + order[b, i]. Under a mesh each device
+    moves its own rows (the table's rows split as attention splits them): a dynamic slice of a split row axis made
+    XLA gather the whole cache onto every device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    kv = None if mesh.empty else cache_spec(mesh, *cache.k.shape[1:3])
+    if kv is None or (kv[1] is None and kv[2] is None):
+        return _move_rows(cache, start, order)
+    rows = PartitionSpec(kv[1])
+    return jax.shard_map(_move_rows, in_specs=(KVCache(k=kv, v=kv), rows, rows), out_specs=KVCache(k=kv, v=kv),
+                         check_vma=False)(cache, start, order)
+
+
+def _move_rows(cache: KVCache, start, order):
     N = order.shape[1]
 
     def row(b, c):
