@@ -451,28 +451,27 @@ def _eval_settings(args: argparse.Namespace, cfg) -> tuple[int, float, int, int]
 
 
 def _eval_requests(cfg, path: Path, records, samples: int, temperature: float, max_new: int):
-    """(tokenizer, records, requests): the records whose prompt fits the largest prompt bucket (the set the
+    """(tokenizer, records, requests): the records whose prompt fits (rollout.requests.prompt_limit: the set the
     trainer's in-run evaluation scores, so eval of a run repeats its eval_accuracy) and their requests, every
     prompt checked against the engine's rules."""
     from fastrl_jax.data.prompts import record_prompt_ids
     from fastrl_jax.models.loading import read_model_config
     from fastrl_jax.models.tokenizer import load_tokenizer, stop_ids
     from fastrl_jax.rl.evaluate import eval_requests
-    from fastrl_jax.rollout.requests import draft_margin, request_problem
+    from fastrl_jax.rollout.requests import draft_margin, prompt_limit, request_problem
 
     tokenizer, model_cfg = load_tokenizer(path), read_model_config(path)
     d, rl = cfg.data, cfg.rl
     prompts = [record_prompt_ids(r, tokenizer, d.instruction, d.chat_template) for r in records]
-    limit = cfg.rollout.prompt_buckets[-1]
+    margin = draft_margin(cfg.sd)
+    limit, why = prompt_limit(cfg.rollout, max_new, margin)
     fits = [i for i, p in enumerate(prompts) if len(p) <= limit]
     if fits and len(fits) < len(records):  # none fitting is refused below, with the reason
-        print(f"[fastrl-jax] {len(records) - len(fits)} of {len(records)} evaluation prompts are longer than the largest "
-              f"rollout.prompt_buckets ({limit} tokens) and are left out, as training's evaluation leaves them out; raise "
-              "it to keep them", file=sys.stderr)
+        print(f"[fastrl-jax] {len(records) - len(fits)} of {len(records)} evaluation prompts are longer than {why} and "
+              "are left out, as training's evaluation leaves them out; raise it to keep them", file=sys.stderr)
         records, prompts = [records[i] for i in fits], [prompts[i] for i in fits]
     requests = eval_requests(prompts, samples, max_new, temperature, rl.eval_top_k, rl.eval_top_p, cfg.seed,
                              stop_ids(model_cfg, tokenizer))
-    margin = draft_margin(cfg.sd)
     bad = [(g, why) for g in range(len(records))
            if (why := request_problem(requests[g * samples], cfg.rollout, margin, model_cfg.vocab_size))]
     if bad:

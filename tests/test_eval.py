@@ -118,11 +118,20 @@ def test_eval_leaves_out_the_prompts_training_leaves_out(tmp_path, capsys):
     from fastrl_jax.data.prompts import record_prompt_ids
     from fastrl_jax.models.hub import resolve_model_path
     from fastrl_jax.rl.evaluate import eval_requests
+    from fastrl_jax.rollout.requests import draft_margin
 
     cfg = load_config(None, tiny_overrides(tmp_path))  # prompts of one character a token, buckets up to 16
     records = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "1+" * 20 + "1=", "answer": "21"},
-               {"prompt": "4+4=", "answer": "8"}]
+               {"prompt": "44+4=", "answer": "48"}]
     tokenizer, kept, requests = _eval_requests(cfg, resolve_model_path(cfg.model.path), records, 2, 1.0, 8)
     assert kept == [records[0], records[2]] and "1 of 3 evaluation prompts are longer" in capsys.readouterr().err
     prompts = [record_prompt_ids(r, tokenizer, cfg.data.instruction, cfg.data.chat_template) for r in kept]
     assert requests == eval_requests(prompts, 2, 8, 1.0, cfg.rl.top_k, cfg.rl.top_p, cfg.seed, requests[0].stop_ids)
+
+    # A prompt within the prompt buckets whose max_new_tokens leaves it no room in the largest length bucket is left
+    # out too, as the trainer leaves it out (Trainer._fitting); eval refused the whole set over it
+    assert len(prompts[0]) < len(prompts[1])
+    max_new = cfg.rollout.length_buckets[-1] - draft_margin(cfg.sd) - len(prompts[0])
+    _, kept, _ = _eval_requests(cfg, resolve_model_path(cfg.model.path), records, 2, 1.0, max_new)
+    assert kept == [records[0]]
+    assert f"2 of 3 evaluation prompts are longer than the room max_new_tokens ({max_new}) leaves" in capsys.readouterr().err

@@ -195,7 +195,7 @@ def test_prompts_leaving_no_room_for_the_completion_are_left_out_at_the_start(tm
     trainer = make_trainer(tmp_path, f"data.source={prompts}", f"data.eval_source={prompts}", "rl.max_new_tokens=56",
                            "sd.mode='off'", "rl.eval_every_steps=1", steps=1)
     assert trainer.num_records == 6 and len(trainer.eval_records) == 6
-    assert "1 of 7 prompts are longer than the room rl.max_new_tokens leaves in the largest rollout.length_buckets " \
+    assert "1 of 7 prompts are longer than the room max_new_tokens (56) leaves in the largest rollout.length_buckets " \
            "(8 tokens)" in caplog.text
     trainer.run()
     trainer.close()

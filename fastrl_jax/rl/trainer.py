@@ -51,7 +51,7 @@ from fastrl_jax.rl.step_metrics import MetricsLog, rollout_summary
 from fastrl_jax.rl.workers import RolloutWorkers, request_seed
 from fastrl_jax.rollout.engine import Completion, Request, shared_prefix_len
 from fastrl_jax.rollout.history import HistoryStore
-from fastrl_jax.rollout.requests import draft_margin, sampling_problem
+from fastrl_jax.rollout.requests import draft_margin, prompt_limit, sampling_problem
 from fastrl_jax.rollout.stats import RolloutStats
 from fastrl_jax.sharding import (
     allgather_json,
@@ -181,11 +181,7 @@ class Trainer:
         """The records whose prompt fits the largest prompt bucket and leaves the largest length bucket room for
         rl.max_new_tokens and the draft tree; the others are left out with a warning (verl's
         data.filter_overlong_prompts, its max_prompt_length), not found by the step that draws one."""
-        ro, rl = self.cfg.rollout, self.cfg.rl
-        room = ro.length_buckets[-1] - rl.max_new_tokens - draft_margin(self.cfg.sd)
-        limit = min(ro.prompt_buckets[-1], room)
-        why = (f"the largest rollout.prompt_buckets ({limit} tokens)" if limit < room else
-               f"the room rl.max_new_tokens leaves in the largest rollout.length_buckets ({limit} tokens)")
+        limit, why = prompt_limit(self.cfg.rollout, self.cfg.rl.max_new_tokens, draft_margin(self.cfg.sd))
         kept = [r for r in tqdm(records, desc="prompt lengths", unit="prompt", file=sys.stderr,
                                 disable=len(records) < 10_000) if len(self._prompt(r)) <= limit]
         if not kept:

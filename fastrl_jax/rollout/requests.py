@@ -41,6 +41,16 @@ def sampling_problem(max_new_tokens: int, temperature: float, top_k: int, top_p:
     return None
 
 
+def prompt_limit(cfg: RolloutConfig, max_new_tokens: int, margin: int = 0) -> tuple[int, str]:
+    """The longest prompt a request of max_new_tokens runs with on an engine of `cfg` whose speculative steps write
+    `margin` slots past the last token, and what sets it: the largest prompt bucket, or the room max_new_tokens and
+    the draft tree leave in the largest length bucket. The trainer and `eval` leave longer prompts out."""
+    room = cfg.length_buckets[-1] - max_new_tokens - margin
+    limit = min(cfg.prompt_buckets[-1], room)
+    return limit, (f"the largest rollout.prompt_buckets ({limit} tokens)" if limit < room else
+                   f"the room max_new_tokens ({max_new_tokens}) leaves in the largest rollout.length_buckets ({limit} tokens)")
+
+
 def request_problem(r: Request, cfg: RolloutConfig, margin: int = 0, vocab_size: int | None = None) -> str | None:
     """The reason request `r` cannot run on an engine of `cfg` whose speculative steps write `margin`
     slots past the last token, or None; vocab_size None skips the token-id range check."""
