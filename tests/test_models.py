@@ -372,7 +372,7 @@ def test_a_safetensors_dtype_we_cannot_read_is_named(tmp_path):
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
-    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16}, "use_sliding_window"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}, "use_sliding_window"),
     ({"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic'"),
     ({"quantization_config": {"quant_method": "compressed-tensors"}}, "quantized"),  # int8 codes: garbage logits
 ])
@@ -384,8 +384,12 @@ def test_config_features_the_layers_lack_are_refused_by_key(extra, key):
     base = transformers.LlamaConfig(**TINY).to_dict()
     with pytest.raises(ValueError, match=key):
         ModelConfig.from_hf_dict({**base, **extra})
-    for same in ({"hidden_act": "silu"}, {"hidden_act": "swish"}, {"partial_rotary_factor": 1.0}):
+    for same in ({"hidden_act": "silu"}, {"hidden_act": "swish"}, {"partial_rotary_factor": 1.0},
+                 # transformers slides only layers from max_window_layers on: here none (Qwen2.5's own configs)
+                 {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 28}):
         ModelConfig.from_hf_dict({**base, **same})
+    with pytest.raises(ValueError, match=r"sliding-window attention in layers \[1\]"):
+        ModelConfig.from_hf_dict({**base, "model_type": "qwen2", "layer_types": ["full_attention", "sliding_attention"]})
 
 
 def test_a_tensor_in_two_files_is_refused_without_an_index(tmp_path):

@@ -86,8 +86,14 @@ class ModelConfig:
             method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else quantized
             raise ValueError(f"the checkpoint is quantized (quantization_config: {method}); fastrl-jax trains and "
                              "decodes unquantized weights: load the original (bfloat16 / float32) checkpoint")
-        if d.get("use_sliding_window"):
-            raise ValueError("sliding-window attention (use_sliding_window: true) is not supported")
+        # transformers' rule (Qwen2 / Qwen3): layers from max_window_layers on slide when use_sliding_window, unless
+        # layer_types names each layer's kind; Qwen2.5 checkpoints set use_sliding_window with every layer full
+        layers = d.get("layer_types") or ["sliding_attention" if d.get("use_sliding_window")
+                                          and i >= d.get("max_window_layers", 28) else "full_attention"
+                                          for i in range(d.get("num_hidden_layers", 0))]
+        if "sliding_attention" in layers:
+            raise ValueError(f"sliding-window attention in layers {[i for i, t in enumerate(layers) if t != 'full_attention']} "
+                             "(use_sliding_window with max_window_layers, or layer_types) is not supported")
         if d.get("mlp_bias"):
             raise ValueError("MLP biases (mlp_bias: true) are not supported")
         if family != "qwen2" and d.get("attention_bias"):
