@@ -8,6 +8,7 @@ import json
 import math
 import os
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,14 +31,22 @@ def replacing(path: str | Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
+# A temporary untouched this long is no write under way: a writer fills it as it goes.
+ORPHAN_AGE_S = 3600
+
+
 def _remove_orphans(path: Path, host: str) -> None:
-    """Removes the temporaries of `path` that processes of this host no longer running left behind (another
-    host's, on a shared file system, may be under way)."""
+    """Removes the temporaries of `path` that processes of this host no longer running left behind, once untouched
+    for ORPHAN_AGE_S (another host's, on a shared file system, may be under way; so may a write of another container
+    with this host name, whose process ids this one cannot see)."""
     prefix = f".{path.name}.{host}."
     for tmp in path.parent.glob(f"{glob.escape(prefix)}*.tmp{glob.escape(path.suffix)}"):
         pid = tmp.name[len(prefix):].split(".", 1)[0]
-        if pid.isdigit() and not _running(int(pid)):
-            tmp.unlink(missing_ok=True)
+        try:
+            if pid.isdigit() and not _running(int(pid)) and time.time() - tmp.stat().st_mtime > ORPHAN_AGE_S:
+                tmp.unlink()
+        except FileNotFoundError:  # removed meanwhile, by its writer's rename or another cleanup
+            pass
 
 
 def _running(pid: int) -> bool:

@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -216,11 +217,16 @@ def test_a_write_removes_what_killed_writes_of_the_same_file_on_this_host_left(t
     orphan, other_host, live, other_file = (tmp_path / n for n in (
         f".m.f32.safetensors.{host}.{gone}.tmp.safetensors", f".m.f32.safetensors.elsewhere.{gone}.tmp.safetensors",
         f".m.f32.safetensors.{host}.{os.getppid()}.tmp.safetensors", f".n.f32.safetensors.{host}.{gone}.tmp.safetensors"))
-    for f in (orphan, other_host, live, other_file):
+    recent = tmp_path / f".m.f32.safetensors.{host}.{gone}.recent.tmp.safetensors"
+    for f in (orphan, other_host, live, other_file, recent):
         f.write_bytes(b"killed mid-write")
+        if f != recent:  # untouched for two hours
+            os.utime(f, (time.time() - 7200,) * 2)
     with replacing(tmp_path / "m.f32.safetensors") as tmp:
         tmp.write_bytes(b"whole")
-    kept = [other_host, live, other_file]  # another host's may be under way, as may a running process's
+    # Another host's may be under way, as may a running process's, and a recent one of a process this one cannot see
+    # (another container with this host name)
+    kept = [other_host, live, other_file, recent]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f.name for f in kept] + ["m.f32.safetensors"])
 
 
