@@ -189,7 +189,8 @@ def test_verl_parquet_keeps_its_chat_in_the_prompt_field(tmp_path):
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"}]
     pq.write_table(pa.Table.from_pylist([{"data_source": "gsm8k", "prompt": chat, "ability": "math",
                                           "reward_model": {"style": "rule", "ground_truth": "2"}}]), path)
-    assert read_records(path, answer_field="reward_model.ground_truth") == [{"answer": "2", "messages": chat}]
+    assert read_records(path, answer_field="reward_model.ground_truth") == [  # data_source for a verl compute_score
+        {"answer": "2", "messages": chat, "data_source": "gsm8k"}]
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": [{"role": "user"}], "answer": "2"}) + "\n")
     with pytest.raises(ValueError, match=r"record 1: each of 'prompt' must be \{\"role\": str, \"content\": str\}"):
@@ -199,7 +200,7 @@ def test_verl_parquet_keeps_its_chat_in_the_prompt_field(tmp_path):
     path.write_text(json.dumps({"prompt": chat, "reward_model": {"ground_truth": "2"},
                                 "extra_info": {"question": "1+1?"}}) + "\n")
     assert read_records(path, prompt_field="extra_info.question", answer_field="reward_model.ground_truth") == [
-        {"answer": "2", "prompt": "1+1?"}]
+        {"answer": "2", "prompt": "1+1?", "extra_info": {"question": "1+1?"}}]
     # An SFT file's chat ends with the answer: as a prompt it would hand the policy its answer.
     bad.write_text(json.dumps({"messages": [*chat, {"role": "assistant", "content": "2"}], "answer": "2"}) + "\n")
     with pytest.raises(ValueError, match="record 1: 'messages' ends with an assistant turn"):

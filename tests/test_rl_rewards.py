@@ -127,14 +127,26 @@ def test_an_unboxed_fraction_is_not_its_denominator():
     assert rewards.correctness_reward("So the probability is $\\frac{3}{4}$", "0.75") == 1.0
 
 
-def test_a_reward_of_another_signature_is_refused_at_the_start(tmp_path, monkeypatch):
-    """verl's compute_score(data_source, solution_str, ground_truth, extra_info) passed the start-up checks and
-    raised a TypeError at the first reward, after loading, compiling and a whole rollout."""
+def test_verls_compute_score_is_called_as_verl_calls_it(tmp_path, monkeypatch):
+    """verl's compute_score(data_source, solution_str, ground_truth, extra_info) takes the record's data_source and
+    extra_info (verl's files' columns, which read_records keeps) by keyword, and a dict result gives its 'score', as
+    verl's reward manager reads it; it was refused for want of a two-argument wrapper. Another signature is refused at
+    the start: it raised a TypeError at the first reward, after loading, compiling and a whole rollout."""
     (tmp_path / "verl_style.py").write_text(
-        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    bonus = extra_info['bonus'] if extra_info else 0.0\n"
+        "    if data_source == 'openai/gsm8k':\n"
+        "        return {'score': float(solution_str.endswith(ground_truth)) + bonus, 'acc': True}\n"
+        "    return 0.25\n"
+        "def without_extra(data_source, solution_str, ground_truth):\n    return 0.5\n"
+        "def three(completion, answer, extra):\n    return 1.0\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    fn = rewards.combined(("verl_style:compute_score", "verl_style:without_extra", "correct"), (1.0, 2.0, 1.0))
+    record = {"answer": "4", "data_source": "openai/gsm8k", "extra_info": {"bonus": 0.5}}
+    assert fn("#### 4", "4", record) == 1.5 + 1.0 + 1.0
+    assert fn("#### 3", "4", {"answer": "4"}) == 0.25 + 1.0 + 0.0
     with pytest.raises(ValueError, match="must be fn\\(completion, answer\\).*compute_score"):
-        rewards.combined(("verl_style:compute_score",), (1.0,))
+        rewards.combined(("verl_style:three",), (1.0,))
 
 
 def test_format_reward():
@@ -148,9 +160,9 @@ def test_format_reward():
 
 def test_registry_and_combination():
     fn = rewards.combined(("correct", "format"), (1.0, 0.1))
-    assert fn("The answer is 5", "5") == pytest.approx(1.1)
-    assert fn("5", "5") == pytest.approx(1.0)
-    assert fn("The answer is 4", "5") == pytest.approx(0.1)
+    assert fn("The answer is 5", "5", {}) == pytest.approx(1.1)
+    assert fn("5", "5", {}) == pytest.approx(1.0)
+    assert fn("The answer is 4", "5", {}) == pytest.approx(0.1)
     with pytest.raises(ValueError, match="unknown reward 'nope'.*correct, format"):
         rewards.get("nope")
     with pytest.raises(ValueError, match="cannot import"):

@@ -209,15 +209,16 @@ def test_each_process_scores_a_share_and_all_train_on_the_gathered_scores(tmp_pa
 
     trainer = make_trainer(tmp_path)
     scored = []
-    trainer.reward_fn = lambda text, answer: scored.append(text) or 0.5
+    trainer.reward_fn = lambda text, answer, record: scored.append((answer, record)) or 0.5
     monkeypatch.setattr(trainer_module.jax, "process_count", lambda: 2)
     monkeypatch.setattr(trainer_module.jax, "process_index", lambda: 1)
     other = [[(7.0, 1.0)] * 4, None]
     monkeypatch.setattr(trainer_module, "allgather_json", lambda share: [other, share])
-    records = [{"answer": "1"}, {"answer": "2"}]
+    records = [{"answer": "1", "data_source": "a"}, {"answer": "2", "data_source": "b"}]
     completions = [Completion([5 + i], [0.0], "stop") for i in range(8)]  # 2 groups of rl.samples_per_prompt 4
     reward, correct = trainer._rewards(records, completions)
-    assert len(scored) == 4  # its share: completions 1, 3, 5 and 7
+    # its share, completions 1, 3, 5 and 7, each with its prompt's record (a verl compute_score's data_source)
+    assert scored == [("1", records[0])] * 2 + [("2", records[1])] * 2
     assert reward.tolist() == [7.0, 0.5] * 4 and correct[::2] == [1.0] * 4
     # A reward that raised on the other process's share is this one's error too (it waited in the gather for good)
     other[:] = [[], "TypeError: a custom reward's bug"]
@@ -228,7 +229,7 @@ def test_each_process_scores_a_share_and_all_train_on_the_gathered_scores(tmp_pa
 
 def test_dapos_overlong_penalty_shapes_the_step_reward(tmp_path):
     trainer = make_trainer(tmp_path, "reward.overlong_buffer=6", "reward.overlong_penalty=0.5", steps=1)
-    trainer.reward_fn = lambda completion, answer: 0.0
+    trainer.reward_fn = lambda completion, answer, record: 0.0
     lengths, rollout = [], trainer.rollout
 
     def record(records, step, first=0):
@@ -253,7 +254,7 @@ def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ(tmp_path, f
     rollout."""
     trainer = make_trainer(tmp_path, f"rl.filter_groups={str(filter_groups).lower()}", "rl.max_gen_batches=20",
                            "rl.filter_groups_metric=reward", "sd.mode=adaptive", steps=1)
-    trainer.reward_fn = lambda completion, answer: float(len(completion) % 3) if int(answer) % 2 else 0.0
+    trainer.reward_fn = lambda completion, answer, record: float(len(completion) % 3) if int(answer) % 2 else 0.0
     advantages, build = [], trainer.build_batch
 
     def record(requests, completions, adv):
@@ -285,7 +286,7 @@ def test_dynamic_sampling_filters_on_accuracy_as_dapo_does(tmp_path, monkeypatch
     with caplog.at_level(logging.WARNING):  # the tiny runs' digit reward is no correctness: said at the start
         preflight(trainer.cfg, 1, files=False)
     assert "reward.functions ['helpers.tiny_run:digit_reward'] leave out" in caplog.text
-    trainer.reward_fn = lambda completion, answer: float(len(completion) % 3)
+    trainer.reward_fn = lambda completion, answer, record: float(len(completion) % 3)
     monkeypatch.setattr(trainer_module.rewards, "correctness_reward", lambda completion, answer: 0.0)
     metrics = trainer.run_step()
     trainer.close()

@@ -72,7 +72,8 @@ def _field(row: dict, name: str) -> Any:
 
 def read_records(path: str | Path, prompt_field: str = "prompt", messages_field: str = "messages",
                  answer_field: str = "answer") -> list[dict[str, Any]]:
-    """Reads a .jsonl or .parquet prompt file into records {"prompt"|"messages", "answer"}; a dotted field name
+    """Reads a .jsonl or .parquet prompt file into records {"prompt"|"messages", "answer"} (with verl's data_source
+    and extra_info where a row has them, for a verl compute_score reward); a dotted field name
     names a nested field (verl's files: reward_model.ground_truth, extra_info.question), and a prompt_field
     holding a list of messages (verl's files) is the record's messages."""
     path = checked_file(path, "dataset file")
@@ -132,5 +133,8 @@ def read_records(path: str | Path, prompt_field: str = "prompt", messages_field:
                 f"{where} needs a '{prompt_field}' string or a '{messages_field}' list "
                 f"(set data.prompt_field / data.messages_field); keys: {sorted(row)}"
             )
+        for key in ("data_source", "extra_info"):  # verl's columns, which its compute_score takes (rl.rewards)
+            if row.get(key) is not None:
+                record[key] = row[key]
         records.append(record)
     return records

@@ -191,17 +191,39 @@ def overlong_penalty(length: int, max_new_tokens: int, buffer: int, factor: floa
     return min(-(length - (max_new_tokens - buffer)) / buffer * factor, 0.0) if buffer else 0.0
 
 
-def combined(names: tuple[str, ...], weights: tuple[float, ...]) -> Callable[[str, str], float]:
-    """sum_i weights[i] * reward names[i]; unknown names fail here, at start-up."""
+def combined(names: tuple[str, ...], weights: tuple[float, ...]) -> Callable[[str, str, dict], float]:
+    """reward(completion, answer, record) = sum_i weights[i] * reward names[i]; unknown names and functions of
+    another signature fail here, at start-up. `record` is the prompt's record (its data_source / extra_info)."""
     if len(names) != len(weights):
         raise ValueError(f"reward.functions has {len(names)} names but reward.weights has {len(weights)} weights")
-    fns = [get(n) for n in names]
-    for n, f in zip(names, fns):
-        try:
-            inspect.signature(f).bind("", "")
-        except TypeError as e:
-            raise ValueError(f"reward {n!r} must be fn(completion, answer) -> float ({e}); wrap a verl "
-                             "compute_score(data_source, solution_str, ground_truth, extra_info) in one") from None
-        except ValueError:  # no signature to read (a builtin)
-            pass
-    return lambda completion, answer: sum(w * f(completion, answer) for w, f in zip(weights, fns))
+    fns = [_with_record(n, get(n)) for n in names]
+    return lambda completion, answer, record: sum(w * f(completion, answer, record) for w, f in zip(weights, fns))
+
+
+# verl's reward functions: compute_score(data_source, solution_str, ground_truth, extra_info=None, ...)
+_VERL = ("data_source", "solution_str", "ground_truth")
+
+
+def _with_record(name: str, f: Callable) -> Callable[[str, str, dict], float]:
+    """f(completion, answer) as f(completion, answer, record); verl's compute_score called as verl's reward manager
+    calls it: keyword arguments, the record's data_source and extra_info (verl's files' columns), and the 'score' of
+    a dict it returns."""
+    try:
+        params = inspect.signature(f).parameters
+    except ValueError:  # no signature to read (a builtin)
+        return lambda completion, answer, record: f(completion, answer)
+    if all(p in params for p in _VERL):
+        extra = "extra_info" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+        def verl(completion: str, answer: str, record: dict) -> float:
+            kwargs = {"data_source": record.get("data_source"), "solution_str": completion, "ground_truth": answer}
+            out = f(**kwargs, **({"extra_info": record.get("extra_info")} if extra else {}))
+            return out["score"] if isinstance(out, dict) else out
+
+        return verl
+    try:
+        inspect.signature(f).bind("", "")
+    except TypeError as e:
+        raise ValueError(f"reward {name!r} must be fn(completion, answer) -> float, or verl's compute_score("
+                         f"data_source, solution_str, ground_truth, extra_info=None) ({e})") from None
+    return lambda completion, answer, record: f(completion, answer)

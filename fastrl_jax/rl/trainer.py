@@ -341,10 +341,11 @@ class Trainer:
         processes, me = jax.process_count(), jax.process_index()
 
         def score(i: int) -> tuple[float, float]:
-            text, answer = self._text(completions[i]), records[i // rl.samples_per_prompt]["answer"]
+            text, record = self._text(completions[i]), records[i // rl.samples_per_prompt]
             penalty = rewards.overlong_penalty(len(completions[i].tokens), rl.max_new_tokens, shaping.overlong_buffer,
                                                shaping.overlong_penalty)
-            return float(self.reward_fn(text, answer)) + penalty, rewards.correctness_reward(text, answer)
+            return (float(self.reward_fn(text, record["answer"], record)) + penalty,
+                    rewards.correctness_reward(text, record["answer"]))
 
         if processes == 1:
             scored = [score(i) for i in range(len(completions))]
