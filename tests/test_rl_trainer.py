@@ -485,7 +485,7 @@ def test_dry_run_matches_hand_calculation():
     assert plan["optimizer"] == 2 * plan["params"] and plan["grads"] == plan["params"]
     # KV cache of one replica, its 4 KV heads split over tensor=4: 2 x layers x rows x 1 head x slots x head dim x 2 B
     assert plan["kv_cache"] == 2 * 28 * 64 * 1 * 4096 * 128 * 2
-    assert plan["hidden_states"] == 64 * 4096 * 3584 * 2  # in the engines' bfloat16 (whole on each device), sd on
+    assert plan["hidden_states"] == 64 * 4096 * (3584 // 4) * 2  # the engines' bfloat16, features over tensor=4, sd on
     # resizing 64 rows to 32 builds the half-size table beside the whole one
     assert plan["compaction"] == (plan["kv_cache"] + plan["hidden_states"] + plan["drafter_kv_cache"]) // 2
     # layer_loop auto (unrolled on GPUs, as planned): the engines' per-layer copy of everything but embed, head and
