@@ -331,6 +331,11 @@ def test_an_engine_splits_its_tables_rows_over_fsdp():
     for o, e in zip(out, expected):
         np.testing.assert_allclose(o.hidden_states, e.hidden_states, rtol=2e-3, atol=1e-2)  # entries up to ~400
     assert engine.stats.calls["sd"] > 0 and engine.stats.calls["resize"] >= 2  # 16 -> 4 -> 1 rows
+    # A stream refilling rows beside decode steps (prefills riding on them) on the same mesh
+    stream = RolloutEngine(on_mesh(tiny_model()), dataclasses.replace(CFG, batch_buckets=(1, 4), prefill_with_decode=True),
+                           progress=False)
+    assert [o.tokens for o in stream.generate(reqs)] == [e.tokens for e in expected]
+    assert stream.stats.calls["decode_admit"] > 0
 
     table = engine.pool.get(("empty", 4))()
     for cache in (table.cache, table.draft.cache):
