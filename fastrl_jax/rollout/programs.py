@@ -339,6 +339,8 @@ def _take_split_rows(x: jax.Array, rows: jax.Array, axis: int, old: PartitionSpe
     reduce-scatter sums every device's part into each device's own new rows. Left to XLA, the whole new table
     was summed onto every device (an all-reduce: two whole tables of temporaries, more than the layout saves)."""
     src, dst = old[axis], new[axis]
+    if src is None and dst is None:  # rows whole (one device, or a batch fsdp does not divide): nothing moves
+        return jnp.take(x, rows, axis=axis, mode="fill", fill_value=0)
 
     def local(x, rows):
         n = x.shape[axis]
