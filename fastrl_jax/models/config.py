@@ -87,7 +87,7 @@ class ModelConfig:
             raise ValueError(f"the checkpoint is quantized (quantization_config: {method}); fastrl-jax trains and "
                              "decodes unquantized weights: load the original (bfloat16 / float32) checkpoint")
         # transformers' rule (Qwen2 / Qwen3): layers from max_window_layers on slide when use_sliding_window, unless
-        # layer_types names each layer's kind; Qwen2.5 checkpoints set use_sliding_window with every layer full
+        # layer_types names each layer's kind; with max_window_layers >= num_hidden_layers every layer attends in full
         layers = d.get("layer_types") or ["sliding_attention" if d.get("use_sliding_window")
                                           and i >= d.get("max_window_layers", 28) else "full_attention"
                                           for i in range(d.get("num_hidden_layers", 0))]
