@@ -441,3 +441,31 @@ def test_the_update_keeps_each_devices_rows_through_the_layers():
         compiled = step.lower(params, jax.eval_shape(tx.init, params), None, batch).compile()
         temporaries[axis] = compiled.memory_analysis().temp_size_in_bytes
     assert temporaries["fsdp"] <= 1.5 * temporaries["data"], temporaries
+
+
+def test_drafter_training_keeps_each_devices_rows_through_its_layer():
+    """The online drafter trainer places its batch rows over data x fsdp; its forward constrained every row onto
+    every device (the engines' rule for run_layers(rows=None) under a mesh), and XLA gathered the whole batch's
+    activations there (found by review). Compiled only: no all-gather of a [B, S, ...] activation."""
+    from fastrl_jax.drafter.buffer import PackedBatch
+    from fastrl_jax.drafter.train import LossSettings, drafter_loss
+
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2), jax.devices()[:4])
+
+    def on_mesh(module):
+        graphdef, state = nnx.split(module)
+        return graphdef, jax.device_put(state, shardings_for(state, mesh))
+
+    (pg, ps), (dg, ds) = on_mesh(tiny_model()), on_mesh(Drafter(TINY, nnx.Rngs(1)))
+    B, S = 8, 32
+    batch = dataclasses.asdict(PackedBatch.zeros(B, S, TINY.hidden_size))
+    batch = {k: jax.device_put(v, named_sharding(mesh, ("batch",) + (None,) * (v.ndim - 1), v.shape)) for k, v in batch.items()}
+
+    def loss(ds, ps, batch):
+        return drafter_loss(nnx.merge(dg, ds), nnx.merge(pg, ps), batch, jax.random.key(0), LossSettings(unroll_steps=2))[0]
+
+    with jax.set_mesh(mesh):
+        hlo = jax.jit(jax.grad(loss)).lower(ds, ps, batch).compile().as_text()
+    gathered = re.findall(rf"= f32\[{B},{S},[\d,]*\]\S* all-gather", hlo)
+    assert not gathered, gathered
+

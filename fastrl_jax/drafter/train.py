@@ -35,6 +35,7 @@ from fastrl_jax.models.decoder import Decoder, KVCache, head_logits
 from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.rollout.sampling import SamplingParams
 from fastrl_jax.rollout.speculative import coupled_logp
+from fastrl_jax.sharding import logical_to_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,13 +75,15 @@ def _unrolled(drafter: Drafter, policy: Decoder, batch: dict, inputs: jax.Array,
     causal = causal | jnp.eye(S, dtype=bool)[None]  # padding entries see themselves (no empty softmax row)
     cache = KVCache.zeros(drafter.cfg, B, S * steps, inputs.dtype)
     own = jnp.broadcast_to(jnp.eye(S, dtype=bool), (B, S, S))
+    mesh = jax.sharding.get_abstract_mesh()  # the online trainer's block: each device keeps its own rows (as the update)
+    rows = None if mesh.empty else logical_to_spec(("batch", None, None), (B, S, drafter.cfg.hidden_size), mesh)
     for j in range(steps):
         mask_j = jnp.concatenate(
             [causal] + [own] * j + [jnp.zeros((B, S, S), bool)] * (steps - 1 - j), axis=2
         )
         logits, pred, cache = drafter(
             policy, _shift(tokens, j + 1), inputs, batch["positions"] + j, cache, jnp.full((B,), j * S, jnp.int32),
-            mask=mask_j, kv_len=S * steps, head=head,
+            mask=mask_j, kv_len=S * steps, head=head, rows=rows,
         )
         yield j, logits, pred
         inputs = pred  # the next unroll step feeds the drafter its own predictions

@@ -132,11 +132,13 @@ class Drafter(nnx.Module):
         kv_len: int | None = None,
         mask: jax.Array | None = None,
         head: jax.Array | None = None,
+        rows=None,
     ) -> tuple[jax.Array, jax.Array, KVCache]:
         """Runs drafter entries (x_{t+1} = tokens [B, T], f_t = hidden [B, T, F]) like Decoder.__call__.
 
         hidden holds features (`features` of stored policy features, F = feature_size) or the
-        drafter's own predictions (F = H). head: head_weight(policy), computed here when None.
+        drafter's own predictions (F = H). head: head_weight(policy), computed here when None. rows: as run_layers'
+        (training keeps each device's rows; None keeps every row on every device under a mesh).
 
         Returns logits [B, T, K] float32 for the token after each entry's (over the draft
         vocabulary), the predicted features [B, T, H] (the next entries' inputs while drafting),
@@ -150,11 +152,11 @@ class Drafter(nnx.Module):
         embed = jax.lax.stop_gradient(policy.embed[tokens])
         if self.kind == "eagle":
             x = jnp.concatenate([embed, hidden.astype(embed.dtype)], axis=-1) @ self.fc[...]
-            out, cache = run_layers(self.cfg, self.layers, x, positions, cache, start, mask, input_norm=False)
+            out, cache = run_layers(self.cfg, self.layers, x, positions, cache, start, mask, input_norm=False, rows=rows)
             return head_logits(out, head), out, cache
         # EAGLE-3: fuse the policy's layer features at the first step; own predictions are H wide already.
         x = hidden.astype(embed.dtype)
         if x.shape[-1] != self.cfg.hidden_size:
             x = x @ self.fc[...]
-        out, cache = run_layers(self.cfg, self.layers, x, positions, cache, start, mask, embeds=embed)
+        out, cache = run_layers(self.cfg, self.layers, x, positions, cache, start, mask, embeds=embed, rows=rows)
         return head_logits(rms_norm(out, self.norm[...], self.cfg.rms_norm_eps), head), out, cache
