@@ -464,10 +464,10 @@ def _eval_requests(cfg, path: Path, records, samples: int, temperature: float, m
     d, rl = cfg.data, cfg.rl
     prompts = [record_prompt_ids(r, tokenizer, d.instruction, d.chat_template) for r in records]
     margin = draft_margin(cfg.sd)
-    limit, why = prompt_limit(cfg.rollout, max_new, margin)
+    limit, what_limits = prompt_limit(cfg.rollout, max_new, margin)
     fits = [i for i, p in enumerate(prompts) if len(p) <= limit]
     if fits and len(fits) < len(records):  # none fitting is refused below, with the reason
-        print(f"[fastrl-jax] {len(records) - len(fits)} of {len(records)} evaluation prompts are longer than {why} and "
+        print(f"[fastrl-jax] {len(records) - len(fits)} of {len(records)} evaluation prompts are longer than {what_limits} and "
               "are left out, as training's evaluation leaves them out; raise it to keep them", file=sys.stderr)
         records, prompts = [records[i] for i in fits], [prompts[i] for i in fits]
     requests = eval_requests(prompts, samples, max_new, temperature, rl.eval_top_k, rl.eval_top_p, cfg.seed,

@@ -127,6 +127,13 @@ def _log_replicated(name: str, size: int, axis: str, axis_size: int) -> None:
                 name, size, axis, axis_size, axis)
 
 
+def training_rows(shape: Sequence[int]) -> PartitionSpec | None:
+    """The PartitionSpec of activations [B, ...] whose rows a training forward keeps split over data x fsdp through
+    its layers, under the mesh set around the trace (decoder.run_layers' rows); None without one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty else logical_to_spec(("batch",) + (None,) * (len(shape) - 1), shape, mesh)
+
+
 def named_sharding(
     mesh: Mesh, logical_axes: Sequence[str | None], shape: Sequence[int], rules: Rules = DEFAULT_RULES
 ) -> NamedSharding:

@@ -35,7 +35,7 @@ from fastrl_jax.models.decoder import Decoder, KVCache, head_logits
 from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.rollout.sampling import SamplingParams
 from fastrl_jax.rollout.speculative import coupled_logp
-from fastrl_jax.sharding import logical_to_spec
+from fastrl_jax.sharding import training_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +75,7 @@ def _unrolled(drafter: Drafter, policy: Decoder, batch: dict, inputs: jax.Array,
     causal = causal | jnp.eye(S, dtype=bool)[None]  # padding entries see themselves (no empty softmax row)
     cache = KVCache.zeros(drafter.cfg, B, S * steps, inputs.dtype)
     own = jnp.broadcast_to(jnp.eye(S, dtype=bool), (B, S, S))
-    mesh = jax.sharding.get_abstract_mesh()  # the online trainer's block: each device keeps its own rows (as the update)
-    rows = None if mesh.empty else logical_to_spec(("batch", None, None), (B, S, drafter.cfg.hidden_size), mesh)
+    rows = training_rows((B, S, drafter.cfg.hidden_size))  # the online trainer's block: each device keeps its rows
     for j in range(steps):
         mask_j = jnp.concatenate(
             [causal] + [own] * j + [jnp.zeros((B, S, S), bool)] * (steps - 1 - j), axis=2

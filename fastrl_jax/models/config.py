@@ -91,9 +91,9 @@ class ModelConfig:
         layers = d.get("layer_types") or ["sliding_attention" if d.get("use_sliding_window")
                                           and i >= d.get("max_window_layers", 28) else "full_attention"
                                           for i in range(d.get("num_hidden_layers", 0))]
-        if "sliding_attention" in layers:
-            raise ValueError(f"sliding-window attention in layers {[i for i, t in enumerate(layers) if t != 'full_attention']} "
-                             "(use_sliding_window with max_window_layers, or layer_types) is not supported")
+        if sliding := [i for i, kind in enumerate(layers) if kind == "sliding_attention"]:
+            raise ValueError(f"sliding-window attention in layers {sliding} (use_sliding_window with max_window_layers, "
+                             "or layer_types) is not supported")
         if d.get("mlp_bias"):
             raise ValueError("MLP biases (mlp_bias: true) are not supported")
         if family != "qwen2" and d.get("attention_bias"):

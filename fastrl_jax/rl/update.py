@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from fastrl_jax.config import ConfigError, ModelSpec, OptimConfig, RLConfig
 from fastrl_jax.models.decoder import KVCache, run_layers
 from fastrl_jax.rl import grpo
-from fastrl_jax.sharding import DEFAULT_RULES, Rules, logical_to_spec, named_sharding
+from fastrl_jax.sharding import DEFAULT_RULES, Rules, named_sharding, training_rows
 
 TRAIN_LENGTH_QUANTUM = 32  # prompt and completion widths of a training batch are multiples of this
 
@@ -108,11 +108,9 @@ def sequence_logprobs(graphdef, params: Params, tokens: jax.Array, pad: jax.Arra
     cache = KVCache.zeros(model.cfg, B, S, model.embed.get_value().dtype)  # the layers place new keys in it
     # cached_slots=0: every slot is a new token's own, so the reference attention scores no cached window (it
     # scored all S, masked, doubling the scores' time and memory)
-    x = model.embed[tokens]
-    mesh = jax.sharding.get_abstract_mesh()  # traced_under's: each device keeps its own rows through the layers
-    rows = None if mesh.empty else logical_to_spec(("batch", None, None), x.shape, mesh)
+    x = model.embed[tokens]  # traced_under's mesh: each device keeps its own rows through the layers
     hidden, _ = run_layers(model.cfg, model.layers, x, positions, cache, start, mask, remat=remat, cached_slots=0,
-                           rows=rows)
+                           rows=training_rows(x.shape))
     logits = model.logits(hidden[:, P - 1 : S - 1])  # slot t predicts the token at slot t + 1
     return grpo.token_logprobs(logits, tokens[:, P:], temperature), grpo.entropy(logits, temperature)
 
