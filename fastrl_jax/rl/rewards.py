@@ -209,9 +209,10 @@ def _with_record(name: str, f: Callable) -> Callable[[str, str, dict], float]:
     calls it: keyword arguments, the record's data_source and extra_info (verl's files' columns), and the 'score' of
     a dict it returns."""
     try:
-        params = inspect.signature(f).parameters
+        signature = inspect.signature(f)
     except ValueError:  # no signature to read (a builtin)
         return lambda completion, answer, record: f(completion, answer)
+    params = signature.parameters
     if all(p in params for p in _VERL):
         extra = "extra_info" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
@@ -222,7 +223,7 @@ def _with_record(name: str, f: Callable) -> Callable[[str, str, dict], float]:
 
         return verl
     try:
-        inspect.signature(f).bind("", "")
+        signature.bind("", "")
     except TypeError as e:
         raise ValueError(f"reward {name!r} must be fn(completion, answer) -> float, or verl's compute_score("
                          f"data_source, solution_str, ground_truth, extra_info=None) ({e})") from None
