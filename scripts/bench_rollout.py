@@ -12,7 +12,8 @@ up to 512 new tokens, run as plain decoding (with compaction), always-on specula
 strategy given, e.g. 3/1/4 h8 3/1/4+h8; the best is the comparison) and adaptive SD (the config's sd
 section), with the same seeds, so all produce the same tokens (checked; exit 1 otherwise). Each engine
 runs every request once untimed after compiling (a program's first run pays one-time costs, and the
-adaptive bandit does not count it). Reports the median of --repeats rollouts, metric by metric: wall
+adaptive bandit does not count it). The modes take turns, a rollout each per round, so the machine's drift
+weighs on all alike. Reports the median of --repeats rollouts, metric by metric: wall
 time, tokens/s, speedups, the share of plain time spent at live batch <= the SD threshold and adaptive's
 speedup inside it, acceptance; the drafted tokens per step by source (EAGLE / history), the machine's
 facts, and a PNG timeline (live batch, tokens/s, SD on/off and strategy over time) of the run of median
@@ -193,18 +194,38 @@ def time_at_or_below(timeline, live_batch: int) -> float:
     return total
 
 
-def run_longtail(name, model, drafter, rollout_cfg, sd, requests, repeats: int, drafter_accept: float):
-    """`repeats` rollouts of the requests on one engine, compiled and run once untimed before the clock
-    starts, each with a fresh adaptive controller (a cold rollout, the conservative case). Returns the
-    median over the runs of seconds, tok/s and acceptance, each on its own, with every run's value (all_*);
-    stats, timeline and outputs are the run of median seconds'. drafter_accept: the drafter's tokens per
-    step as the engine assumes them."""
+def run_longtail(modes, model, drafter, rollout_cfg, requests, repeats: int, drafter_accept: float) -> list[dict]:
+    """`repeats` rollouts of the requests per mode (name, SpecConfig), each mode on its own engine, compiled and
+    run once untimed before the clock starts. The modes take turns, one rollout each per round, so a machine that
+    drifts (load, clocks) over the minutes of a benchmark weighs on every mode alike; each rollout has a fresh
+    adaptive controller (a cold rollout, the conservative case). Returns per mode the median over its runs of
+    seconds, tok/s and acceptance, each on its own, with every run's value (all_*); stats, timeline and outputs
+    are the run of median seconds'. drafter_accept: the drafter's tokens per step as the engines assume them."""
+    engines = {name: _longtail_engine(name, model, drafter, rollout_cfg, sd, requests, drafter_accept) for name, sd in modes}
+    runs = {name: [] for name in engines}
+    for _ in range(repeats):
+        for name, (engine, _) in engines.items():
+            engine.reset_controller()
+            out = check_completions(name, engine.generate(requests))
+            s = engine.stats
+            runs[name].append({
+                "seconds": s.seconds["total"], "tokens": s.tokens, "stats": s.as_dict(),
+                "timeline": [c._asdict() for c in engine.timeline], "outputs": [o.tokens for o in out],
+            })
+            print(f"[{name}] {s.tokens} tokens in {s.seconds['total']:.1f}s"
+                  + (f" ({s.seconds['compile']:.1f}s compiling)" if s.seconds["compile"] else ""), file=sys.stderr)
+    return [_longtail_result(name, sd, *engines[name], runs[name]) for name, sd in modes]
+
+
+def _longtail_engine(name, model, drafter, rollout_cfg, sd, requests, drafter_accept):
+    """A mode's engine with every program the rollout can reach compiled, after its untimed first rollout; and
+    the compile's seconds."""
     from fastrl_jax.rollout.engine import RolloutEngine, bucket_for
 
     engine = RolloutEngine(model, rollout_cfg, sd=sd, drafter=drafter if sd.mode != "off" else None, progress=False,
                            drafter_accept=drafter_accept)
-    # Every program the rollout can reach: all requests fit in the first table, which only shrinks; prefills
-    # skip the prompts' shared prefix (a chat template's), prefilled once by its own program.
+    # All requests fit in the first table, which only shrinks; prefills skip the prompts' shared prefix (a chat
+    # template's), prefilled once by its own program.
     buckets = rollout_cfg.batch_buckets
     first = bucket_for(min(len(requests), buckets[-1]), buckets)
     shared = engine.shared_prefix_len(requests)
@@ -214,16 +235,10 @@ def run_longtail(name, model, drafter, rollout_cfg, sd, requests, repeats: int, 
     compile_s = time.perf_counter() - t0
     print(f"[{name}] {engine.pool_report()}; {compile_s:.0f}s", file=sys.stderr)
     first_rollout(name, engine, requests)
-    runs = []
-    for _ in range(repeats):
-        engine.reset_controller()
-        out = check_completions(name, engine.generate(requests))
-        s = engine.stats
-        runs.append({
-            "seconds": s.seconds["total"], "tokens": s.tokens, "stats": s.as_dict(),
-            "timeline": [c._asdict() for c in engine.timeline], "outputs": [o.tokens for o in out],
-        })
-        print(f"[{name}] {s.tokens} tokens in {s.seconds['total']:.1f}s", file=sys.stderr)
+    return engine, compile_s
+
+
+def _longtail_result(name, sd, engine, compile_s: float, runs: list[dict]) -> dict:
     median = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
     return {"name": name, "sd": dataclasses.asdict(sd), **median,
             "seconds": float(np.median([r["seconds"] for r in runs])),
@@ -474,20 +489,18 @@ def bench_longtail(args) -> int:
           f"batch buckets {rollout_cfg.batch_buckets}, length buckets {rollout_cfg.length_buckets}; "
           f"drafter {drafter_name}; {args.repeats} runs each", file=sys.stderr)
 
-    def run(name, sd):
-        return run_longtail(name, policy.model, drafter, rollout_cfg, sd, requests, args.repeats,
-                            drafter_accept_prior(args.drafter))
-
-    plain = run("plain", SpecConfig())
-    on_runs = [run(f"on {spec}", dataclasses.replace(cfg.sd, mode="on", strategies=(spec,))) for spec in on_specs]
-    adaptive = run("adaptive", adaptive_sd)
-    runs = [plain, *on_runs, adaptive]
+    modes = [("plain", SpecConfig()), *[(f"on {spec}", dataclasses.replace(cfg.sd, mode="on", strategies=(spec,)))
+                                         for spec in on_specs], ("adaptive", adaptive_sd)]
+    runs = run_longtail(modes, policy.model, drafter, rollout_cfg, requests, args.repeats,
+                        drafter_accept_prior(args.drafter))
+    plain, *on_runs, adaptive = runs
     summary = longtail_summary(args, runs, adaptive_sd.threshold_live_batch, drafter_name)
     # float32: every run's tokens must equal plain decoding's; bfloat16 equals it up to near-ties of the top two
     # logits, which the verify forward's rounding settles its own way (docs/measurements.md): counted, not required
     summary["dtype"], summary["identical_required"] = cfg.model.engine_dtype, cfg.model.engine_dtype == "float32"
     summary |= {"model": cfg.model.path, "seed": args.seed, "problems": args.problems, "samples": args.samples,
-                "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "untimed_first_rollout": True}
+                "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "untimed_first_rollout": True,
+                "modes_take_turns": True}
     summary["machine"] = machine_facts()
     summary["backend"] = jax.default_backend()
     summary |= {"rollout": dataclasses.asdict(rollout_cfg), "sd": dataclasses.asdict(adaptive_sd)}

@@ -205,7 +205,8 @@ def _tiny_longtail(requests):
     from fastrl_jax.config import SpecConfig
 
     cfg = dataclasses.replace(CFG, batch_buckets=(4,), length_buckets=(64,), prompt_buckets=(16,))
-    return load_script("bench_rollout").run_longtail("plain", tiny_model(), None, cfg, SpecConfig(), requests, 1, 1.0)
+    [result] = load_script("bench_rollout").run_longtail([("plain", SpecConfig())], tiny_model(), None, cfg, requests, 1, 1.0)
+    return result
 
 
 def test_longtail_runs_compile_nothing_on_the_clock():
@@ -239,8 +240,13 @@ def test_bench_rollout_refuses_counts_below_one_before_loading_anything(flag, ar
     assert f"{flag} must be >= 1" in capsys.readouterr().err
 
 
-def _fake_longtail_run(name, model, drafter, rollout_cfg, sd, requests, repeats, drafter_accept):
-    """run_longtail's result without running: every request's 6 tokens in 1 s, one plain call."""
+def _fake_longtail_runs(modes, model, drafter, rollout_cfg, requests, repeats, drafter_accept):
+    """run_longtail's results without running."""
+    return [_fake_longtail_run(name, requests) for name, _ in modes]
+
+
+def _fake_longtail_run(name, requests):
+    """A mode's result without running: every request's 6 tokens in 1 s, one plain call."""
     from fastrl_jax.rollout.stats import Call, RolloutStats
 
     outputs = [[1, 2, 3, 4, 5, 6] for _ in requests]
@@ -264,7 +270,7 @@ def test_longtail_writes_its_json_before_the_printout_and_the_plot(tmp_path, mon
                         lambda cfg: types.SimpleNamespace(model=tiny_model(), cfg=TINY, tokenizer=None, stop_ids=()))
     monkeypatch.setattr(bench_rollout, "longtail_requests",
                         lambda policy, args: [Request([5, 6, 7, 8 + i], 6, 0.7, seed=i) for i in range(2)])
-    monkeypatch.setattr(bench_rollout, "run_longtail", _fake_longtail_run)
+    monkeypatch.setattr(bench_rollout, "run_longtail", _fake_longtail_runs)
 
     def failing_plot(*args, **kwargs):
         raise RuntimeError("no plot today")
@@ -300,13 +306,12 @@ def test_longtail_requires_identical_outputs_in_float32_and_counts_them_in_bfloa
     monkeypatch.setattr(bench_rollout, "longtail_requests",
                         lambda policy, args: [Request([5, 6, 7, 8 + i], 6, 0.7, seed=i) for i in range(2)])
 
-    def run(name, *args):
-        out = _fake_longtail_run(name, *args)
-        if name == "adaptive":  # one request parts from plain decoding
-            out["outputs"][1] = [1, 2, 3, 9, 9, 9]
+    def runs(*args):
+        out = _fake_longtail_runs(*args)
+        out[-1]["outputs"][1] = [1, 2, 3, 9, 9, 9]  # adaptive: one request parts from plain decoding
         return out
 
-    monkeypatch.setattr(bench_rollout, "run_longtail", run)
+    monkeypatch.setattr(bench_rollout, "run_longtail", runs)
     monkeypatch.setattr(bench_rollout, "plot_timelines", lambda *args, **kwargs: False)
     out = tmp_path / "longtail.json"
     got = bench_rollout.main(["--workload", "longtail", "--repeats", "1", "--out", str(out), "--on-strategies", "h2",
@@ -505,7 +510,8 @@ def test_stream_runs_every_program_once_untimed_and_keeps_a_random_drafters_eagl
 def test_first_timed_longtail_run_runs_no_program_for_the_first_time(monkeypatch):
     """The warm-up compiles every program but runs none: a first run costs tens of ms more on CPU, and adaptive's
     bandit leaves such a call's arm untried; so run 1 was no repeat of runs 2.. (tiny adaptive: 0.296 / 0.081 /
-    0.062 s, first-run calls 11 / 2 / 0). Each figure is then the median over the runs, metric by metric."""
+    0.062 s, first-run calls 11 / 2 / 0). Each figure is then the median over the runs, metric by metric. The modes
+    take turns after their first rollouts, so a drifting machine weighs on each alike."""
     import dataclasses
 
     from helpers.tiny import CFG, tiny_model
@@ -513,22 +519,26 @@ def test_first_timed_longtail_run_runs_no_program_for_the_first_time(monkeypatch
     from fastrl_jax.config import SpecConfig
     from fastrl_jax.rollout import engine as E
 
-    firsts = []
+    firsts, order = [], []
     generate = E.RolloutEngine.generate
 
     def counted(self, requests, *args, **kwargs):
         before = len(self._ran)
         out = generate(self, requests, *args, **kwargs)
         firsts.append(len(self._ran) - before)
+        order.append(self.sd.mode)
         return out
 
     monkeypatch.setattr(E.RolloutEngine, "generate", counted)
     cfg = dataclasses.replace(CFG, batch_buckets=(4,), length_buckets=(64,), prompt_buckets=(16,))
     requests = [E.Request(list(range(10, 22)) + [30 + i, 40 + i], max_new_tokens=8) for i in range(4)]
-    result = load_script("bench_rollout").run_longtail("plain", tiny_model(), None, cfg, SpecConfig(), requests, 3, 1.0)
-    assert len(firsts) == 1 + 3 and firsts[0] > 0 and firsts[1:] == [0, 0, 0], firsts
-    assert result["untimed_first_rollout"] and result["seconds"] == sorted(result["all_seconds"])[1]
-    assert result["tok_s"] == sorted(result["all_tok_s"])[1] and len(result["all_timelines"]) == 3
+    modes = [("plain", SpecConfig()), ("on h2", SpecConfig(mode="on", strategies=("h2",)))]
+    results = load_script("bench_rollout").run_longtail(modes, tiny_model(), None, cfg, requests, 3, 1.0)
+    assert order == ["off", "on"] + ["off", "on"] * 3, order
+    assert firsts[0] > 0 and firsts[1] > 0 and firsts[2:] == [0] * 6, firsts
+    for result in results:
+        assert result["untimed_first_rollout"] and result["seconds"] == sorted(result["all_seconds"])[1]
+        assert result["tok_s"] == sorted(result["all_tok_s"])[1] and len(result["all_timelines"]) == 3
 
 
 def test_longtail_summary_takes_each_metrics_median_over_the_repeats():
