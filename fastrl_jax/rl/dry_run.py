@@ -29,6 +29,7 @@ from fastrl_jax.models.known_configs import KNOWN, known_config
 from fastrl_jax.models.loading import read_model_config
 from fastrl_jax.rl.update import TRAIN_LENGTH_QUANTUM, master_rules, train_width
 from fastrl_jax.rollout.engine import RolloutEngine
+from fastrl_jax.rollout.programs import cache_spec, hidden_spec
 from fastrl_jax.rollout.speculative import Strategy
 from fastrl_jax.sharding import AXES, mesh_sizes, shardings_for
 
@@ -114,18 +115,23 @@ def memory_plan(cfg: Config, devices: int | None = None, platform: str | None = 
     rollout_params -= unrolled if mixed else 0
     itemsize = np.dtype(DTYPES[cfg.model.engine_dtype]).itemsize
     B, S = cfg.rollout.batch_buckets[-1], cfg.rollout.length_buckets[-1]
-    # The engine's row table lives on each replica's devices: KV caches split over rows along fsdp and KV heads along
-    # tensor where they divide them (RolloutEngine._placed), the hidden states over rows and features alike.
-    rows = B // sizes["fsdp"] if B % sizes["fsdp"] == 0 else B
-    heads = _on_tensor(mcfg.num_kv_heads, sizes)
-    kv = 2 * mcfg.num_layers * rows * heads * S * mcfg.head_dim * itemsize
+    # The engine's row table lives on each replica's devices, split as RolloutEngine._placed splits it: KV caches
+    # and hidden states over rows along fsdp, KV heads and features along tensor, where they divide them.
+    replica = AbstractMesh((1, sizes["fsdp"], sizes["tensor"]), AXES)
+
+    def shard(shape, spec) -> tuple[int, ...]:  # a device's share
+        return NamedSharding(replica, spec).shard_shape(shape)
+
+    KV, D = mcfg.num_kv_heads, mcfg.head_dim
+    kv_shard = shard((mcfg.num_layers, B, KV, S, D), cache_spec(replica, B, KV))
+    kv, rows = 2 * math.prod(kv_shard) * itemsize, kv_shard[1]
     # Only EAGLE strategies keep hidden states and a drafter cache (history drafting needs neither); the
     # drafter's cache has the tree steps' scratch slots beyond the longest length bucket (RolloutEngine._empty).
     drafting = cfg.sd.uses_drafter()
     width = mcfg.hidden_size * max(len(feature_layers(cfg.drafter_train.kind, mcfg.num_layers)), 1)
-    hidden = rows * S * _on_tensor(width, sizes) * itemsize if drafting else 0  # stored in the engine's dtype
+    hidden = math.prod(shard((B, S, width), hidden_spec(replica, B, width))) * itemsize if drafting else 0
     scratch = max((Strategy(*s.parts()).scratch_slots for s in cfg.sd.strategy_list() if s.parts()[0]), default=0)
-    drafter_kv = 2 * rows * heads * (S + scratch) * mcfg.head_dim * itemsize if drafting else 0
+    drafter_kv = 2 * math.prod(shard((1, B, KV, S + scratch, D), cache_spec(replica, B, KV))) * itemsize if drafting else 0
     # Compaction (programs.resize) builds the next smaller table while the largest one still lives, every row of it
     # on every device (each device takes the rows it holds into it, and a reduce-scatter hands out the rows).
     smaller = max((b for b in cfg.rollout.batch_buckets if b < B), default=0)
