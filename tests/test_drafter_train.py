@@ -361,7 +361,8 @@ def test_a_stop_signal_ends_training_after_its_step_with_that_step_saved(policy,
 
 def test_an_interrupted_collection_continues_where_it_stopped(policy, tmp_path, monkeypatch):
     """The collection (~20 min of the default warm-up on a CPU) saves what it collected as it goes: killed midway,
-    a rerun generates only the requests after the saved ones and ends with the data of an uninterrupted run."""
+    a rerun generates only the requests after the saved ones and ends with the data of an uninterrupted run. A start
+    with other data settings is refused, as for finished data: it deleted the interrupted collection's files (review)."""
     from fastrl_jax.models.tokenizer import stop_ids
 
     def data(name, engine=warmup.RolloutEngine):
@@ -387,6 +388,11 @@ def test_an_interrupted_collection_continues_where_it_stopped(policy, tmp_path, 
         data("killed", Killed)
     saved = sorted((tmp_path / "killed" / "data.partial").glob("*.npz"), key=lambda f: int(f.stem))
     assert not (tmp_path / "killed" / "data.npz").exists() and len(saved) >= 2
+    cfg = run_config(tmp_path, "killed")
+    other = dataclasses.replace(cfg, drafter_train=dataclasses.replace(cfg.drafter_train, temperature=1.0))
+    with pytest.raises(ValueError, match=r"data.partial was collected with other settings: drafter_train.temperature"):
+        warmup.check_restart(other, resume=True)
+    assert sorted((tmp_path / "killed" / "data.partial").glob("*.npz"), key=lambda f: int(f.stem)) == saved
     saved[-1].write_bytes(saved[-1].read_bytes()[:100])  # a damaged file: its requests are generated again
     summary, again = data("killed")
     assert summary["collect"]["resumed_requests"] == int(saved[-1].stem)

@@ -150,16 +150,17 @@ def acceptance(engine: RolloutEngine, prompts: list[list[int]], max_new_tokens: 
 
 
 def check_restart(cfg: Config, resume: bool) -> None:
-    """Refuses (before anything is loaded or generated) a missing drafter_train.prompts file, collected data
-    in drafter_train.out_dir from other settings (check_data), to start the out_dir afresh when it
+    """Refuses (before anything is loaded or generated) a missing drafter_train.prompts file, collected data (or an
+    interrupted collection) in drafter_train.out_dir from other settings (check_data), to start the out_dir afresh when it
     already holds checkpoints and `resume` is off, and to resume from past drafter_train.steps."""
     prompts = cfg.drafter_train.prompts
     if prompts != "builtin" and not Path(prompts).expanduser().is_file():
         raise FileNotFoundError(f"drafter_train.prompts: no file {prompts} ('builtin' or a JSONL file of prompts)")
     check_wandb("drafter_train.wandb_project", cfg.drafter_train.wandb_project)
     data_file = Path(cfg.drafter_train.out_dir).expanduser() / "data.npz"
-    if data_file.is_file():
-        check_data(cfg, data_file)
+    partial = data_file.with_name("data.partial")  # an interrupted collection's files (PartialData)
+    if data_file.is_file() or any(partial.glob("*.npz")):  # a collection under other settings would be deleted
+        check_data(cfg, data_file if data_file.is_file() else partial)
     steps = checkpoint_steps(cfg.drafter_train.out_dir)
     if steps and not resume:
         raise ValueError(f"{Path(cfg.drafter_train.out_dir).expanduser() / 'checkpoints'} already holds checkpoints "
@@ -242,8 +243,9 @@ def data_settings(cfg: Config) -> dict:
 
 
 def check_data(cfg: Config, data_file: Path) -> None:
-    """Refuses to reuse data_file when the settings it was collected with (its data.json) differ from cfg's;
-    data collected before the settings were recorded passes unchecked."""
+    """Refuses to reuse data_file (data.npz, or an interrupted collection's data.partial) when the settings it was
+    collected with (data.json beside it) differ from cfg's; data collected before the settings were recorded passes
+    unchecked."""
     record = data_file.with_suffix(".json")
     if not record.is_file():
         return

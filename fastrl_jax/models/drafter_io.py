@@ -50,7 +50,7 @@ def drafter_dir(path: str | Path) -> Path:
                                 "rl.out_dir, or a directory written by save_drafter such as export-drafter's OUT/orbax)")
     elif any((path / name).exists() for name in ("data.npz", "summary.json")):
         raise ValueError(f"{path} is a train-drafter run that has not finished (it has no drafter/ yet): let "
-                         f"`fastrl-jax train-drafter --set drafter_train.out_dir={path}` run to the end (it resumes)")
+                         f"`fastrl-jax train-drafter --config {path / 'config.yaml'}` run to the end (it resumes)")
     elif (path / "checkpoints").is_dir():  # a GRPO run: its checkpoints hold the drafter trained online
         steps = [s for s in checkpoint_steps(path) if (path / "checkpoints" / str(s) / "drafter").is_dir()]
         if not steps:
