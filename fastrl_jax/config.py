@@ -44,6 +44,14 @@ def _check_at_least(section: str, cfg: Any, names: Sequence[str], least: int) ->
             raise ConfigError(f"{section}.{name} must be >= {least}, got {value}")
 
 
+def _check_local_dir(key: str, path: str) -> None:
+    """Run directories are written with local file operations (atomic renames, npz, JSONL): a URL would become a
+    local directory named gs:, and the first checkpoint (Orbax, which reads URLs) would fail past it."""
+    if "://" in path:
+        raise ConfigError(f"{key} must be a local or mounted directory, got the URL {path!r}: mount the bucket (e.g. "
+                          "gcsfuse, s3fs) and give its path")
+
+
 MIN_TEMPERATURE = 1e-5  # vLLM's sampling epsilon too
 
 
@@ -487,6 +495,7 @@ class RLConfig:
             raise ConfigError("rl.checkpoint_every_steps and rl.eval_every_steps must be >= 0")
         if not Path(self.out_dir).name:  # '', '.' or '/': a run would write where it started, and --overwrite fail
             raise ConfigError(f"rl.out_dir must name the run's own directory (e.g. runs/grpo), got {self.out_dir!r}")
+        _check_local_dir("rl.out_dir", self.out_dir)
         if self.eval_samples > 1 and self.eval_temperature == 0:
             raise ConfigError(f"rl.eval_temperature must be > 0 for rl.eval_samples > 1 (greedy samples are all the "
                               f"same); got {self.eval_temperature} with {self.eval_samples} samples")
@@ -542,6 +551,7 @@ class DrafterTrainConfig:
         key = "drafter_train."
         if not self.out_dir:
             raise ConfigError(f"{key}out_dir must be a directory path")
+        _check_local_dir(f"{key}out_dir", self.out_dir)
         if self.prompts != "builtin" and not self.prompts.endswith(".jsonl"):
             raise ConfigError(f"{key}prompts must be 'builtin' or a .jsonl file, got {self.prompts!r}")
         if self.kind not in ("eagle", "eagle3"):

@@ -61,6 +61,15 @@ def test_rl_out_dir_must_name_a_directory_of_its_own(out_dir):
     assert load_config(None, ["rl.out_dir=runs/a/"]).rl.out_dir == "runs/a/"
 
 
+@pytest.mark.parametrize("key", ["rl.out_dir", "drafter_train.out_dir"])
+def test_run_directories_given_as_urls_are_refused_with_the_fix(key):
+    """MaxText / tunix users write gs://bucket/run: it became a local directory named gs:, and the first checkpoint
+    failed in Orbax's background write, found at the next save, after two checkpoint intervals of work (review)."""
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.") + r" must be a local or mounted directory, got the URL "
+                                          r"'gs://bucket/run': mount the bucket"):
+        load_config(None, [f"{key}=gs://bucket/run"])
+
+
 def generate_config(*flags):
     args = cli.build_parser().parse_args(["generate", "--prompt", "hi", "--config", str(ROOT / "configs/smollm2_cpu.yaml"),
                                           *flags, *NO_CACHE])
