@@ -256,6 +256,18 @@ def _abstract(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
 
+@contextlib.contextmanager
+def damage_reported(path: Path):
+    """Around an Orbax read of the checkpoint at `path` whose structure is known to fit: what the read raises (Orbax
+    and TensorStore raise bare Exceptions for a damaged file) comes out as one UnreadableCheckpoint naming it."""
+    try:
+        with _reading(path):
+            yield
+    except Exception as e:  # noqa: BLE001
+        raise UnreadableCheckpoint(f"{path} is unreadable ({_first_line(e)}): its files are damaged (a full disk, a "
+                                   "copy cut short); copy it again, or give another checkpoint") from None
+
+
 # "'STEP_DIR/" of each checkpoint step being read, or whose read failed and left reads pending (_reading)
 _ABANDONED: set[str] = set()
 

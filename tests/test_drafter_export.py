@@ -327,11 +327,28 @@ def test_a_drafter_of_another_policy_shape_is_refused_with_the_fix(tmp_path):
     a truncated / zero-padded drafter: the refusal names the tensors and the fix instead."""
     save_drafter(tmp_path / "d", random_drafter())
     for other, tensor in ((dataclasses.replace(TINY, hidden_size=32, head_dim=8), "fc"),
-                          (dataclasses.replace(TINY, intermediate_size=64), "w_down")):
+                          (dataclasses.replace(TINY, intermediate_size=64), "w_down"),
+                          # another family of the same widths: Orbax's diff of the trees advised partial_restore (review)
+                          (dataclasses.replace(TINY, family="qwen2", qkv_bias=True), "layers/bk is here, not there"),
+                          (dataclasses.replace(TINY, family="qwen3", qk_norm=True), "layers/k_norm is here, not there")):
         with pytest.raises(ValueError, match=rf"is a drafter of another policy: .*{tensor}.*give the policy it was trained"
                            ) as refused:
             load_drafter(tmp_path / "d", other)
-        assert "strict" not in str(refused.value)
+        assert "strict" not in str(refused.value) and "partial_restore" not in str(refused.value)
+
+
+def test_a_damaged_drafter_checkpoint_is_one_clear_error(tmp_path):
+    """A drafter cut short (a full disk while it was written, a copy cut short) given to --drafter, rl.drafter_path
+    or export-drafter: TensorStore's bare Exception went past the CLI's one-line errors as a 150-line traceback
+    (review); it is one ValueError naming the file."""
+    from helpers.checkpoints import damage
+
+    from fastrl_jax.checkpoint import UnreadableCheckpoint
+
+    save_drafter(tmp_path / "d", random_drafter())
+    damage(tmp_path / "d")
+    with pytest.raises(UnreadableCheckpoint, match=rf"{tmp_path / 'd'} is unreadable \(.+\): its files are damaged"):
+        load_drafter(tmp_path / "d", TINY)
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])

@@ -12,7 +12,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from fastrl_jax.checkpoint import checkpoint_steps
+from fastrl_jax.checkpoint import checkpoint_steps, damage_reported
 from fastrl_jax.config import Config
 from fastrl_jax.models.config import ModelConfig
 from fastrl_jax.models.decoder import DTYPES
@@ -84,11 +84,13 @@ def load_drafter(path: str | Path, cfg: ModelConfig, dtype="float32") -> Drafter
                 raise ValueError(f"an EAGLE-3 drafter whose layer has the policy's {' and '.join(sorted(old_layer))} "
                                  "(saved before 2026-11-27); EAGLE-3 layers are Llama's for every policy now, as SGLang "
                                  "serves them: train it again")
-            wrong = _shape_mismatches(saved, target)
-            restored = None if wrong else ckptr.restore(path, target)
+            wrong = _mismatches(saved, target)
         except (ValueError, KeyError, AttributeError) as e:
             raise ValueError(f"{path} is not a drafter checkpoint for this policy ({e})") from e
-    if wrong:  # Orbax's own message would advise strict=False: a truncated / zero-padded drafter
+        if not wrong:
+            with damage_reported(path):
+                restored = ckptr.restore(path, target)
+    if wrong:  # Orbax's own message would advise strict=False or partial_restore: a truncated / padded drafter
         more = f" and {len(wrong) - 2} more" if len(wrong) > 2 else ""
         raise ValueError(f"{path} is a drafter of another policy: {'; '.join(wrong[:2])}{more} (this policy: hidden size "
                          f"{cfg.hidden_size}, intermediate size {cfg.intermediate_size}, {cfg.num_heads} heads and "
@@ -102,14 +104,17 @@ def load_drafter(path: str | Path, cfg: ModelConfig, dtype="float32") -> Drafter
     return nnx.merge(graphdef, state)
 
 
-def _shape_mismatches(saved, target) -> list[str]:
-    """'NAME is SHAPE there, SHAPE here' for each parameter whose shape in Orbax metadata `saved` differs from `target`'s."""
+def _mismatches(saved, target) -> list[str]:
+    """How the parameters in Orbax metadata `saved` differ from `target`'s: 'NAME is SHAPE there, SHAPE here', and the
+    names only one of them has (a drafter of another family: q / k / v biases, q / k norms)."""
     def flat(tree):
         leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
         return {jax.tree_util.keystr(p, simple=True, separator="/"): tuple(v.shape) for p, v in leaves}
 
-    here = flat(target)
-    return [f"{k} is {shape} there, {here[k]} here" for k, shape in flat(saved).items() if k in here and here[k] != shape]
+    there, here = flat(saved), flat(target)
+    return ([f"{k} is {shape} there, {here[k]} here" for k, shape in there.items() if k in here and here[k] != shape]
+            + [f"{k} is there, not here" for k in there if k not in here]
+            + [f"{k} is here, not there" for k in here if k not in there])
 
 
 def make_drafter(cfg: Config, model_cfg: ModelConfig, path: str | Path | None, dtype: str | None = None) -> Drafter:
