@@ -192,6 +192,11 @@ class SampleBuffer:
                 at, segment = at + m, segment + 1
         return batch
 
+    def clear(self) -> None:
+        """Drops every held sequence (`added` keeps counting)."""
+        self._seqs.clear()
+        self._tokens = 0
+
     def save(self, path: str | Path) -> None:
         """Writes every held sequence to one .npz file (atomically: a temporary file, then a rename)."""
         write_arrays(path, self.arrays())

@@ -70,8 +70,11 @@ class PartialData:
             try:
                 if int(f.stem) != self.first:
                     raise ValueError("not the next requests")
-                covers = int(read_arrays(f)["requests"])
+                arrays = read_arrays(f)
+                covers = int(arrays["requests"])
                 SampleBuffer(self.buffer.max_tokens, self.buffer.hidden_size).load(f)  # whole, before the buffer takes it
+                if len(arrays["lengths"]) < int(arrays.get("sequences", 0)):  # some were evicted before the save,
+                    self.buffer.clear()  # so was everything older: what the file holds is all the buffer held
                 self.buffer.load(f)
             except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
                 print(f"[train-drafter] {f} is left out ({e}): the requests from {self.first} on are generated again",
@@ -90,13 +93,14 @@ class PartialData:
             self.save()
 
     def save(self) -> None:
-        """Writes the requests since the last save (those of their sequences the buffer still holds: a rerun's
-        buffer would have evicted the others too; not one added after the last call of `added`, which an
-        interruption may leave behind)."""
+        """Writes the requests since the last save (those of their sequences the buffer still holds, with how many
+        they added: where the buffer evicted some of them, it evicted every older one too, and a rerun's buffer
+        holds only these; not one added after the last call of `added`, which an interruption may leave behind)."""
         if self._requests:
             self.directory.mkdir(parents=True, exist_ok=True)
             sequences = self.buffer.arrays(range(self._added, self._added + self._sequences))
-            write_arrays(self.directory / f"{self.first}.npz", {**sequences, "requests": np.array(self._requests)})
+            write_arrays(self.directory / f"{self.first}.npz",
+                         {**sequences, "requests": np.array(self._requests), "sequences": np.array(self._sequences)})
             self.first, self._added = self.first + self._requests, self._added + self._sequences
             self._requests = self._sequences = 0
         self._saved_at = time.perf_counter()
