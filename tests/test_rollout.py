@@ -451,6 +451,27 @@ def test_near_the_memory_map_limit_the_pool_drops_again_and_queues_nothing_it_ca
     release.set()
 
 
+def test_a_finished_background_compile_no_one_asks_for_again_does_not_hold_off_the_drop():
+    """ready() near the limit put the drop off while a background compile was pending, and only an ask for that key
+    collects it: the engine's speculative keys move on (compaction, a longer length bucket), so a finished compile
+    no one asked for again held off every later one, and speculation decoded plainly for the rest of the rollout
+    (review)."""
+    from fastrl_jax.rollout.pool import ProgramPool
+
+    held = [0]
+
+    def build(key):
+        return jax.jit(lambda x: x * key), (jax.ShapeDtypeStruct((4,), jnp.float32),)
+
+    pool = ProgramPool(build, memory_maps=lambda: (held[0], 100))
+    pool.get(1), pool.get(2)
+    assert not pool.ready(3)  # compiles in the background, and finishes
+    pool._pending[3].result(30)
+    held[0] = 96
+    assert not pool.ready(4)  # the drop goes ahead (3 collected, then dropped with the older half) and 4 compiles
+    assert pool.dropped > 0 and 4 in pool._pending
+
+
 def test_a_compile_near_the_limit_waits_for_the_running_background_compile_only():
     """A drop collected every pending compile first: get() stalled for the whole background queue (found by review:
     5.3 s for four queued 1-second compiles); the queued ones are cancelled and asked for again later."""

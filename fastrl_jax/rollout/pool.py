@@ -243,8 +243,8 @@ class ProgramPool:
     def _make_room(self, wait: bool) -> bool:
         """Drops the least recently used half of the programs when the process is near its memory-map limit
         (after the running background compile, the queued ones cancelled: JAX's caches are cleared with no
-        compile under way; without `wait`, a pending compile puts the drop off, and it returns True: a drop is
-        due). Maps a drop did not free belong to something else (another engine's pool in this process): the
+        compile under way; without `wait`, a compile still under way puts the drop off, and it returns True: a drop
+        is due; finished ones are collected and take part). Maps a drop did not free belong to something else (another engine's pool in this process): the
         next drop waits until the process holds MAP_GROWTH of the limit more than just after this one (or than
         the least seen since, when something else freed maps), instead of emptying the pool at every compile,
         but never past MAP_CEILING of the limit."""
@@ -255,7 +255,7 @@ class ProgramPool:
                                           min(self._maps_after_drop + MAP_GROWTH * maps[1], MAP_CEILING * maps[1]))
                 or len(self._programs) + len(self._pending) < 2):
             return False
-        if self._pending and not wait:
+        if not wait and not all(future.done() for future in self._pending.values()):
             return True
         t0 = time.perf_counter()
         for key in [k for k, future in self._pending.items() if future.cancel()]:
