@@ -835,6 +835,15 @@ def test_warm_up_compiles_the_prefills_that_skip_the_prompts_shared_prefix(model
     engine.generate(reqs)
     assert set(engine.pool.stats) == warmed and engine.stats.calls["prefix"] == 1 and engine.stats.calls["prefill"]
     assert all(k[-1] == shared for k in warmed if k[0] in ("prefill", "decode_admit", "prefix"))
+    # A stream of one prompt's samples (one GRPO group on a replica) shares all but its last tokens: it skips no
+    # more than the engine was told, or it compiled prefix and prefill programs in the rollout (review); the same
+    # tokens, since a prefix's length does not change them
+    group = [dataclasses.replace(reqs[5], seed=s) for s in range(4)]
+    assert shared_prefix_len(cfg, [r.prompt_ids for r in group]) > shared
+    tokens = [c.tokens for c in engine.generate(group)]
+    assert set(engine.pool.stats) == warmed
+    assert tokens == [c.tokens for c in RolloutEngine(model, dataclasses.replace(cfg, warm_up=False),
+                                                      progress=False).generate(group)]
 
 
 def test_a_background_compile_during_update_weights_builds_against_the_weights(model, monkeypatch):

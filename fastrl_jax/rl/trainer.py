@@ -124,7 +124,7 @@ class Trainer:
         # Only the online drafter trainer reads the rollouts' hidden states: without it they stay on the device.
         self.workers = RolloutWorkers(cfg, self.graphdef, self.params, self.mesh, self.drafter, self.history,
                                       drafter_accept=drafter_accept_prior(rl.drafter_path), keep_hidden=online,
-                                      shared_prefix=self._shared_prefix(train_src) if cfg.rollout.warm_up else 0)
+                                      shared_prefix=self._shared_prefix(train_src))
         # Drafter steps done at its latest acceptance estimate; a random drafter's prior (~1 token per step)
         # stands for one at 0 steps, a checkpoint has none.
         self._estimated_at = None if rl.drafter_path else 0
@@ -173,7 +173,7 @@ class Trainer:
     def _shared_prefix(self, src) -> int:
         """The prompt prefix the rollouts' streams will share (a chat template's system turn, an instruction
         ahead of the question), judged on up to 64 records spread over the source: the engines warm up the
-        prefills that skip it."""
+        prefills that skip it, and skip no more (a stream of one prompt's samples shares more)."""
         picks = np.unique(np.linspace(0, len(src) - 1, min(len(src), 64)).astype(np.int64))
         return shared_prefix_len(self.cfg.rollout, [self._prompt(src[int(i)]) for i in picks])
 

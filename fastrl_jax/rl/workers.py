@@ -56,10 +56,10 @@ class RolloutWorkers:
 
     def __init__(self, cfg: Config, graphdef, params: dict, mesh: Mesh, drafter: Drafter | None,
                  history: HistoryStore | None = None, progress: bool = False, drafter_accept: float = math.inf,
-                 keep_hidden: bool = False, shared_prefix: int = 0):
+                 keep_hidden: bool = False, shared_prefix: int | None = None):
         """drafter_accept: the drafter's estimated tokens per step so far (RolloutEngine.set_drafter_accept).
         keep_hidden: local completions carry the policy's hidden states (the online drafter trainer's data).
-        shared_prefix: the prompt prefix the rollouts share (RolloutEngine's, for its warm-up)."""
+        shared_prefix: the prompt prefix the rollouts share (RolloutEngine's: warmed up, and the most a stream skips)."""
         self.graphdef = graphdef
         self.dtype = DTYPES[cfg.model.engine_dtype]
         self.num_replicas = mesh.shape["data"]

@@ -173,7 +173,7 @@ class RolloutEngine:
         history: HistoryStore | None = None,
         feature_layers: tuple[int, ...] | None = None,
         drafter_accept: float = math.inf,
-        shared_prefix: int = 0,
+        shared_prefix: int | None = None,
     ):
         """keep_hidden: completions carry the policy's hidden states (features) on the host, the drafter's
         training data.
@@ -185,7 +185,9 @@ class RolloutEngine:
         default; 1.0 for a randomly initialised one.
         shared_prefix: the leading prompt tokens the caller's streams share (shared_prefix_len of its prompts,
         e.g. a chat template's system turn): rollout.warm_up compiles the prefills that skip them, which every
-        stream of such prompts runs, and not those of no prefix."""
+        stream of such prompts runs, and not those of no prefix; and no stream skips more (one prompt's samples
+        share all but its last tokens: skipping them would compile prefix and prefill programs in the rollout,
+        and a repeated prompt is prefilled once anyway). None: each stream skips what its prompts share."""
         self.cfg = cfg
         self.model_cfg = model.cfg
         self.graphdef, self.state = nnx.split(model)
@@ -209,8 +211,9 @@ class RolloutEngine:
         self._plain_step_s: dict[tuple[int, int], float] = {}  # (batch, kv_len): the latest plain call's seconds per step
         self.stats = RolloutStats()  # the last rollout's
         self.timeline: list[Call] = []  # the last rollout's program calls
+        self._shared_prefix = shared_prefix
         if cfg.warm_up:
-            self._warm_up(progress, shared_prefix)
+            self._warm_up(progress, shared_prefix or 0)
 
     def _set_up_speculation(self, sd: SpecConfig, drafter: Drafter | None, history: HistoryStore | None,
                             feature_layers: tuple[int, ...] | None, drafter_accept: float) -> None:
@@ -421,8 +424,10 @@ class RolloutEngine:
         )
 
     def shared_prefix_len(self, requests: Sequence[Request]) -> int:
-        """How many leading prompt tokens a stream of `requests` prefills once for all (shared_prefix_len)."""
-        return shared_prefix_len(self.cfg, [r.prompt_ids for r in requests])
+        """How many leading prompt tokens a stream of `requests` prefills once for all (shared_prefix_len), at most
+        the engine's shared_prefix."""
+        n = shared_prefix_len(self.cfg, [r.prompt_ids for r in requests])
+        return n if self._shared_prefix is None else min(n, self._shared_prefix)
 
     def _no_prefix(self, length: int = 0) -> programs.Prefix:
         width = self.model_cfg.hidden_size * max(len(self.feature_layers), 1)
