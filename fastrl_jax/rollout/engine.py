@@ -206,7 +206,10 @@ class RolloutEngine:
             _past_context(self.max_len, model.cfg.context_length)
         self._place_on_devices()
         self.pool = ProgramPool(self._build, compiler_options, mesh=self.mesh)
-        self._failed_compiles: set[tuple] = set()  # background compiles that failed: their arms decode plainly there
+        # Background compiles that failed in this rollout: their arms decode plainly there until the next one (a failure
+        # may pass: a drop near the memory-map limit, a device out of memory), said once a program
+        self._failed_compiles: set[tuple] = set()
+        self._said_failed: set[tuple] = set()
         self._ran: set[tuple] = set()  # programs run at least once: a call that grows it was some program's first run
         self._plain_step_s: dict[tuple[int, int], float] = {}  # (batch, kv_len): the latest plain call's seconds per step
         self.stats = RolloutStats()  # the last rollout's
@@ -574,6 +577,7 @@ class RolloutEngine:
             self.stats, self.timeline = rec.finish(self.pool.compile_seconds()), rec.timeline
 
     def _stream(self, requests: Sequence[Request], between_steps, rec: Recorder) -> Iterator[tuple[int, Completion]]:
+        self._failed_compiles.clear()
         queue: deque[int] = deque()
         for i, r in enumerate(requests):
             error = self.validate(r)
@@ -773,8 +777,11 @@ class RolloutEngine:
                 ready &= self.pool.ready(key)
             except Exception as e:  # noqa: BLE001 - its compile failed: plain decoding goes on, as while compiling
                 self._failed_compiles.add(key)
-                log.warning("program %s failed to compile in the background (%s); strategy %s decodes plainly there "
-                            "from now on", key[:3], compile_error(e), strategy.label)
+                if key not in self._said_failed:
+                    self._said_failed.add(key)
+                    log.warning("program %s failed to compile in the background (%s); strategy %s decodes plainly "
+                                "there for the rest of this rollout, and compiles again in the next", key[:3],
+                                compile_error(e), strategy.label)
                 return False
         return ready
 
