@@ -15,6 +15,7 @@ from helpers.tiny import CFG, TINY, prompts, tiny_model
 from scipy.stats import chisquare
 
 from fastrl_jax.config import ConfigError, RolloutConfig, SpecConfig
+from fastrl_jax.models.decoder import cast_floating
 from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.rollout.engine import Request, RolloutEngine, pack_prompts, pick_refill, shared_prefix_len
 from fastrl_jax.rollout.sampling import SamplingParams, filtered_logits, first_argmax, position_gumbel, sample
@@ -863,6 +864,31 @@ def test_a_background_compile_during_update_weights_builds_against_the_weights(m
     monkeypatch.setattr(engine_mod, "unstack_layers", unstack)
     engine.update_weights(tiny_model(seed=1))
     assert seen == ["compiled"]
+
+
+def test_an_unrolled_engine_whose_update_weights_failed_says_so_and_takes_the_next(model, monkeypatch):
+    """update_weights of an unrolled engine drops the old per-layer copies before it cuts the new ones; should that fail
+    (out of memory, the case the early drop is for; Ctrl-C), a rollout failed deep inside a program call with a
+    pytree mismatch (review). It says what happened, and the next update_weights mends it."""
+    import fastrl_jax.rollout.engine as engine_mod
+
+    engine = RolloutEngine(model, dataclasses.replace(CFG, layer_loop="unrolled"), progress=False)
+    reqs = [Request(p, max_new_tokens=4) for p in prompts(2)]
+    real = engine_mod.unstack_layers
+
+    def out_of_memory(state):
+        raise MemoryError("RESOURCE_EXHAUSTED: out of memory")
+
+    monkeypatch.setattr(engine_mod, "unstack_layers", out_of_memory)
+    with pytest.raises(MemoryError):
+        engine.update_weights(tiny_model(seed=1))
+    with pytest.raises(RuntimeError, match="holds no policy weights: its last update_weights failed .* call update_weights"):
+        engine.generate(reqs)
+    monkeypatch.setattr(engine_mod, "unstack_layers", real)
+    with pytest.raises(ValueError, match="cast them first"):  # the dtype check still holds without weights
+        engine.update_weights(cast_floating(tiny_model(seed=1), jnp.bfloat16))
+    engine.update_weights(tiny_model(seed=1))
+    assert [c.tokens for c in engine.generate(reqs)] == [greedy_generate(tiny_model(seed=1), r.prompt_ids, 4) for r in reqs]
 
 
 def test_a_background_compile_failure_a_drop_collects_is_said(caplog):

@@ -191,6 +191,7 @@ class RolloutEngine:
         self.cfg = cfg
         self.model_cfg = model.cfg
         self.graphdef, self.state = nnx.split(model)
+        self._policy_dtypes = _dtypes(self.state)
         self.unrolled = cfg.unrolled_layers(jax.default_backend())
         if self.unrolled:
             self.state = unstack_layers(self.state)
@@ -457,7 +458,7 @@ class RolloutEngine:
         graphdef, state = nnx.split(drafter)
         if graphdef != self.drafter_graphdef:
             raise ValueError("update_drafter needs a drafter of the same structure as the engine's")
-        _check_dtypes("update_drafter", state, self.drafter_state)
+        _check_dtypes("update_drafter", _dtypes(state), _dtypes(self.drafter_state))
         self.drafter_state = self._on_mesh(state)
         if self.chooser is not None:
             self.chooser.forget_drafter_arms()
@@ -480,10 +481,11 @@ class RolloutEngine:
         graphdef, state = nnx.split(model)
         if graphdef != self.graphdef:
             raise ValueError("update_weights needs a model of the same structure as the engine's")
-        _check_dtypes("update_weights", state, self.state)
+        _check_dtypes("update_weights", _dtypes(state), self._policy_dtypes)
         if self.unrolled:
             # The old per-layer copies go before the new ones are cut: the stacked weights, the old and the new
-            # copies would hold the layers three times over at once.
+            # copies would hold the layers three times over at once. Should cutting fail (out of memory, Ctrl-C), the
+            # engine holds no weights until the next update_weights: a rollout then says so (_stream).
             self.state = None
             state = unstack_layers(state)
         self.state = state
@@ -577,6 +579,9 @@ class RolloutEngine:
             self.stats, self.timeline = rec.finish(self.pool.compile_seconds()), rec.timeline
 
     def _stream(self, requests: Sequence[Request], between_steps, rec: Recorder) -> Iterator[tuple[int, Completion]]:
+        if self.state is None:
+            raise RuntimeError("this engine holds no policy weights: its last update_weights failed after dropping the "
+                               "old ones (out of memory?); call update_weights again")
         self._failed_compiles.clear()
         queue: deque[int] = deque()
         for i, r in enumerate(requests):
@@ -879,12 +884,13 @@ class _Table:
         return sum(r >= 0 for r in self.row_req)
 
 
-def _check_dtypes(what: str, new, current) -> None:
-    """The compiled programs take weights of the dtypes they were built for; cast before handing over."""
-    def dtypes(state) -> list[str]:  # one per weight, stacked [L, ...] or split per layer (unstack_layers) alike
-        return [str(jax.tree.leaves(v)[0].dtype) for v in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))]
+def _dtypes(state) -> list[str]:
+    """One per weight, stacked [L, ...] or split per layer (unstack_layers) alike."""
+    return [str(jax.tree.leaves(v)[0].dtype) for v in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))]
 
-    have, want = dtypes(new), dtypes(current)
+
+def _check_dtypes(what: str, have: list[str], want: list[str]) -> None:
+    """The compiled programs take weights of the dtypes they were built for; cast before handing over."""
     if have != want:
         raise ValueError(f"{what} got weights in {sorted(set(have))}, the engine runs {sorted(set(want))}: cast them "
                          "first (models.decoder.cast_floating)")
