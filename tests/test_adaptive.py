@@ -74,6 +74,29 @@ def test_bandit_finds_the_better_strategy_and_keeps_exploring(kind):
     assert chooser.pulls[(16,), A] - pulls[(16,), A] > 0.7 * 300
 
 
+def test_an_arm_that_needs_a_drafter_prefill_to_start_wins_when_its_calls_pay():
+    """The engine's reward charges an EAGLE arm the drafter prefill a switch from plain needs. BEG explores a losing arm
+    right after plain calls, so every exploring call paid a whole prefill in its few steps (sd.explore_steps) and the
+    arm never showed its rate once warm: plain decoding kept the bucket though EAGLE decodes 1.43x its rate (review,
+    a model of the engine's calls: 10 ms plain steps, 14 ms SD steps of 2 tokens, a 50 ms prefill)."""
+    from fastrl_jax.rollout.engine import arm_reward
+
+    eagle, steps_per_call, explore_steps, prefill_s = Strategy(5, 4, 8), 32, 8, 0.050
+    chooser = StrategyChooser([eagle], {8: (1, 8)}, "beg", 0.1, 16, 0, plain_arm=True)
+    fresh, tokens, seconds = False, 0.0, 0.0
+    for _ in range(1000):
+        arm = chooser.choose(4)
+        steps = explore_steps if chooser.exploring else steps_per_call
+        if arm is PLAIN:
+            tok, sec, pre, fresh = steps * 4, steps * 0.010, 0.0, False
+        else:
+            tok, sec, pre, fresh = steps * 8, steps * 0.014, 0.0 if fresh else prefill_s, True
+        chooser.record(arm, 4, arm_reward(tok, 4, sec, pre, steps / steps_per_call if chooser.exploring else 1.0))
+        tokens, seconds = tokens + tok, seconds + sec + pre
+    assert chooser.pulls[(8,), eagle] > 0.8 * 1000
+    assert tokens / seconds / 4 > 1.3 * 100  # tokens / s a row, against plain decoding's 100
+
+
 def test_a_forgetting_bandit_chooses_as_a_fresh_one():
     """reset_controller's cold start: after forget(seed) the chooser replays a new chooser's choices for
     the same rewards, and keeps the drafter's acceptance estimate."""

@@ -738,7 +738,8 @@ class RolloutEngine:
             key, args = ("sd", batch, kv_len, strategy), (self.state, self.drafter_state, table.slots)
         if steps < 1:  # the windows and buckets above always leave a step; without one the stream would spin
             raise RuntimeError(f"no step fits program {key[:3]} (longest row {longest}): an engine bug, please report it")
-        if pulled and self.chooser.exploring:  # a short call: an arm that loses costs little to try
+        exploring = pulled and self.chooser.exploring
+        if exploring:  # a short call: an arm that loses costs little to try
             steps = min(steps, self.sd.explore_steps)
         # Waiting rows idle: at most an eighth of the table waits for a refill.
         min_finished = min(c.refill_rows, self._refill_limit(batch), refill) if refill else 1
@@ -761,8 +762,9 @@ class RolloutEngine:
             plain_step = self._plain_step_s.get((batch, self._plain_kv_len(longest)))
             if plain_step is not None and measured:  # plain decoding emits a token per live row and step
                 rec.stats.sd_saved_s += tokens / live * plain_step - seconds - prefill_s
-        if pulled and measured:  # the drafter prefill a switch to EAGLE needed is part of the arm's cost
-            self.chooser.record(strategy, live, tokens / (seconds + prefill_s) / live)
+        if pulled and measured:
+            self.chooser.record(strategy, live, arm_reward(tokens, live, seconds, prefill_s,
+                                                           steps / c.steps_per_call if exploring else 1.0))
 
     def _plain_kv_len(self, longest: int) -> int:
         """The length bucket a plain step reads when the longest row holds `longest` tokens (its new token's slot included)."""
@@ -882,6 +884,14 @@ class _Table:
     def busy(self) -> int:
         """Rows serving a request (live, or finished and not yet collected)."""
         return sum(r >= 0 for r in self.row_req)
+
+
+def arm_reward(tokens: int, live: int, seconds: float, prefill_s: float, prefill_share: float) -> float:
+    """A bandit arm's reward for a call: tokens per second and live row, the drafter prefill a switch to it needed
+    counted as part of its cost. An exploring call, cut short (sd.explore_steps), carries the share of it a whole call
+    would (prefill_share): charged whole to those few steps, an EAGLE arm tried right after plain calls (as BEG
+    explores it) never showed its rate once its drafter is warm, and plain decoding kept the bucket (review)."""
+    return tokens / (seconds + prefill_s * min(prefill_share, 1.0)) / live
 
 
 def _dtypes(state) -> list[str]:
