@@ -349,7 +349,11 @@ def draft(policy, drafter, s: Slots, ds: DraftState | None, strategy: Strategy, 
         params = s.params if mode == "coupled" else None
         tree, dcache = draft_tree(policy, drafter, ds, s.token, s.length, strategy, kv_len, params)
     if strategy.history_tokens:
-        tokens, n = history_lib.propose(s.history, s.length, s.group, s.corpus, strategy.history_tokens, match)
+        # The table's text up to the window: a live row holds fewer than kv_len tokens (and a row's last slot is
+        # its length), so the [B, S, B] match need not scan the whole max_len (it grew with it: 372 ms a call at 64
+        # rows of 32K slots on CPU, review); a finished row's text past the window only drafts less
+        tokens, n = history_lib.propose(s.history[:, : kv_len + 1], jnp.minimum(s.length, kv_len), s.group, s.corpus,
+                                        strategy.history_tokens, match)
         chain = chain_tree(s.token, tokens, n)
         tree = chain if tree is None else merge_trees(tree, chain)
     return tree, dcache
