@@ -165,6 +165,7 @@ class HistoryStore:
         self.tokens_per_prompt, self.max_prompts = tokens_per_prompt, max_prompts
         # int32 arrays: a full store at the defaults holds 16.8M tokens (67 MB; ~600 MB as Python int lists)
         self._entries: OrderedDict[str, deque[np.ndarray]] = OrderedDict()
+        self._held: dict[str, int] = {}  # tokens kept per prompt (a sum over its deque at every add was quadratic)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -188,10 +189,11 @@ class HistoryStore:
         # Holds the store to its bounds: of one longer completion its start (what follows the prompt in its corpus
         # entry), then a prompt's newest tokens_per_prompt tokens, then max_prompts prompts.
         kept.append(np.array(completion[: self.tokens_per_prompt], np.int32))
-        while sum(len(c) for c in kept) > self.tokens_per_prompt:
-            kept.popleft()
+        self._held[key] = self._held.get(key, 0) + len(kept[-1])
+        while self._held[key] > self.tokens_per_prompt:
+            self._held[key] -= len(kept.popleft())
         while len(self._entries) > self.max_prompts:
-            self._entries.popitem(last=False)
+            del self._held[self._entries.popitem(last=False)[0]]
 
     def add_all(self, pairs: Iterable[tuple[Sequence[int], Sequence[int]]]) -> None:
         """(prompt ids, completion ids) pairs, in order."""
@@ -201,7 +203,7 @@ class HistoryStore:
     def summary(self) -> dict:
         """A checkpoint's JSON note of the store (its contents go beside it: arrays)."""
         return {"tokens_per_prompt": self.tokens_per_prompt, "max_prompts": self.max_prompts, "prompts": len(self),
-                "tokens": sum(len(c) for kept in self._entries.values() for c in kept)}
+                "tokens": sum(self._held.values())}
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The contents as flat arrays, oldest prompt first (load gives the same store): prompt keys, completions
@@ -220,7 +222,7 @@ class HistoryStore:
         if counts.sum() != len(lengths) or lengths.sum() != len(tokens) or len(keys) != len(counts):
             raise ValueError(f"{path}: {len(keys)} prompts, {counts.sum()} completions of {lengths.sum()} tokens, "
                              f"but {len(counts)} counts, {len(lengths)} lengths and {len(tokens)} tokens")
-        self._entries = OrderedDict()
+        self._entries, self._held = OrderedDict(), {}
         ends = np.cumsum(lengths)
         i = 0
         for key, n in zip(keys.tolist(), counts.tolist()):
@@ -231,7 +233,7 @@ class HistoryStore:
     def restore(self, state: dict) -> None:
         """The contents of a checkpoint's JSON (before 2026-11-27 the store was saved there whole), held to this
         store's bounds."""
-        self._entries = OrderedDict()
+        self._entries, self._held = OrderedDict(), {}
         for key, kept in state["entries"]:
             for completion in kept:
                 self._add(key, completion)
