@@ -50,6 +50,11 @@ from fastrl_jax.rollout.engine import Request, RolloutEngine
 PARTIAL_SAVE_SECONDS = 60.0
 
 
+def partial_dir(data_file: Path) -> Path:
+    """Where an interrupted collection of data_file keeps its files (PartialData): DATA.partial beside it."""
+    return data_file.with_name(data_file.stem + ".partial")
+
+
 class PartialData:
     """A collection under way, saved as it goes to DIR/FIRST.npz files, each the buffer's sequences of the
     requests FIRST, FIRST + 1, ... (with how many it covers), so a rerun after an interruption adds them
@@ -162,7 +167,7 @@ def check_restart(cfg: Config, resume: bool) -> None:
         raise FileNotFoundError(f"drafter_train.prompts: no file {prompts} ('builtin' or a JSONL file of prompts)")
     check_wandb("drafter_train.wandb_project", cfg.drafter_train.wandb_project)
     data_file = Path(cfg.drafter_train.out_dir).expanduser() / "data.npz"
-    partial = data_file.with_name("data.partial")  # an interrupted collection's files (PartialData)
+    partial = partial_dir(data_file)
     if data_file.is_file() or any(partial.glob("*.npz")):  # a collection under other settings would be deleted
         check_data(cfg, data_file if data_file.is_file() else partial)
     steps = checkpoint_steps(cfg.drafter_train.out_dir)
@@ -288,7 +293,7 @@ def collect_data(cfg: Config, policy: Decoder, tokenizer, data_file: Path, stop,
                     for i, p in enumerate(drafter_training_prompts(cfg, tokenizer)) for k in range(dt.samples_per_prompt)]
         # The record comes first: it tells a rerun whether an interrupted collection's files are of its settings
         record, settings, start = data_file.with_suffix(".json"), data_settings(cfg), 0
-        partial = PartialData(data_file.with_name(data_file.stem + ".partial"), buffer)
+        partial = PartialData(partial_dir(data_file), buffer)
         if record.is_file() and json.loads(record.read_text()) == settings:
             start = partial.load()
             if start:
