@@ -244,10 +244,10 @@ class ProgramPool:
         """Drops the least recently used half of the programs when the process is near its memory-map limit
         (after the running background compile, the queued ones cancelled: JAX's caches are cleared with no
         compile under way; without `wait`, a compile still under way puts the drop off, and it returns True: a drop
-        is due; finished ones are collected and take part). Maps a drop did not free belong to something else (another engine's pool in this process): the
-        next drop waits until the process holds MAP_GROWTH of the limit more than just after this one (or than
-        the least seen since, when something else freed maps), instead of emptying the pool at every compile,
-        but never past MAP_CEILING of the limit."""
+        is due; finished ones are collected and take part). Maps a drop did not free belong to something else
+        (another engine's pool in this process): the next drop waits until the process holds MAP_GROWTH of the limit
+        more than just after this one (or than the least seen since, when something else freed maps), instead of
+        emptying the pool at every compile, but never past MAP_CEILING of the limit."""
         maps = self._memory_maps()
         if maps is not None:
             self._maps_after_drop = min(self._maps_after_drop, maps[0])
