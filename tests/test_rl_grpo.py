@@ -172,6 +172,11 @@ def test_kl_estimators():
     # the straight-through forms keep their estimator's value
     for est in ("k1", "k3"):
         np.testing.assert_allclose(grpo.kl_penalty(logp, ref, est + "+"), grpo.kl_penalty(logp, ref, est), rtol=1e-6)
+    # abs: |log p - log q| with torch's gradient sign(x), 0 at the reference: jnp.abs's 1 there pushed every sampled
+    # token down on the first step (reference = policy), where verl's update is the one without KL (review)
+    np.testing.assert_allclose(grpo.kl_penalty(logp, ref, "abs"), jnp.abs(logp - ref), rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(lambda lp: grpo.kl_penalty(lp, logp, "abs").sum())(logp), 0.0)
+    np.testing.assert_allclose(jax.grad(lambda lp: grpo.kl_penalty(lp, ref, "abs").sum())(logp), jnp.sign(logp - ref))
 
 
 def test_aggregation_modes():

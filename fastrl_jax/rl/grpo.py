@@ -91,8 +91,9 @@ def kl_penalty(logp: jax.Array, ref_logp: jax.Array, estimator: str) -> jax.Arra
         return logp - ref_logp
     if estimator == "k2":
         return 0.5 * jnp.square(logp - ref_logp)
-    if estimator == "abs":
-        return jnp.abs(logp - ref_logp)
+    if estimator == "abs":  # torch's |x|, whose gradient is sign(x): 0 where p == q (jnp.abs has 1 there), as on the
+        d = logp - ref_logp  # first step, whose reference is the policy itself
+        return d * jnp.sign(d)
     if estimator == "k3":
         log_ratio = jnp.clip(ref_logp - logp, -20.0, 20.0)
         return jnp.minimum(jnp.exp(log_ratio) - log_ratio - 1.0, 10.0)
