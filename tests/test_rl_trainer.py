@@ -152,6 +152,26 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
     assert load_config(tmp_path / "run" / "config.yaml") == trainer.cfg  # the run says what it ran with
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf, 1e39])
+def test_a_reward_that_is_not_a_finite_number_is_named(tmp_path, bad):
+    """A reward function's NaN / inf for one completion (1e39 is inf in float32) made NaN advantages and a NaN loss,
+    and the run stopped advising a lower learning rate (review)."""
+    trainer = make_trainer(tmp_path, steps=1)
+    calls = []
+
+    def reward(completion, answer, record):
+        calls.append(1)
+        return bad if len(calls) == 3 else float(len(completion) % 2)
+
+    trainer.reward_fn = reward
+    try:
+        with pytest.raises(ValueError, match=rf"reward.functions \[.*\] gave {re.escape(str(bad))} for sample 2 of the "
+                                             "prompt whose answer is .*: rewards must be finite"):
+            trainer.run_step()
+    finally:
+        trainer.close()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_stop_signal_ends_the_run_after_its_step_with_that_step_saved(tmp_path, sig):
     """SIGTERM (a preemption, SLURM's --signal notice before the time limit) or Ctrl-C during step 1 of 3, with

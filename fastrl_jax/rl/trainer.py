@@ -358,7 +358,15 @@ class Trainer:
             if failed := [(p, err) for p, (_, err) in enumerate(shares) if err]:
                 raise RuntimeError(f"reward.functions failed on process {failed[0][0]}: {failed[0][1]}")
             scored = [shares[i % processes][0][i // processes] for i in range(len(completions))]
-        return np.array([r for r, _ in scored], np.float32), [c for _, c in scored]
+        reward = np.array([r for r, _ in scored], np.float64)
+        bad = ~(np.abs(reward) <= np.finfo(np.float32).max)  # NaN, inf or past float32: a NaN loss would stop the
+        if bad.any():  # run with a message that blames the learning rate
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"reward.functions {list(shaping.functions)} gave {reward[i]} for sample "
+                             f"{i % rl.samples_per_prompt} of the prompt whose answer is "
+                             f"{records[i // rl.samples_per_prompt]['answer']!r}: rewards must be finite numbers within "
+                             "float32's range")
+        return reward.astype(np.float32), [c for _, c in scored]
 
     def _sample(self, step: int) -> _Sampled:
         """The step's rl.prompts_per_step groups, rolled out and rewarded. With rl.filter_groups (DAPO's dynamic
