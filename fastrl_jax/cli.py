@@ -181,8 +181,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
                            drafter_accept=drafter_accept_prior(args.drafter),
                            shared_prefix=shared_prefix_len(cfg.rollout, [r.prompt_ids for r in requests]))
     t0 = time.perf_counter()
-    results = engine.generate(requests)
+    done: dict[int, object] = {}
+    try:
+        for i, completion in engine.stream(requests):
+            done[i] = completion
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (a scheduler's time limit): the finished completions are kept
+        if output and done:
+            files.write_text(output, "".join(json.dumps({"index": i, **_completion_row(prompts[i], done[i], tokenizer)})
+                                             + "\n" for i in sorted(done)))
+            print(f"[fastrl-jax] interrupted: the {len(done)} of {len(requests)} completions that finished are in "
+                  f"{output} (each row's \"index\" is its request's)", file=sys.stderr)
+        raise
     seconds = time.perf_counter() - t0
+    results = [done[i] for i in range(len(requests))]
     rows = [_completion_row(p, r, tokenizer) for p, r in zip(prompts, results)]
     failed = [i for i, row in enumerate(rows) if "error" in row]
     for i in failed:

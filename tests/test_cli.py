@@ -151,3 +151,44 @@ def test_bench_sd_refuses_bad_flags_before_loading(tmp_path, tiny_dir):
                            (["--prompt-sets", "math", "--profile"], "--profile times an EAGLE step's phases")]:
         done = fastrl_jax(*common, *extra)
         assert done.returncode == 2 and message in done.stderr and "loaded" not in done.stderr, done.stderr
+
+
+INTERRUPT_AFTER_TWO = """
+import sys
+from fastrl_jax import cli
+from fastrl_jax.rollout import engine
+
+stream = engine.RolloutEngine.stream
+
+
+def two_then_interrupt(self, requests, between_steps=None):
+    for n, item in enumerate(stream(self, requests, between_steps)):
+        if n == 2:  # Ctrl-C, or SIGTERM from `timeout` / SLURM, after two completions
+            raise KeyboardInterrupt
+        yield item
+
+
+engine.RolloutEngine.stream = two_then_interrupt
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_an_interrupted_generate_keeps_the_completions_it_finished(tiny_dir, tmp_path):
+    """`generate --prompts FILE --output OUT` wrote OUT once, after the last request: an interrupt an hour into a
+    10k-prompt file kept nothing (review). The finished completions are written, each with its request's index."""
+    import subprocess
+    import sys
+
+    from helpers.cli import cpu_env
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": [3 + i, 4, 5]}) + "\n" for i in range(4)))
+    out = tmp_path / "out.jsonl"
+    run = subprocess.run([sys.executable, "-c", INTERRUPT_AFTER_TWO, "generate", "--model", str(tiny_dir), "--prompts",
+                          str(prompts), "--output", str(out), "--max-new-tokens", "4", "--set", "rollout.compile_cache_dir=",
+                          "rollout.batch_buckets=[1]", "rollout.length_buckets=[32]", "rollout.prompt_buckets=[8]"],
+                         capture_output=True, text=True, env=cpu_env(1))
+    assert run.returncode == 130, run.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 2 and [r["prompt_ids"] for r in rows] == [[3 + r["index"], 4, 5] for r in rows]
+    assert "interrupted: the 2 of 4 completions that finished are in" in run.stderr
