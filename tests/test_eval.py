@@ -123,7 +123,8 @@ def test_eval_leaves_out_the_prompts_training_leaves_out(tmp_path, capsys):
     cfg = load_config(None, tiny_overrides(tmp_path))  # prompts of one character a token, buckets up to 16
     records = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "1+" * 20 + "1=", "answer": "21"},
                {"prompt": "44+4=", "answer": "48"}]
-    tokenizer, kept, requests = _eval_requests(cfg, resolve_model_path(cfg.model.path), records, 2, 1.0, 8)
+    margin = draft_margin(cfg.sd)
+    tokenizer, kept, requests = _eval_requests(cfg, resolve_model_path(cfg.model.path), records, 2, 1.0, 8, margin)
     assert kept == [records[0], records[2]] and "1 of 3 evaluation prompts are longer" in capsys.readouterr().err
     prompts = [record_prompt_ids(r, tokenizer, cfg.data.instruction, cfg.data.chat_template) for r in kept]
     assert requests == eval_requests(prompts, 2, 8, 1.0, cfg.rl.top_k, cfg.rl.top_p, cfg.seed, requests[0].stop_ids)
@@ -131,7 +132,38 @@ def test_eval_leaves_out_the_prompts_training_leaves_out(tmp_path, capsys):
     # A prompt within the prompt buckets whose max_new_tokens leaves it no room in the largest length bucket is left
     # out too, as the trainer leaves it out (Trainer._fitting); eval refused the whole set over it
     assert len(prompts[0]) < len(prompts[1])
-    max_new = cfg.rollout.length_buckets[-1] - draft_margin(cfg.sd) - len(prompts[0])
-    _, kept, _ = _eval_requests(cfg, resolve_model_path(cfg.model.path), records, 2, 1.0, max_new)
+    max_new = cfg.rollout.length_buckets[-1] - margin - len(prompts[0])
+    _, kept, _ = _eval_requests(cfg, resolve_model_path(cfg.model.path), records, 2, 1.0, max_new, margin)
     assert kept == [records[0]]
     assert f"2 of 3 evaluation prompts are longer than the room max_new_tokens ({max_new}) leaves" in capsys.readouterr().err
+
+
+def test_eval_scores_the_set_the_trainer_scored_whatever_its_sd(tmp_path):
+    """The trainer leaves out the eval prompts that leave no room for max_new_tokens and its sd's draft tree; `eval`
+    computed that limit with its own --sd (off by default), so it scored prompts training left out, and an eval of a
+    run with SD on scored another set than the run's eval_accuracy (review)."""
+    from helpers.tiny_run import tiny_overrides
+
+    from fastrl_jax import cli
+    from fastrl_jax.config import save_config
+    from fastrl_jax.models.hub import resolve_model_path
+    from fastrl_jax.models.tokenizer import load_tokenizer
+    from fastrl_jax.rl.evaluate import held_out_records
+    from fastrl_jax.rl.trainer import Trainer
+
+    held_out = tmp_path / "heldout.jsonl"  # prompts of 4 .. 16 tokens
+    held_out.write_text("".join(json.dumps({"prompt": "1+" * k + "1=", "answer": str(k + 1)}) + "\n" for k in range(1, 8)))
+    run_cfg = load_config(None, [*tiny_overrides(tmp_path), f"data.eval_source={held_out}", "rl.max_new_tokens=16",
+                                 "rollout.length_buckets=[32]", "rollout.prompt_buckets=[16]", "sd.mode=on",
+                                 "sd.strategies=['4/2/8']"])
+    save_config(run_cfg, tmp_path / "config.yaml")
+    trainer = object.__new__(Trainer)  # the trainer's set, as Trainer.__init__ picks it
+    trainer.cfg, trainer.tokenizer = run_cfg, load_tokenizer(resolve_model_path(run_cfg.model.path))
+    trained_on = trainer._fitting(held_out_records(run_cfg, run_cfg.rl.eval_prompts), "eval")
+    for sd in ("off", "on"):
+        args = cli.build_parser().parse_args(["eval", "--config", str(tmp_path / "config.yaml"), "--sd", sd])
+        cfg, path, set_margin = cli._eval_policy_config(args, ["rollout.warm_up=false", f"sd.mode={args.sd!r}"])
+        prompts, samples, temperature, max_new = cli._eval_settings(args, cfg)
+        _, records, _ = cli._eval_requests(cfg, path, held_out_records(cfg, prompts), samples, temperature, max_new,
+                                           set_margin)
+        assert 0 < len(records) == len(trained_on) < 7 and records == trained_on, sd
