@@ -49,12 +49,12 @@ def _policy(cfg, tokenizer=None):
     return load_policy(cfg.model, make_mesh(cfg.mesh), cfg.model.engine_dtype, tokenizer)
 
 
-def _read_prompts(args, tokenizer) -> list[list[int]]:
+def _read_prompts(args, tokenizer, chat_template: bool) -> list[list[int]]:
     from fastrl_jax.data.prompt_files import read_prompt_file
     from fastrl_jax.data.prompts import chat_prompt_ids
 
     def encode(text: str) -> list[int]:
-        return tokenizer.encode(text) if args.raw else chat_prompt_ids(tokenizer, text)
+        return tokenizer.encode(text) if args.raw else chat_prompt_ids(tokenizer, text, chat_template)
 
     if args.prompt is not None:
         return [encode(args.prompt)]
@@ -142,7 +142,7 @@ def _checked_requests(args: argparse.Namespace, cfg, path: Path):
     from fastrl_jax.rollout.requests import draft_margin, request_problem
 
     tokenizer, model_cfg = load_tokenizer(path), read_model_config(path)
-    prompts = _read_prompts(args, tokenizer)
+    prompts = _read_prompts(args, tokenizer, cfg.data.chat_template)
     stops = stop_ids(model_cfg, tokenizer)
     requests = [Request(p, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed + i, stops)
                 for i, p in enumerate(prompts)]
@@ -580,7 +580,7 @@ def _bench_sd_prompts(args: argparse.Namespace, cfg, tokenizer, vocab_size: int)
 
     prompt_sets = held_out_sets(cfg, tokenizer, args.prompts, args.prompt_sets)
     for path in args.prompt_file:
-        prompts = read_jsonl_prompts(path, tokenizer)
+        prompts = read_jsonl_prompts(path, tokenizer, cfg.data.chat_template)
         if len(prompts) > args.prompts:
             print(f"[bench-sd] {path}: timing its first {args.prompts} of {len(prompts)} prompts (--prompts)", file=sys.stderr)
         for i, p in enumerate(prompts[: args.prompts]):

@@ -168,6 +168,16 @@ def test_prompt_ids_instruction(tmp_path, caplog):
     assert tok.decode(ids) == "1+2= ok"  # no chat template on this tokenizer: plain text, and said once
     record_prompt_ids({"prompt": "2+2=", "answer": "4"}, tok, chat_template=True)
     assert caplog.text.count("has no chat template") == 1
+    # The warning's advice, data.chat_template=false, silences it in every command's prompts: generate's, bench-sd's
+    # and train-drafter's ignored it (review)
+    from fastrl_jax.data.prompts import _without_template, chat_prompt_ids, read_jsonl_prompts
+
+    _without_template.cache_clear()
+    caplog.clear()
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "2+2="}) + "\n")
+    assert read_jsonl_prompts(tmp_path / "p.jsonl", tok, chat_template=False) == [tok.encode("2+2=")]
+    assert chat_prompt_ids(tok, "2+2=", chat_template=False) == tok.encode("2+2=")
+    assert "has no chat template" not in caplog.text
 
 
 def test_blank_answers_and_prompts_are_refused(tmp_path):

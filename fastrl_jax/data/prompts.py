@@ -36,9 +36,10 @@ def _without_template(name: str) -> None:
                 "roles (set data.chat_template=false to say so, or give the tokenizer a template)", name or "")
 
 
-def chat_prompt_ids(tokenizer, text: str) -> list[int]:
-    """Token ids of `text` as one user turn (as is for a tokenizer without a chat template)."""
-    return messages_prompt_ids(tokenizer, [{"role": "user", "content": text}])
+def chat_prompt_ids(tokenizer, text: str, chat_template: bool = True) -> list[int]:
+    """Token ids of `text` as one user turn (as is for a tokenizer without a chat template, or without
+    chat_template: data.chat_template)."""
+    return messages_prompt_ids(tokenizer, [{"role": "user", "content": text}], chat_template)
 
 
 def record_prompt_ids(record: dict[str, Any], tokenizer, instruction: str = "", chat_template: bool = True) -> list[int]:
@@ -50,15 +51,16 @@ def record_prompt_ids(record: dict[str, Any], tokenizer, instruction: str = "", 
     return messages_prompt_ids(tokenizer, messages, chat_template)
 
 
-def read_jsonl_prompts(path: str | Path, tokenizer) -> list[list[int]]:
-    """{"prompt": text} (chat template applied) or {"prompt_ids": [ints]} per line."""
-    return read_prompt_file(path, lambda text: chat_prompt_ids(tokenizer, text))
+def read_jsonl_prompts(path: str | Path, tokenizer, chat_template: bool = True) -> list[list[int]]:
+    """{"prompt": text} (chat template applied, unless chat_template is False) or {"prompt_ids": [ints]} per line."""
+    return read_prompt_file(path, lambda text: chat_prompt_ids(tokenizer, text, chat_template))
 
 
-def math_prompt_ids(tokenizer, seed: int, count: int, levels, instruction: str, held_out: bool = False) -> list[list[int]]:
+def math_prompt_ids(tokenizer, seed: int, count: int, levels, instruction: str, held_out: bool = False,
+                    chat_template: bool = True) -> list[list[int]]:
     """The first `count` built-in math problems of stream `seed` (held_out: of the held-out questions), each a user
     turn with the instruction."""
-    return [chat_prompt_ids(tokenizer, f"{p.question} {instruction}".strip())
+    return [chat_prompt_ids(tokenizer, f"{p.question} {instruction}".strip(), chat_template)
             for p in math_problems.problems(seed, count, tuple(levels), held_out=held_out)]
 
 
@@ -66,20 +68,22 @@ def held_out_sets(cfg: Config, tokenizer, count: int,
                   names: Sequence[str] = ("math", "chat")) -> dict[str, list[list[int]]]:
     """Held-out prompts of the sets `names`: held-out math questions (math_problems.is_held_out) of another generator
     stream, hand-written chat prompts (at most len(chat_prompts.HELD_OUT))."""
+    template = cfg.data.chat_template
     make = {"math": lambda: math_prompt_ids(tokenizer, cfg.seed + HELD_OUT_SEED_OFFSET, count, cfg.data.math_levels,
-                                            cfg.drafter_train.instruction, held_out=True),
-            "chat": lambda: [chat_prompt_ids(tokenizer, t) for t in chat_prompts.held_out_prompts(count)]}
+                                            cfg.drafter_train.instruction, held_out=True, chat_template=template),
+            "chat": lambda: [chat_prompt_ids(tokenizer, t, template) for t in chat_prompts.held_out_prompts(count)]}
     return {name: make[name]() for name in names}
 
 
 def drafter_training_prompts(cfg: Config, tokenizer) -> list[list[int]]:
     """The drafter warm-up prompts: built-in math + chat (interleaved) or drafter_train.prompts' JSONL file."""
-    dt = cfg.drafter_train
+    dt, template = cfg.drafter_train, cfg.data.chat_template
     if dt.prompts != "builtin":
-        return read_jsonl_prompts(dt.prompts, tokenizer)[: dt.num_prompts]
+        return read_jsonl_prompts(dt.prompts, tokenizer, template)[: dt.num_prompts]
     n_chat = round(dt.num_prompts * dt.chat_fraction)
-    math_ids = math_prompt_ids(tokenizer, cfg.seed, dt.num_prompts - n_chat, cfg.data.math_levels, dt.instruction)
-    chat_ids = [chat_prompt_ids(tokenizer, t) for t in chat_prompts.train_prompts(cfg.seed, n_chat)]
+    math_ids = math_prompt_ids(tokenizer, cfg.seed, dt.num_prompts - n_chat, cfg.data.math_levels, dt.instruction,
+                               chat_template=template)
+    chat_ids = [chat_prompt_ids(tokenizer, t, template) for t in chat_prompts.train_prompts(cfg.seed, n_chat)]
     # Interleaved, so every stretch of the request stream mixes both kinds.
     out, i, j = [], 0, 0
     while i < len(math_ids) or j < len(chat_ids):
