@@ -246,6 +246,8 @@ def data_settings(cfg: Config) -> dict:
     dt = cfg.drafter_train
     settings = {"model.path": cfg.model.path, "model.rollout_dtype": cfg.model.engine_dtype, "seed": cfg.seed,
                 "data.math_levels": cfg.data.math_levels, **{f"drafter_train.{k}": getattr(dt, k) for k in DATA_SETTINGS}}
+    if not cfg.data.chat_template:  # recorded only when off, so data collected before it was read still matches
+        settings["data.chat_template"] = False
     if dt.prompts != "builtin":
         settings["drafter_train.prompts (sha256)"] = hashlib.sha256(Path(dt.prompts).expanduser().read_bytes()).hexdigest()
     return json.loads(json.dumps(settings))
