@@ -124,6 +124,7 @@ def test_train_refuses_what_it_can_before_loading_and_leaves_no_run(tmp_path):
     run = tmp_path / "run"
     (tmp_path / "no_answer.jsonl").write_text(json.dumps({"prompt": "1 + 1?", "answer": "2"}) + "\n"
                                               + json.dumps({"prompt": "2 + 2?", "solution": "4"}) + "\n")
+    (tmp_path / "long.jsonl").write_text(json.dumps({"prompt": "1+" * 40 + "1=", "answer": "41"}) + "\n")
     for extra, message in [(["rl.max_new_tokens=100"], "max_new_tokens (100) leaves no room for a prompt"),
                            (["reward.functions=[corect]"], "corect"),
                            ([f"data.source={tmp_path / 'none.jsonl'}"], "data.source: no file"),
@@ -136,6 +137,11 @@ def test_train_refuses_what_it_can_before_loading_and_leaves_no_run(tmp_path):
             assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
             assert "loaded" not in done.stderr and not run.exists()
     overrides += ["rl.micro_batch_size=6", "rl.prompts_per_step=3", "rl.samples_per_prompt=2"]
+    for extra in ([f"data.source={tmp_path / 'long.jsonl'}"], [f"data.eval_source={tmp_path / 'long.jsonl'}",
+                                                               "rl.eval_every_steps=1"]):
+        done = fastrl_jax("train", *overrides, *extra)  # found after the policy loaded: a 32B checkpoint's minutes
+        assert done.returncode == 2 and "long.jsonl: no prompt fits the largest" in done.stderr, done.stderr
+        assert "loaded" not in done.stderr and not run.exists()
     done = fastrl_jax("train", *overrides, "--num-processes", "2", "--process-id", "1")
     assert done.returncode == 2 and "give --coordinator HOST:PORT" in done.stderr and not run.exists()
     done = fastrl_jax("train", "--dry-run", "--devices", "3", *overrides, "--set", "rollout.batch_buckets=[1, 8]",

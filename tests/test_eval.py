@@ -130,7 +130,7 @@ def test_eval_leaves_out_the_prompts_training_leaves_out(tmp_path, capsys):
     assert requests == eval_requests(prompts, 2, 8, 1.0, cfg.rl.top_k, cfg.rl.top_p, cfg.seed, requests[0].stop_ids)
 
     # A prompt within the prompt buckets whose max_new_tokens leaves it no room in the largest length bucket is left
-    # out too, as the trainer leaves it out (Trainer._fitting); eval refused the whole set over it
+    # out too, as the trainer leaves it out (trainer.fitting); eval refused the whole set over it
     assert len(prompts[0]) < len(prompts[1])
     max_new = cfg.rollout.length_buckets[-1] - margin - len(prompts[0])
     _, kept, _ = _eval_requests(cfg, resolve_model_path(cfg.model.path), records, 2, 1.0, max_new, margin)
@@ -149,7 +149,7 @@ def test_eval_scores_the_set_the_trainer_scored_whatever_its_sd(tmp_path):
     from fastrl_jax.models.hub import resolve_model_path
     from fastrl_jax.models.tokenizer import load_tokenizer
     from fastrl_jax.rl.evaluate import held_out_records
-    from fastrl_jax.rl.trainer import Trainer
+    from fastrl_jax.rl.trainer import fitting
 
     held_out = tmp_path / "heldout.jsonl"  # prompts of 4 .. 16 tokens
     held_out.write_text("".join(json.dumps({"prompt": "1+" * k + "1=", "answer": str(k + 1)}) + "\n" for k in range(1, 8)))
@@ -157,9 +157,8 @@ def test_eval_scores_the_set_the_trainer_scored_whatever_its_sd(tmp_path):
                                  "rollout.length_buckets=[32]", "rollout.prompt_buckets=[16]", "sd.mode=on",
                                  "sd.strategies=['4/2/8']"])
     save_config(run_cfg, tmp_path / "config.yaml")
-    trainer = object.__new__(Trainer)  # the trainer's set, as Trainer.__init__ picks it
-    trainer.cfg, trainer.tokenizer = run_cfg, load_tokenizer(resolve_model_path(run_cfg.model.path))
-    trained_on = trainer._fitting(held_out_records(run_cfg, run_cfg.rl.eval_prompts), "eval")
+    tokenizer = load_tokenizer(resolve_model_path(run_cfg.model.path))  # the trainer's set (prompt_sources)
+    trained_on = fitting(run_cfg, tokenizer, held_out_records(run_cfg, run_cfg.rl.eval_prompts), "eval")
     for sd in ("off", "on"):
         args = cli.build_parser().parse_args(["eval", "--config", str(tmp_path / "config.yaml"), "--sd", sd])
         cfg, path, set_margin = cli._eval_policy_config(args, ["rollout.warm_up=false", f"sd.mode={args.sd!r}"])

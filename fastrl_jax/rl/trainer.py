@@ -42,8 +42,9 @@ from fastrl_jax.drafter.online import SpotTrainer, check_settings, merge_reports
 from fastrl_jax.metric_sink import check_wandb
 from fastrl_jax.models.decoder import Decoder
 from fastrl_jax.models.drafter_io import drafter_accept_prior, drafter_dir, make_drafter
+from fastrl_jax.models.hub import resolve_model_path
 from fastrl_jax.models.loading import load_policy
-from fastrl_jax.models.tokenizer import stop_ids
+from fastrl_jax.models.tokenizer import load_tokenizer, stop_ids
 from fastrl_jax.rl import grpo, rewards, run_dir, update
 from fastrl_jax.rl.dry_run import memory_warning
 from fastrl_jax.rl.evaluate import completion_text, eval_requests, evaluate, held_out_records
@@ -81,9 +82,11 @@ def token_digest(sequences) -> str:
 class Trainer:
     """Owns the policy, optimizer, engines, data and checkpoints of one GRPO run."""
 
-    def __init__(self, cfg: Config, model: Decoder, tokenizer, *, resume: bool = False, stream=sys.stdout):
+    def __init__(self, cfg: Config, model: Decoder, tokenizer, *, resume: bool = False, stream=sys.stdout,
+                 sources: tuple[Any, list[dict]] | None = None):
         """model: the policy in model.dtype (float32): its parameters are the master weights the optimizer
-        updates; the rollout engines get copies in model.rollout_dtype at every hand-off."""
+        updates; the rollout engines get copies in model.rollout_dtype at every hand-off. sources: prompt_sources'
+        (training source, held-out records), read here unless given."""
         check_trainable(cfg, "train")
         self.cfg, rl = cfg, cfg.rl
         run_dir.prepare_run_dir(cfg, resume=resume)  # never half-overwrite an earlier run
@@ -106,15 +109,10 @@ class Trainer:
         self._logp_fn = update.jit_logprobs(self.graphdef, rl.temperature, self.param_shardings, self.mesh,
                                             rl.micro_batch_size)
 
-        d = cfg.data
-        fields = dict(prompt_field=d.prompt_field, messages_field=d.messages_field, answer_field=d.answer_field)
-        train_src = pipeline.source(d.source, cfg.seed, d.math_levels, **fields)
-        if isinstance(train_src, list):  # a prompt file (the built-in problems all fit)
-            train_src = self._fitting(train_src, f"data.source {d.source}")
-        self.data = pipeline.PromptIterator(pipeline.prompt_batches(train_src, rl.prompts_per_step, cfg.seed, d.shuffle))
+        train_src, self.eval_records = sources or prompt_sources(cfg, tokenizer)
+        self.data = pipeline.PromptIterator(pipeline.prompt_batches(train_src, rl.prompts_per_step, cfg.seed,
+                                                                    cfg.data.shuffle))
         self.num_records = len(train_src)  # the stream's order depends on it: a resume checks it
-        self.eval_records = (self._fitting(held_out_records(cfg, rl.eval_prompts), f"data.eval_source {d.eval_source}")
-                             if rl.eval_every_steps else [])
 
         self.drafter = make_drafter(cfg, model.cfg, rl.drafter_path) if cfg.sd.uses_drafter() else None
         # Earlier steps' completions per prompt, drafted from when a prompt comes back (checkpointed).
@@ -167,8 +165,7 @@ class Trainer:
             config_file.replace(self.out_dir / f"config.to_step_{self.step}.yaml")
 
     def _prompt(self, record: dict) -> list[int]:
-        d = self.cfg.data
-        return record_prompt_ids(record, self.tokenizer, d.instruction, d.chat_template)
+        return prompt_ids(self.cfg, self.tokenizer, record)
 
     def _shared_prefix(self, src) -> int:
         """The prompt prefix the rollouts' streams will share (a chat template's system turn, an instruction
@@ -176,20 +173,6 @@ class Trainer:
         prefills that skip it, and skip no more (a stream of one prompt's samples shares more)."""
         picks = np.unique(np.linspace(0, len(src) - 1, min(len(src), 64)).astype(np.int64))
         return shared_prefix_len(self.cfg.rollout, [self._prompt(src[int(i)]) for i in picks])
-
-    def _fitting(self, records: list[dict], what: str) -> list[dict]:
-        """The records whose prompt fits the largest prompt bucket and leaves the largest length bucket room for
-        rl.max_new_tokens and the draft tree; the others are left out with a warning (verl's
-        data.filter_overlong_prompts, its max_prompt_length), not found by the step that draws one."""
-        limit, why = prompt_limit(self.cfg.rollout, self.cfg.rl.max_new_tokens, draft_margin(self.cfg.sd))
-        kept = [r for r in tqdm(records, desc="prompt lengths", unit="prompt", file=sys.stderr,
-                                disable=len(records) < 10_000) if len(self._prompt(r)) <= limit]
-        if not kept:
-            raise ConfigError(f"{what}: no prompt fits {why}; raise it")
-        if len(kept) < len(records):
-            log.warning("%s: %d of %d prompts are longer than %s and are left out; raise it to keep them",
-                        what, len(records) - len(kept), len(records), why)
-        return kept
 
     # ---- one step -----------------------------------------------------------------------------
     def rollout(self, records: list[dict], step: int, first: int = 0):
@@ -722,23 +705,58 @@ def preflight(cfg: Config, mesh_rows: int, files: bool = True) -> None:
                     "questions like data.source's; give data.eval_source a held-out file of those")
 
 
+def prompt_ids(cfg: Config, tokenizer, record: dict) -> list[int]:
+    d = cfg.data
+    return record_prompt_ids(record, tokenizer, d.instruction, d.chat_template)
+
+
+def prompt_sources(cfg: Config, tokenizer) -> tuple[Any, list[dict]]:
+    """(the training prompts' source, the held-out records for rl.eval_every_steps), each without the prompts that
+    cannot run (fitting)."""
+    d = cfg.data
+    fields = dict(prompt_field=d.prompt_field, messages_field=d.messages_field, answer_field=d.answer_field)
+    train_src = pipeline.source(d.source, cfg.seed, d.math_levels, **fields)
+    if isinstance(train_src, list):  # a prompt file (the built-in problems all fit)
+        train_src = fitting(cfg, tokenizer, train_src, f"data.source {d.source}")
+    held_out = (fitting(cfg, tokenizer, held_out_records(cfg, cfg.rl.eval_prompts), f"data.eval_source {d.eval_source}")
+                if cfg.rl.eval_every_steps else [])
+    return train_src, held_out
+
+
+def fitting(cfg: Config, tokenizer, records: list[dict], what: str) -> list[dict]:
+    """The records whose prompt fits the largest prompt bucket and leaves the largest length bucket room for
+    rl.max_new_tokens and the draft tree; the others are left out with a warning (verl's
+    data.filter_overlong_prompts, its max_prompt_length), not found by the step that draws one."""
+    limit, why = prompt_limit(cfg.rollout, cfg.rl.max_new_tokens, draft_margin(cfg.sd))
+    kept = [r for r in tqdm(records, desc="prompt lengths", unit="prompt", file=sys.stderr,
+                            disable=len(records) < 10_000) if len(prompt_ids(cfg, tokenizer, r)) <= limit]
+    if not kept:
+        raise ConfigError(f"{what}: no prompt fits {why}; raise it")
+    if len(kept) < len(records):
+        log.warning("%s: %d of %d prompts are longer than %s and are left out; raise it to keep them",
+                    what, len(records) - len(kept), len(records), why)
+    return kept
+
+
 def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, stream=sys.stdout) -> list[dict[str, Any]]:
-    """Checks the run (preflight) and rl.out_dir (run_dir.prepare_run_dir: --resume needs a checkpoint, a
-    fresh run never writes over an earlier one unless `overwrite` moves it aside), loads the policy and
-    tokenizer named by cfg.model, then runs GRPO to cfg.rl.steps."""
+    """Checks the run (preflight), its prompts (prompt_sources, with the tokenizer) and rl.out_dir
+    (run_dir.prepare_run_dir: --resume needs a checkpoint, a fresh run never writes over an earlier one unless
+    `overwrite` moves it aside), loads the policy named by cfg.model, then runs GRPO to cfg.rl.steps."""
     mesh = make_mesh(cfg.mesh)
     preflight(cfg, mesh.shape["data"] * mesh.shape["fsdp"])  # before loading a model, or touching a run
     if cfg.sd.uses_drafter() and cfg.drafter_online.enabled:  # as Trainer turns it on
         check_settings(cfg.drafter_online, len(local_replicas(mesh)))
     if warning := memory_warning(cfg, mesh.size, (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")):
         log.warning(warning)
+    tokenizer = load_tokenizer(resolve_model_path(cfg.model.path))
+    sources = prompt_sources(cfg, tokenizer)  # before the weights and the run: prompts none of which can run are refused
     run_dir.prepare_run_dir(cfg, resume=resume, overwrite=overwrite)
     if cfg.rl.drafter_path and cfg.sd.mode == "off":
         log.warning("rl.drafter_path is set but sd.mode is off: the drafter is not used (set sd.mode=adaptive)")
     elif cfg.rl.drafter_path:
         drafter_dir(cfg.rl.drafter_path)  # before the model loads
-    policy = load_policy(cfg.model, mesh)
-    trainer = Trainer(cfg, policy.model, policy.tokenizer, resume=resume, stream=stream)
+    policy = load_policy(cfg.model, mesh, tokenizer=tokenizer)
+    trainer = Trainer(cfg, policy.model, policy.tokenizer, resume=resume, stream=stream, sources=sources)
     return trainer.run()
 
 
