@@ -12,9 +12,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import uuid
 from pathlib import Path
 from typing import Any
+
+import jax
 
 from fastrl_jax import files
 from fastrl_jax.config import ConfigError
@@ -66,9 +69,22 @@ class MetricsSink:
 
 
 def check_wandb(key: str, project: str) -> None:
-    """Refuses a W&B project without the wandb package, before anything loads."""
-    if project and importlib.util.find_spec("wandb") is None:
+    """Refuses a W&B project without the wandb package, or (on the process that logs) without a W&B login, before
+    anything loads: wandb.init failed once the policy had loaded and the run directory was made, which a rerun then
+    refused to write over."""
+    if not project:
+        return
+    if importlib.util.find_spec("wandb") is None:
         raise ConfigError(f"{key}={project} logs to Weights & Biases: pip install 'fastrl-jax[wandb]' (or set it to '')")
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun") or jax.process_index() != 0:
+        return
+    import wandb
+
+    try:
+        wandb.login(verify=False)  # WANDB_API_KEY or ~/.netrc; asks for a key on a terminal, raises without one
+    except wandb.errors.UsageError as e:
+        raise ConfigError(f"{key}={project}: W&B cannot log in ({e}): run `wandb login`, set WANDB_API_KEY or "
+                          "WANDB_MODE=offline, or set it to ''") from None
 
 
 def _wandb_run(out_dir: Path, project: str, config: dict | None):

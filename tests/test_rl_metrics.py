@@ -97,3 +97,31 @@ def test_a_wandb_project_without_the_package_is_refused_before_loading(monkeypat
     with pytest.raises(ConfigError, match=r"rl.wandb_project=p logs to Weights & Biases: pip install 'fastrl-jax\[wandb\]'"):
         check_wandb("rl.wandb_project", "p")
     check_wandb("rl.wandb_project", "")  # off
+
+
+def test_a_wandb_project_without_a_login_is_refused_before_loading(monkeypatch):
+    """With the package but no API key (a fresh node), wandb.init failed after the policy loaded and the run directory
+    was made, and the rerun after `wandb login` was refused as a run already there (review). A stand-in wandb module:
+    the real one is an optional extra."""
+    import importlib.util
+    import sys
+    import types
+
+    from fastrl_jax.config import ConfigError
+    from fastrl_jax.metric_sink import check_wandb
+
+    class UsageError(Exception):
+        pass
+
+    def login(verify=False):
+        raise UsageError("No API key configured. Use `wandb login` to log in.")
+
+    fake = types.SimpleNamespace(login=login, errors=types.SimpleNamespace(UsageError=UsageError))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    with pytest.raises(ConfigError, match=r"rl.wandb_project=p: W&B cannot log in \(No API key configured.*\): run "
+                                          "`wandb login`, set WANDB_API_KEY or WANDB_MODE=offline"):
+        check_wandb("rl.wandb_project", "p")
+    monkeypatch.setenv("WANDB_MODE", "offline")  # logs to files, synced later: no login needed
+    check_wandb("rl.wandb_project", "p")
