@@ -68,15 +68,15 @@ class MetricsSink:
             self._wandb.finish()
 
 
-def check_wandb(key: str, project: str) -> None:
-    """Refuses a W&B project without the wandb package, or (on the process that logs) without a W&B login, before
-    anything loads: wandb.init failed once the policy had loaded and the run directory was made, which a rerun then
-    refused to write over."""
+def check_wandb(key: str, project: str, login: bool = True) -> None:
+    """Refuses a W&B project without the wandb package, or (with `login`, on the process that logs) without a W&B
+    login, before anything loads: wandb.init failed once the policy had loaded and the run directory was made, which
+    a rerun then refused to write over. A dry run (login False) plans a job that logs in elsewhere."""
     if not project:
         return
     if importlib.util.find_spec("wandb") is None:
         raise ConfigError(f"{key}={project} logs to Weights & Biases: pip install 'fastrl-jax[wandb]' (or set it to '')")
-    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun") or jax.process_index() != 0:
+    if not login or os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun") or jax.process_index():
         return
     import wandb
 

@@ -123,5 +123,6 @@ def test_a_wandb_project_without_a_login_is_refused_before_loading(monkeypatch):
     with pytest.raises(ConfigError, match=r"rl.wandb_project=p: W&B cannot log in \(No API key configured.*\): run "
                                           "`wandb login`, set WANDB_API_KEY or WANDB_MODE=offline"):
         check_wandb("rl.wandb_project", "p")
+    check_wandb("rl.wandb_project", "p", login=False)  # a dry run: the job logs in where it runs
     monkeypatch.setenv("WANDB_MODE", "offline")  # logs to files, synced later: no login needed
     check_wandb("rl.wandb_project", "p")

@@ -669,8 +669,8 @@ def _any_process(flag: bool) -> bool:
 def preflight(cfg: Config, mesh_rows: int, files: bool = True) -> None:
     """What a GRPO run can be refused for before a model loads or its run directory is touched (train and
     --dry-run): weights it could not train, sampling settings no request could run with, an unknown reward,
-    a missing prompt file (files: a dry run plans a cluster's job elsewhere, without its data), a micro-batch
-    that does not split over mesh_rows (data x fsdp) devices."""
+    a missing prompt file or W&B login (files: a dry run plans a cluster's job elsewhere, without its data), a
+    micro-batch that does not split over mesh_rows (data x fsdp) devices."""
     check_trainable(cfg, "train")
     rl = cfg.rl
     settings = [("rl.", rl.temperature, rl.top_k, rl.top_p)] + (
@@ -682,7 +682,7 @@ def preflight(cfg: Config, mesh_rows: int, files: bool = True) -> None:
     if cfg.reward.overlong_buffer >= rl.max_new_tokens:
         raise ConfigError(f"reward.overlong_buffer ({cfg.reward.overlong_buffer}) must be below rl.max_new_tokens "
                           f"({rl.max_new_tokens}): the penalty starts that many tokens before the limit")
-    check_wandb("rl.wandb_project", rl.wandb_project)
+    check_wandb("rl.wandb_project", rl.wandb_project, login=files)
     if rl.filter_groups and rl.filter_groups_metric == "accuracy" and "correct" not in cfg.reward.functions:
         log.warning("rl.filter_groups keeps the groups whose built-in correctness (rl.filter_groups_metric=accuracy) "
                     "differs, which reward.functions %s leave out: for answers that it cannot check, every group looks "
