@@ -469,15 +469,15 @@ def _eval_requests(cfg, path: Path, records, samples: int, temperature: float, m
     """(tokenizer, records, requests): the records whose prompt fits (rollout.requests.prompt_limit with the config's
     own draft margin, set_margin: the set the trainer's in-run evaluation scores, so eval of a run repeats its
     eval_accuracy, with --sd off or on) and their requests, every prompt checked against the engine's rules."""
-    from fastrl_jax.data.prompts import record_prompt_ids
+    from fastrl_jax.data.prompts import data_prompt_ids
     from fastrl_jax.models.loading import read_model_config
     from fastrl_jax.models.tokenizer import load_tokenizer, stop_ids
     from fastrl_jax.rl.evaluate import eval_requests
     from fastrl_jax.rollout.requests import draft_margin, prompt_limit, request_problem
 
     tokenizer, model_cfg = load_tokenizer(path), read_model_config(path)
-    d, rl = cfg.data, cfg.rl
-    prompts = [record_prompt_ids(r, tokenizer, d.instruction, d.chat_template) for r in records]
+    rl = cfg.rl
+    prompts = [data_prompt_ids(cfg, r, tokenizer) for r in records]
     margin = draft_margin(cfg.sd)
     limit, what_limits = prompt_limit(cfg.rollout, max_new, set_margin)
     fits = [i for i, p in enumerate(prompts) if len(p) <= limit]

@@ -51,6 +51,12 @@ def record_prompt_ids(record: dict[str, Any], tokenizer, instruction: str = "", 
     return messages_prompt_ids(tokenizer, messages, chat_template)
 
 
+def data_prompt_ids(cfg: Config, record: dict[str, Any], tokenizer) -> list[int]:
+    """record_prompt_ids with the config's data.instruction and data.chat_template: a training or held-out record's
+    prompt as the trainer and eval give it to the policy."""
+    return record_prompt_ids(record, tokenizer, cfg.data.instruction, cfg.data.chat_template)
+
+
 def read_jsonl_prompts(path: str | Path, tokenizer, chat_template: bool = True) -> list[list[int]]:
     """{"prompt": text} (chat template applied, unless chat_template is False) or {"prompt_ids": [ints]} per line."""
     return read_prompt_file(path, lambda text: chat_prompt_ids(tokenizer, text, chat_template))

@@ -37,7 +37,7 @@ from fastrl_jax.checkpoint import (
 from fastrl_jax.config import Config, ConfigError, TrainingStopped, check_trainable, load_config, save_config, to_dict
 from fastrl_jax.data import pipeline
 from fastrl_jax.data.prompt_files import read_records
-from fastrl_jax.data.prompts import record_prompt_ids
+from fastrl_jax.data.prompts import data_prompt_ids
 from fastrl_jax.drafter.online import SpotTrainer, check_settings, merge_reports
 from fastrl_jax.metric_sink import check_wandb
 from fastrl_jax.models.decoder import Decoder
@@ -165,7 +165,7 @@ class Trainer:
             config_file.replace(self.out_dir / f"config.to_step_{self.step}.yaml")
 
     def _prompt(self, record: dict) -> list[int]:
-        return prompt_ids(self.cfg, self.tokenizer, record)
+        return data_prompt_ids(self.cfg, record, self.tokenizer)
 
     def _shared_prefix(self, src) -> int:
         """The prompt prefix the rollouts' streams will share (a chat template's system turn, an instruction
@@ -705,11 +705,6 @@ def preflight(cfg: Config, mesh_rows: int, files: bool = True) -> None:
                     "questions like data.source's; give data.eval_source a held-out file of those")
 
 
-def prompt_ids(cfg: Config, tokenizer, record: dict) -> list[int]:
-    d = cfg.data
-    return record_prompt_ids(record, tokenizer, d.instruction, d.chat_template)
-
-
 def prompt_sources(cfg: Config, tokenizer) -> tuple[Any, list[dict]]:
     """(the training prompts' source, the held-out records for rl.eval_every_steps), each without the prompts that
     cannot run (fitting)."""
@@ -729,7 +724,7 @@ def fitting(cfg: Config, tokenizer, records: list[dict], what: str) -> list[dict
     data.filter_overlong_prompts, its max_prompt_length), not found by the step that draws one."""
     limit, why = prompt_limit(cfg.rollout, cfg.rl.max_new_tokens, draft_margin(cfg.sd))
     kept = [r for r in tqdm(records, desc="prompt lengths", unit="prompt", file=sys.stderr,
-                            disable=len(records) < 10_000) if len(prompt_ids(cfg, tokenizer, r)) <= limit]
+                            disable=len(records) < 10_000) if len(data_prompt_ids(cfg, r, tokenizer)) <= limit]
     if not kept:
         raise ConfigError(f"{what}: no prompt fits {why}; raise it")
     if len(kept) < len(records):
