@@ -119,6 +119,39 @@ def test_export_refuses_a_file_a_full_directory_or_a_missing_parent(tmp_path):
     assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".partial")]
 
 
+
+def test_an_existing_empty_directory_is_written_in_place_and_a_second_export_into_it_is_refused(tmp_path, monkeypatch):
+    """A mount point (docker -v, a PVC) cannot be removed and renamed onto: the whole export was written
+    beside it, then removing it failed and left the export hidden (review). The directory is kept and filled;
+    a second export while one runs is refused (it removed the first's files as a killed export's leftovers,
+    and the first then renamed an export short of its first shards into place)."""
+    out = tmp_path / "mounted"
+    out.mkdir()
+    inode = out.stat().st_ino
+    with export_into(out) as partial:
+        (partial / "model.safetensors").write_bytes(b"w")
+        with pytest.raises(ValueError, match="another export into it is running"), export_into(out):
+            pass
+        assert (partial / "model.safetensors").is_file()  # untouched by the refused one
+        (partial / "config.json").write_text("{}\n")
+    assert out.stat().st_ino == inode
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert [p.name for p in tmp_path.iterdir()] == ["mounted"]
+    with pytest.raises(ValueError, match="not empty"):
+        check_export_dir(out)
+    # A new directory: written beside, renamed into place, with nothing left beside it
+    with export_into(tmp_path / "new") as partial:
+        with pytest.raises(ValueError, match="another export into it is running"), export_into(tmp_path / "new"):
+            pass
+        (partial / "config.json").write_text("{}\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mounted", "new"]
+    # A place this user cannot write is refused before anything loads, not after
+    monkeypatch.setattr("os.access", lambda path, mode: False)
+    (tmp_path / "theirs").mkdir()
+    for target in (tmp_path / "theirs", tmp_path / "theirs" / "out"):
+        with pytest.raises(PermissionError, match="cannot be written by this user"):
+            check_export_dir(target)
+
 @pytest.mark.slow
 def test_smollm2_export_decodes_like_generate(tmp_path):
     """The done-when check, as a user runs it: `export-policy --model smollm2`, then transformers alone

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import math
 import os
@@ -179,42 +180,78 @@ def readable_as_umask_allows(path: Path) -> None:
     path.chmod(0o666 & ~umask)
 
 
+_INSIDE = ".fastrl-export.partial"  # where an export into an existing empty directory is written
+
+
 def check_export_dir(out: str | Path, flag: str = "--out") -> Path:
-    """`out` as a new export directory: it must not be a file or a non-empty directory, and its
-    parent must exist. Raises ValueError / FileNotFoundError with the fix. A symlink stands for its target (a
-    scratch disk linked into a project): the export is written beside the target and the link then shows it."""
+    """`out` as a new export directory: it must not be a file or a non-empty directory, its parent must
+    exist, and this process must be able to write where the export goes (inside `out` when it exists: a mount
+    point, a directory made for the user in a parent they cannot write). Raises ValueError /
+    FileNotFoundError / PermissionError with the fix. A symlink stands for its target (a scratch disk linked into
+    a project): the export is written beside the target and the link then shows it."""
     out = Path(out).expanduser().absolute()
     out = out.resolve() if out.is_symlink() else out
     if out.is_file():
         raise ValueError(f"{flag} {out} is a file; give a new directory to export into")
-    if out.is_dir() and any(out.iterdir()):
+    if out.is_dir() and any(not p.name.startswith(_INSIDE) for p in out.iterdir()):  # a killed export's files aside
         raise ValueError(f"{flag} {out} exists and is not empty; choose a new directory (an export never overwrites)")
     if not out.parent.is_dir():
         raise FileNotFoundError(f"{flag} {out}: its parent directory {out.parent} does not exist; create it first")
+    where = out if out.is_dir() else out.parent
+    if not os.access(where, os.W_OK):
+        raise PermissionError(f"{flag} {out}: {where} cannot be written by this user; choose another directory")
     return out
 
 
 @contextlib.contextmanager
 def export_into(out: str | Path, writer: bool = True, flag: str = "--out") -> Iterator[Path]:
-    """A hidden sibling directory of the export directory `out` (check_export_dir's rules) to write into: it
-    becomes `out` when the block completes and is removed when the block fails, so a failed or interrupted
-    export leaves nothing that looks like one, nor anything a rerun would refuse. writer: whether this
-    process creates and renames it (process 0 of a multi-process export). flag: how errors name `out`."""
+    """A hidden directory to write the export directory `out` (check_export_dir's rules) into: beside `out`,
+    renamed to it when the block completes, or inside `out` when it exists (emptied into it, config.json last, so
+    it never looks like a complete model before it is one); removed when the block fails, so a failed or
+    interrupted export leaves nothing that looks like one, nor anything a rerun would refuse. A second export into
+    the same `out` while one runs is refused (a lock): it would have removed the first's files as a killed
+    export's leftovers. writer: whether this process creates and moves it (process 0 of a multi-process
+    export). flag: how errors name `out`."""
     out = check_export_dir(out, flag)
-    partial = out.parent / f".{out.name}.partial"
-    if writer:
-        shutil.rmtree(partial, ignore_errors=True)  # a killed export's leftovers
-        partial.mkdir()
-    try:
-        yield partial
-    except BaseException:
-        if writer:  # another process's failure must not remove the directory process 0 writes
-            shutil.rmtree(partial, ignore_errors=True)
-        raise
-    if writer:
-        if out.is_dir():
-            out.rmdir()  # empty (checked above): the complete export takes its place
-        partial.rename(out)
+    inside = out.is_dir()
+    partial = out / _INSIDE if inside else out.parent / f".{out.name}.partial"
+    with _export_lock(partial.with_name(partial.name + ".lock"), out, writer, flag):
+        if writer:
+            shutil.rmtree(partial, ignore_errors=True)  # a killed export's leftovers
+            partial.mkdir()
+        try:
+            yield partial
+        except BaseException:
+            if writer:  # another process's failure must not remove the directory process 0 writes
+                shutil.rmtree(partial, ignore_errors=True)
+            raise
+        if writer and inside:
+            for p in sorted(partial.iterdir(), key=lambda p: p.name == "config.json"):
+                p.rename(out / p.name)
+            partial.rmdir()
+        elif writer:
+            partial.rename(out)
+
+
+@contextlib.contextmanager
+def _export_lock(lock: Path, out: Path, writer: bool, flag: str) -> Iterator[None]:
+    """Holds an exclusive lock on the file `lock` (the writer only) for an export into `out`, or raises
+    ValueError when another process holds it; `out` is checked again once held (an export that ended while this
+    one waited has filled it). The lock file goes when released."""
+    if not writer:
+        yield
+        return
+    with open(lock, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(f"{flag} {out}: another export into it is running; wait for it to end or choose another "
+                             "directory") from None
+        try:
+            check_export_dir(out, flag)
+            yield
+        finally:
+            lock.unlink(missing_ok=True)
 
 
 def export_dtype(name: str):
