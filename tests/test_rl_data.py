@@ -86,6 +86,21 @@ def test_iterator_resume_continues_exactly(tmp_path):
     assert take(other_seed, 2) != first
 
 
+
+def test_a_batch_reads_its_own_records_only():
+    """grain's default iterator read 500 batches ahead on 16 threads: one batch of 64 math prompts generated
+    32,064 problems beside the rollout loop (review)."""
+    class Counting(pipeline.MathSource):
+        reads = 0
+
+        def __getitem__(self, index):
+            Counting.reads += 1
+            return super().__getitem__(index)
+
+    it = pipeline.PromptIterator(pipeline.prompt_batches(Counting(0, (1,)), batch_size=64, seed=0))
+    next(it)
+    assert Counting.reads == 64
+
 @pytest.mark.parametrize("spec", ["file", "math"])
 def test_one_prompt_a_step(tmp_path, spec):
     """rl.prompts_per_step=1: grain sized the endless stream of 1-record batches at an int too large for an index."""

@@ -70,7 +70,9 @@ class PromptIterator:
     """Batches of records with a JSON-able position: `state()` / `restore(state)`."""
 
     def __init__(self, dataset: grain.MapDataset):
-        self._it = iter(dataset)
+        # Read in the caller, as asked: grain's default read 500 batches ahead on 16 threads (32,064 records for
+        # one batch of 64), generating problems beside the rollout loop for batches a run may never draw
+        self._it = iter(dataset.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)))
 
     def __next__(self) -> list[dict[str, Any]]:
         return next(self._it)
