@@ -1,5 +1,6 @@
 """Prompt data: the math generator, JSONL / Parquet sources, shuffling, and iterator resume."""
 
+import decimal
 import json
 from pathlib import Path
 
@@ -239,6 +240,9 @@ def test_float_answers_are_written_out_as_numbers(tmp_path):
     pq.write_table(pa.table({"prompt": ["a", "b", "c"], "answer": [1e-05, 2.5e16, 72.0]}), path)
     assert [r["answer"] for r in read_records(path)] == ["0.00001", "25000000000000000", "72.0"]
     assert correctness_reward("The answer is 0.00001", read_records(path)[0]["answer"]) == 1.0
+    decimals = pa.array([decimal.Decimal("1E-7"), decimal.Decimal("12.50")], pa.decimal128(10, 8))
+    pq.write_table(pa.table({"prompt": ["a", "b"], "answer": decimals}), path)  # a decimal column: '1.0E-7' (review)
+    assert [r["answer"] for r in read_records(path)] == ["0.00000010", "12.50000000"]
     pq.write_table(pa.table({"prompt": ["a", "b"], "answer": [1.0, float("nan")]}), path)  # a missing value
     with pytest.raises(ValueError, match="record 2: 'answer' is nan, not an answer"):
         read_records(path)

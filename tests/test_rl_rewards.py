@@ -231,6 +231,11 @@ def test_overlong_penalty_is_dapos():
     ("Option 3 fails. The answer is (B).", "B", True),
     ("The answer is (b) because the others fail.", "(B)", True),
     ("The answer is yes.", "yes", True),
+    ("The answer is Yes.", "yes", True),  # read in any case, so compared in any case (review)
+    ("The answer is true.", "True", True),  # a boolean column's truth (str(True))
+    ("\\boxed{yes}", "True", True),
+    ("\\boxed{\\text{No}}", "False", True),
+    ("The answer is yes.", "False", False),
     ("The answer is 4. Checking whether the answer is correct: yes.", "4", True),  # "correct" is no answer
     ("So 9 is left, and the answer is no longer 5.", "no", False),  # a sentence goes on: no stated answer
 ])

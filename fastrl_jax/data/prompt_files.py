@@ -107,10 +107,10 @@ def read_records(path: str | Path, prompt_field: str = "prompt", messages_field:
                              f"it, e.g. data.answer_field=reward_model.ground_truth for verl's files")
         if not str(answer).strip():  # names no answer: no completion could earn the reward, or an empty one would
             raise ValueError(f"{where}: '{answer_field}' is blank; give each record its answer")
-        if isinstance(answer, float) and not math.isfinite(answer):  # a missing value in a numeric column
+        if isinstance(answer, (float, Decimal)) and not math.isfinite(answer):  # a missing value in a numeric column
             raise ValueError(f"{where}: '{answer_field}' is {answer}, not an answer; give each record its answer")
-        if isinstance(answer, float):  # str(1e-05) is '1e-05', a form no answer matches numerically
-            answer = format(Decimal(repr(answer)), "f")
+        if isinstance(answer, (float, Decimal)):  # str(1e-05) is '1e-05' (a parquet decimal's '1.0E-7'), a form no
+            answer = format(Decimal(repr(answer)) if isinstance(answer, float) else answer, "f")  # answer matches
         record = {"answer": str(answer)}
         # verl's files keep the chat messages in their "prompt" field
         prompt, messages = _field(row, prompt_field), _field(row, messages_field)

@@ -154,7 +154,12 @@ def answers_match(predicted: str | None, truth: str) -> bool:
     a, b = normalize_number(predicted), normalize_number(truth)
     if a is not None and b is not None:
         return a == b
+    if truth.lower() in _YES_NO:  # read in any case (extract_answer), so compared in any case; a boolean column's True
+        return _YES_NO.get(_canonical(predicted).rstrip(".").lower()) == _YES_NO[truth.lower()]
     return _canonical(predicted) == _canonical(truth)
+
+
+_YES_NO = {"yes": True, "true": True, "no": False, "false": False}
 
 
 def _canonical(text: str) -> str:
