@@ -408,8 +408,10 @@ def test_a_resume_takes_what_the_checkpoint_has_and_names_a_setting_it_does_not_
     assert [m["step"] for m in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
 
 
-def test_a_resume_refuses_a_prompt_file_that_changed_length(tmp_path):
-    """A prompt file that gained records since the run started reshuffles the stream its saved position counts in."""
+def test_a_resume_refuses_a_prompt_file_that_changed_and_takes_one_that_moved(tmp_path):
+    """A prompt file that gained records since the run started reshuffles the stream its saved position counts in;
+    one rewritten with as many other records was resumed, its epoch repeating some prompts and skipping others,
+    and the same file at another path (another mount) was refused (review)."""
     prompts = tmp_path / "mine.jsonl"  # not tiny_overrides' prompts.jsonl, which each make_trainer writes again
     prompts.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(8)))
     trainer = make_trainer(tmp_path, f"data.source={prompts}", "sd.mode='off'")
@@ -420,6 +422,14 @@ def test_a_resume_refuses_a_prompt_file_that_changed_length(tmp_path):
         f.write(json.dumps({"prompt": "What is 9 + 1?", "answer": "10"}) + "\n")
     with pytest.raises(ConfigError, match="holds 9 records that fit rollout.prompt_buckets, 8 when the run started"):
         make_trainer(tmp_path, f"data.source={prompts}", "sd.mode='off'", resume=True)
+    lines = prompts.read_text().splitlines(keepends=True)
+    prompts.write_text("".join(lines[1:]))  # 8 records again, one of them another
+    with pytest.raises(ConfigError, match="as many records that fit as when the run started, but others"):
+        make_trainer(tmp_path, f"data.source={prompts}", "sd.mode='off'", resume=True)
+    moved = tmp_path / "elsewhere" / "mine.jsonl"
+    moved.parent.mkdir()
+    moved.write_text("".join(lines[:8]))
+    make_trainer(tmp_path, f"data.source={moved}", "sd.mode='off'", resume=True).close()
 
 
 def test_startup_errors_are_clear(tmp_path):

@@ -113,6 +113,7 @@ class Trainer:
         self.data = pipeline.PromptIterator(pipeline.prompt_batches(train_src, rl.prompts_per_step, cfg.seed,
                                                                     cfg.data.shuffle))
         self.num_records = len(train_src)  # the stream's order depends on it: a resume checks it
+        self.prompts_digest = prompts_digest(train_src)  # and on the records themselves
 
         self.drafter = make_drafter(cfg, model.cfg, rl.drafter_path) if cfg.sd.uses_drafter() else None
         # Earlier steps' completions per prompt, drafted from when a prompt comes back (checkpointed).
@@ -466,7 +467,7 @@ class Trainer:
         self._wait_checkpoint()  # the previous write's failure is its own step's, and this one still starts
         meta = {"data": self.data.state(),
                 "run": {"step": self.step, "updates": self.updates, "seed": self.cfg.seed, "config": to_dict(self.cfg),
-                        "prompt_records": self.num_records,
+                        "prompt_records": self.num_records, "prompts_digest": self.prompts_digest,
                         "rng": "request seeds derive from (seed, step, request index)"}}
         if self.history is not None:
             meta["history"] = self.history.summary()  # its tokens: RUN/history/STEP.npz, written below
@@ -558,15 +559,17 @@ class Trainer:
                                   f"{self.out_dir / 'config.yaml'} has them), or start a new run") from None
             raise UnreadableCheckpoint(f"--resume: {e}. Restore {ckpt.directory} from a backup, or start the run "
                                        "again with --overwrite (the old run is moved aside)") from None
-        stream = _config_changes(meta["run"].get("config", {}), now, STREAM_KEYS)
+        digest = meta["run"].get("prompts_digest")  # checkpoints before 2026-11-28 have none: the file's path counts
+        stream = _config_changes(meta["run"].get("config", {}), now, STREAM_KEYS if digest else STREAM_KEYS + RECORD_KEYS)
         if stream:
             raise ConfigError(f"--resume: {', '.join(stream)} changed since the run started; its saved data position "
                               "counts batches of that prompt stream, so prompts would be skipped or repeated. Set them "
                               f"back (the run's {self.out_dir / 'config.yaml'} has them), or start a new run")
         records = meta["run"].get("prompt_records", self.num_records)  # checkpoints before 2026-11-27 have none
-        if records != self.num_records:
-            raise ConfigError(f"--resume: data.source ({self.cfg.data.source}) holds {self.num_records} records that "
-                              f"fit rollout.prompt_buckets, {records} when the run started; its saved data position "
+        if records != self.num_records or digest not in (None, self.prompts_digest):
+            holds = (f"{self.num_records} records that fit rollout.prompt_buckets, {records} when the run started"
+                     if records != self.num_records else "as many records that fit as when the run started, but others")
+            raise ConfigError(f"--resume: data.source ({self.cfg.data.source}) holds {holds}; its saved data position "
                               "counts batches of that shuffled stream, so prompts would be skipped or repeated. Put the "
                               "file back as it was (or rollout.prompt_buckets, data.instruction, data.chat_template and "
                               "the tokenizer, which decide what fits), or start a new run")
@@ -718,6 +721,18 @@ def prompt_sources(cfg: Config, tokenizer) -> tuple[Any, list[dict]]:
     return train_src, held_out
 
 
+def prompts_digest(src) -> str:
+    """What a training prompt source holds, for a resume to compare: 'math' for the built-in generator (its seed
+    and levels are settings), else a hash of the records kept (the same file moved elsewhere is the same stream;
+    a file rewritten with as many other records is not)."""
+    if isinstance(src, pipeline.MathSource):
+        return pipeline.MATH_SOURCE
+    h = hashlib.sha256()
+    for r in src:
+        h.update(json.dumps(r, sort_keys=True, default=str).encode() + b"\n")
+    return h.hexdigest()[:16]
+
+
 def fitting(cfg: Config, tokenizer, records: list[dict], what: str) -> list[dict]:
     """The records whose prompt fits the largest prompt bucket and leaves the largest length bucket room for
     rl.max_new_tokens and the draft tree; the others are left out with a warning (verl's
@@ -755,9 +770,10 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, stream=
     return trainer.run()
 
 
-# What orders the prompt stream: a resume's saved position (a batch index) means the same prompts only under these.
-STREAM_KEYS = ("seed", "rl.prompts_per_step", "data.source", "data.shuffle", "data.math_levels", "data.prompt_field",
-               "data.messages_field", "data.answer_field")
+# What orders the prompt stream: a resume's saved position (a batch index) means the same prompts only under these,
+# and the same records (prompts_digest; for checkpoints without one, the RECORD_KEYS that name them).
+STREAM_KEYS = ("seed", "rl.prompts_per_step", "data.shuffle", "data.math_levels")
+RECORD_KEYS = ("data.source", "data.prompt_field", "data.messages_field", "data.answer_field")
 # Settings (sections, or single keys) that shape what a checkpoint holds: the policy, its optimizer state, the
 # reference policy, the drafter and its optimizer, the history store.
 STATE_KEYS = ("model", "optim", "rl.kl_coef", "rl.drafter_path", "sd.mode", "sd.strategies", "sd.history",
