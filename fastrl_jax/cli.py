@@ -414,14 +414,10 @@ def cmd_export_policy(args: argparse.Namespace) -> None:
 
 
 def _eval_policy_config(args: argparse.Namespace, defaults: list[str]):
-    """(config, model path, the prompt set's draft margin) of eval's policy, checked without reading weights: a run's
-    config.yaml and base model (--run), or --config / --model; `defaults`, then --set, over either. The margin is that
-    of the config's own sd (its mode, not eval's --sd): the set training's evaluation scores, whatever eval runs."""
+    """(config, model path) of eval's policy, checked without reading weights: a run's config.yaml and base model
+    (--run), or --config / --model; `defaults`, then --set, over either."""
     from fastrl_jax.models.hub import resolve_model_path
     from fastrl_jax.rl.run_dir import base_model_path, check_run
-    from fastrl_jax.rollout.requests import draft_margin
-
-    own = [d for d in defaults if not d.startswith("sd.mode=")]
 
     if args.run and (args.model or args.config):
         raise ConfigError("eval takes --run RUN_DIR (a trained run, with its own config) or --config / --model, not both")
@@ -431,9 +427,9 @@ def _eval_policy_config(args: argparse.Namespace, defaults: list[str]):
         raise ConfigError("--drafter applies only to speculative decoding: add --sd on or --sd adaptive (or drop it)")
     if args.run:
         cfg = _with_cache(check_run(args.run, args.step, [*defaults, *args.set]))
-        return cfg, base_model_path(cfg, args.run), draft_margin(check_run(args.run, args.step, [*own, *args.set]).sd)
+        return cfg, base_model_path(cfg, args.run)
     cfg = _config(args, defaults)
-    return cfg, resolve_model_path(cfg.model.path), draft_margin(_config(args, own).sd)
+    return cfg, resolve_model_path(cfg.model.path)
 
 
 def _eval_settings(args: argparse.Namespace, cfg) -> tuple[int, float, int, int]:
@@ -465,21 +461,21 @@ def _eval_settings(args: argparse.Namespace, cfg) -> tuple[int, float, int, int]
     return prompts, samples, temperature, max_new
 
 
-def _eval_requests(cfg, path: Path, records, samples: int, temperature: float, max_new: int, set_margin: int):
-    """(tokenizer, records, requests): the records whose prompt fits (rollout.requests.prompt_limit with the config's
-    own draft margin, set_margin: the set the trainer's in-run evaluation scores, so eval of a run repeats its
-    eval_accuracy, with --sd off or on) and their requests, every prompt checked against the engine's rules."""
+def _eval_requests(cfg, path: Path, records, samples: int, temperature: float, max_new: int):
+    """(tokenizer, records, requests): the records whose prompt fits (rollout.requests.prompt_limit with
+    prompt_margin: the set the trainer's in-run evaluation scores, so eval of a run repeats its eval_accuracy, with
+    --sd off or on) and their requests, every prompt checked against the engine's rules."""
     from fastrl_jax.data.prompts import data_prompt_ids
     from fastrl_jax.models.loading import read_model_config
     from fastrl_jax.models.tokenizer import load_tokenizer, stop_ids
     from fastrl_jax.rl.evaluate import eval_requests
-    from fastrl_jax.rollout.requests import draft_margin, prompt_limit, request_problem
+    from fastrl_jax.rollout.requests import draft_margin, prompt_limit, prompt_margin, request_problem
 
     tokenizer, model_cfg = load_tokenizer(path), read_model_config(path)
     rl = cfg.rl
     prompts = [data_prompt_ids(cfg, r, tokenizer) for r in records]
     margin = draft_margin(cfg.sd)
-    limit, what_limits = prompt_limit(cfg.rollout, max_new, set_margin)
+    limit, what_limits = prompt_limit(cfg.rollout, max_new, prompt_margin(cfg.sd))
     fits = [i for i, p in enumerate(prompts) if len(p) <= limit]
     if fits and len(fits) < len(records):  # none fitting is refused below, with the reason
         print(f"[fastrl-jax] {len(records) - len(fits)} of {len(records)} evaluation prompts are longer than {what_limits} and "
@@ -502,7 +498,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from fastrl_jax.rl.evaluate import evaluate, format_table, held_out_records, model_workers
 
     defaults = ["rollout.warm_up=false", f"sd.mode={args.sd!r}"]  # programs compile when reached
-    cfg, path, set_margin = _eval_policy_config(args, defaults)
+    cfg, path = _eval_policy_config(args, defaults)
     source = args.prompts or cfg.data.eval_source
     read = ("--prompts" if args.prompts else "data.eval_source", source if source != MATH_SOURCE else None)
     out = check_output_file(args.out, "--out", [read]) if args.out else None
@@ -520,7 +516,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     records = held_out_records(cfg, num_prompts, source)
     if len(records) < num_prompts:
         print(f"[fastrl-jax] {source} holds {len(records)} records; evaluating all of them", file=sys.stderr)
-    tokenizer, records, requests = _eval_requests(cfg, path, records, samples, temperature, max_new, set_margin)
+    tokenizer, records, requests = _eval_requests(cfg, path, records, samples, temperature, max_new)
     if args.run:
         from fastrl_jax.rl.run_dir import load_run_policy
         from fastrl_jax.sharding import make_mesh

@@ -118,13 +118,13 @@ def test_eval_leaves_out_the_prompts_training_leaves_out(tmp_path, capsys):
     from fastrl_jax.data.prompts import record_prompt_ids
     from fastrl_jax.models.hub import resolve_model_path
     from fastrl_jax.rl.evaluate import eval_requests
-    from fastrl_jax.rollout.requests import draft_margin
+    from fastrl_jax.rollout.requests import prompt_margin
 
     cfg = load_config(None, tiny_overrides(tmp_path))  # prompts of one character a token, buckets up to 16
     records = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "1+" * 20 + "1=", "answer": "21"},
                {"prompt": "44+4=", "answer": "48"}]
-    margin = draft_margin(cfg.sd)
-    tokenizer, kept, requests = _eval_requests(cfg, resolve_model_path(cfg.model.path), records, 2, 1.0, 8, margin)
+    margin = prompt_margin(cfg.sd)
+    tokenizer, kept, requests = _eval_requests(cfg, resolve_model_path(cfg.model.path), records, 2, 1.0, 8)
     assert kept == [records[0], records[2]] and "1 of 3 evaluation prompts are longer" in capsys.readouterr().err
     prompts = [record_prompt_ids(r, tokenizer, cfg.data.instruction, cfg.data.chat_template) for r in kept]
     assert requests == eval_requests(prompts, 2, 8, 1.0, cfg.rl.top_k, cfg.rl.top_p, cfg.seed, requests[0].stop_ids)
@@ -133,7 +133,7 @@ def test_eval_leaves_out_the_prompts_training_leaves_out(tmp_path, capsys):
     # out too, as the trainer leaves it out (trainer.fitting); eval refused the whole set over it
     assert len(prompts[0]) < len(prompts[1])
     max_new = cfg.rollout.length_buckets[-1] - margin - len(prompts[0])
-    _, kept, _ = _eval_requests(cfg, resolve_model_path(cfg.model.path), records, 2, 1.0, max_new, margin)
+    _, kept, _ = _eval_requests(cfg, resolve_model_path(cfg.model.path), records, 2, 1.0, max_new)
     assert kept == [records[0]]
     assert f"2 of 3 evaluation prompts are longer than the room max_new_tokens ({max_new}) leaves" in capsys.readouterr().err
 
@@ -161,8 +161,7 @@ def test_eval_scores_the_set_the_trainer_scored_whatever_its_sd(tmp_path):
     trained_on = fitting(run_cfg, tokenizer, held_out_records(run_cfg, run_cfg.rl.eval_prompts), "eval")
     for sd in ("off", "on"):
         args = cli.build_parser().parse_args(["eval", "--config", str(tmp_path / "config.yaml"), "--sd", sd])
-        cfg, path, set_margin = cli._eval_policy_config(args, ["rollout.warm_up=false", f"sd.mode={args.sd!r}"])
+        cfg, path = cli._eval_policy_config(args, ["rollout.warm_up=false", f"sd.mode={args.sd!r}"])
         prompts, samples, temperature, max_new = cli._eval_settings(args, cfg)
-        _, records, _ = cli._eval_requests(cfg, path, held_out_records(cfg, prompts), samples, temperature, max_new,
-                                           set_margin)
+        _, records, _ = cli._eval_requests(cfg, path, held_out_records(cfg, prompts), samples, temperature, max_new)
         assert 0 < len(records) == len(trained_on) < 7 and records == trained_on, sd

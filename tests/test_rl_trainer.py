@@ -432,6 +432,23 @@ def test_a_resume_refuses_a_prompt_file_that_changed_and_takes_one_that_moved(tm
     make_trainer(tmp_path, f"data.source={moved}", "sd.mode='off'", resume=True).close()
 
 
+
+def test_sd_mode_does_not_change_the_prompts_a_run_trains_and_evaluates_on(tmp_path):
+    """Prompts are fitted with room for sd.strategies' draft tree whether or not SD runs: with SD off a run kept
+    the prompts within a tree of the limit, a stream of more records (another permutation) and a larger eval set,
+    so an SD off / on comparison compared other data (review)."""
+    prompts = tmp_path / "mine.jsonl"
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(6)]
+    rows += [{"prompt": "1+2+3+4+1+2+3=", "answer": "16"}, {"prompt": "2+2+3+4+1+2+3=", "answer": "17"}]  # 14 tokens
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = [f"data.source={prompts}", f"data.eval_source={prompts}", "rl.eval_every_steps=1", "rl.max_new_tokens=44"]
+    seen = {}
+    for mode in ("off", "adaptive"):
+        t = make_trainer(tmp_path / mode, *common, f"sd.mode='{mode}'")
+        seen[mode] = (t.num_records, len(t.eval_records), [[r["prompt"] for r in next(t.data)] for _ in range(2)])
+        t.close()
+    assert seen["off"] == seen["adaptive"] and seen["off"][:2] == (6, 6)
+
 def test_startup_errors_are_clear(tmp_path):
     with pytest.raises(ConfigError, match="micro_batch_size=6 must be divisible by mesh data x fsdp = 8"):
         make_trainer(tmp_path, "rl.micro_batch_size=6", "rl.prompts_per_step=3")

@@ -52,7 +52,7 @@ from fastrl_jax.rl.step_metrics import MetricsLog, rollout_summary
 from fastrl_jax.rl.workers import RolloutWorkers, request_seed
 from fastrl_jax.rollout.engine import Completion, Request, shared_prefix_len
 from fastrl_jax.rollout.history import HistoryStore
-from fastrl_jax.rollout.requests import draft_margin, prompt_limit, sampling_problem
+from fastrl_jax.rollout.requests import draft_margin, prompt_limit, prompt_margin, sampling_problem
 from fastrl_jax.rollout.stats import RolloutStats
 from fastrl_jax.sharding import (
     allgather_json,
@@ -736,8 +736,9 @@ def prompts_digest(src) -> str:
 def fitting(cfg: Config, tokenizer, records: list[dict], what: str) -> list[dict]:
     """The records whose prompt fits the largest prompt bucket and leaves the largest length bucket room for
     rl.max_new_tokens and the draft tree; the others are left out with a warning (verl's
-    data.filter_overlong_prompts, its max_prompt_length), not found by the step that draws one."""
-    limit, why = prompt_limit(cfg.rollout, cfg.rl.max_new_tokens, draft_margin(cfg.sd))
+    data.filter_overlong_prompts, its max_prompt_length), not found by the step that draws one. The draft tree's room
+    is sd.strategies' with SD off too (prompt_margin): a run with SD off trains on the prompts it does with SD on."""
+    limit, why = prompt_limit(cfg.rollout, cfg.rl.max_new_tokens, prompt_margin(cfg.sd))
     kept = [r for r in tqdm(records, desc="prompt lengths", unit="prompt", file=sys.stderr,
                             disable=len(records) < 10_000) if len(data_prompt_ids(cfg, r, tokenizer)) <= limit]
     if not kept:

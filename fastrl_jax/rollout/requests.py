@@ -21,7 +21,13 @@ if TYPE_CHECKING:
 
 def draft_margin(sd: SpecConfig) -> int:
     """KV-cache slots a speculative step writes past a row's last token (its largest draft tree, root excluded)."""
-    return 0 if sd.mode == "off" else max(spec.nodes() - 1 for spec in sd.strategy_list())
+    return 0 if sd.mode == "off" else prompt_margin(sd)
+
+
+def prompt_margin(sd: SpecConfig) -> int:
+    """The draft margin a run's prompts are fitted with (trainer.fitting, eval's prompt set): sd.strategies' whether
+    or not sd.mode runs them, so turning SD off or on never changes which prompts a run trains and evaluates on."""
+    return max(spec.nodes() - 1 for spec in sd.strategy_list())
 
 
 def sampling_problem(max_new_tokens: int, temperature: float, top_k: int, top_p: float, cfg: RolloutConfig,
