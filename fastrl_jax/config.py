@@ -493,7 +493,9 @@ class RLConfig:
             raise ConfigError(f"rl.clip_ratio_c (dual-clip PPO's bound) must be > 1, or 0 for off; got {self.clip_ratio_c}")
         if self.checkpoint_every_steps < 0 or self.eval_every_steps < 0:
             raise ConfigError("rl.checkpoint_every_steps and rl.eval_every_steps must be >= 0")
-        if not Path(self.out_dir).name:  # '', '.' or '/': a run would write where it started, and --overwrite fail
+        out = Path(self.out_dir).expanduser()
+        # '.', '/', '..' and '~' are no run's own directory (--overwrite moves a run's files out of it)
+        if out.name in ("", "..") or out.absolute() == Path.home().absolute():
             raise ConfigError(f"rl.out_dir must name the run's own directory (e.g. runs/grpo), got {self.out_dir!r}")
         _check_local_dir("rl.out_dir", self.out_dir)
         if self.eval_samples > 1 and self.eval_temperature == 0:

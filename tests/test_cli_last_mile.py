@@ -53,7 +53,7 @@ def test_a_config_file_that_is_not_utf8_or_is_a_directory_is_named(tmp_path):
     assert load_config(path).seed == 3
 
 
-@pytest.mark.parametrize("out_dir", ["''", "'.'", "/"])
+@pytest.mark.parametrize("out_dir", ["''", "'.'", "/", "..", "runs/..", "'~'", "~/"])  # --overwrite moved a home aside
 def test_rl_out_dir_must_name_a_directory_of_its_own(out_dir):
     # '' ran in the working directory, where --overwrite then failed: "PosixPath('.') has an empty name"
     with pytest.raises(ConfigError, match="rl.out_dir must name the run's own directory"):

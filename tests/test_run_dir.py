@@ -202,3 +202,21 @@ def test_overwrite_of_a_symlinked_out_dir_keeps_the_run_on_the_links_disk(tmp_pa
     assert link.is_symlink() and link.resolve() == scratch and not any(scratch.iterdir())
     (aside,) = [p for p in scratch.parent.iterdir() if p.name.startswith("grpo.old-")]
     assert (aside / "metrics.jsonl").is_file()
+
+
+def test_overwrite_moves_the_runs_files_aside_and_nothing_else(tmp_path):
+    """--overwrite renamed the whole of rl.out_dir: the user's own files in an experiment folder went with the old
+    run, and an rl.out_dir of a home directory moved the home aside (review)."""
+    from fastrl_jax.rl.run_dir import prepare_run_dir
+
+    out = tmp_path / "exp1"
+    (out / "checkpoints" / "3").mkdir(parents=True)
+    (out / "checkpoints.unreadable").mkdir()
+    for name in ("config.yaml", "config.to_step_3.yaml", "metrics.jsonl", "wandb_id", "notes.md", "reward.png"):
+        (out / name).write_text(name)
+    prepare_run_dir(load_config(None, [f"rl.out_dir={out}"]), resume=False, overwrite=True)
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("exp1.old-")]
+    assert sorted(p.name for p in out.iterdir()) == ["notes.md", "reward.png"]
+    assert sorted(p.name for p in aside.iterdir()) == ["checkpoints", "checkpoints.unreadable", "config.to_step_3.yaml",
+                                                       "config.yaml", "metrics.jsonl", "wandb_id"]
+    assert (aside / "checkpoints" / "3").is_dir()

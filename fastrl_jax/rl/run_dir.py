@@ -28,6 +28,8 @@ from fastrl_jax.models.tokenizer import load_tokenizer, stop_ids
 from fastrl_jax.sharding import shardings_for
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "tensorboard", "drafter_buffer", "history")
+# What else a run writes there: earlier configs of a resumed run, checkpoint steps a resume could not read, its W&B run
+OTHER_RUN_FILES = ("config.to_step_*.yaml", "checkpoints.unreadable", "wandb_id", "wandb")
 
 
 def run_contents(out_dir: str | Path) -> list[str]:
@@ -39,7 +41,8 @@ def run_contents(out_dir: str | Path) -> list[str]:
 def prepare_run_dir(cfg: Config, *, resume: bool, overwrite: bool = False) -> None:
     """Checks rl.out_dir against --resume / --overwrite before anything is loaded or written: resuming
     needs a checkpoint; a fresh run refuses a directory that holds a run, or with `overwrite` moves
-    it aside (renamed, never deleted). Every process checks before any of them writes."""
+    the run's files aside (into a new directory beside it, never deleted). Every process checks before any of them
+    writes."""
     out = Path(cfg.rl.out_dir).expanduser()
     if resume and overwrite:
         raise ConfigError("--resume continues the run in rl.out_dir and --overwrite moves it aside: give one of them")
@@ -58,11 +61,12 @@ def prepare_run_dir(cfg: Config, *, resume: bool, overwrite: bool = False) -> No
         raise ConfigError(f"rl.out_dir {out} already holds a run ({held}): add --resume to continue it, --overwrite "
                           "to move it aside and start again, or set rl.out_dir to a new directory")
     if not resume and found and jax.process_index() == 0:
-        real = out.resolve()  # a symlink (runs/x -> /scratch/x): its target moves aside there, and the link stays
+        real = out.resolve()  # a symlink (runs/x -> /scratch/x): the run moves aside there, and the link stays
         aside = _free_name(real.with_name(f"{real.name}.old-{time.strftime('%Y%m%d-%H%M%S')}"))
-        real.rename(aside)
-        if out.is_symlink():
-            real.mkdir()
+        aside.mkdir()
+        for path in [*(real / name for name in RUN_FILES), *(p for pattern in OTHER_RUN_FILES for p in real.glob(pattern))]:
+            if path.exists():  # the run's own files: what else the directory holds (the user's notes, plots) stays
+                path.rename(aside / path.name)
         print(f"[fastrl-jax] --overwrite: moved the previous run in {out} to {aside}", file=sys.stderr)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
