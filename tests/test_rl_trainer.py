@@ -716,3 +716,7 @@ def test_a_resume_names_the_settings_it_changes_and_keeps_the_config_they_replac
     assert "settings changed since step 1 was saved:" in err and "rl.temperature (was 0.5, now 1.0)" in err
     assert load_config(tmp_path / "run" / "config.to_step_1.yaml").rl.temperature == 0.5
     assert load_config(tmp_path / "run" / "config.yaml").rl.temperature == 1.0
+    # That start saved no step (a crash); another from step 1 kept its settings as step 1's (review)
+    make_trainer(tmp_path, "rl.temperature=0.7", steps=2, resume=True).close()
+    assert load_config(tmp_path / "run" / "config.to_step_1.yaml").rl.temperature == 0.5
+    assert load_config(tmp_path / "run" / "config.yaml").rl.temperature == 0.7

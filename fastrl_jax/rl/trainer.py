@@ -156,14 +156,17 @@ class Trainer:
     # ---- set-up -------------------------------------------------------------------------------
     def _keep_previous_config(self) -> None:
         """A resume with other settings keeps the run's config.yaml, what the steps so far ran with, as
-        config.to_step_STEP.yaml before it writes its own."""
-        config_file = self.out_dir / "config.yaml"
+        config.to_step_STEP.yaml before it writes its own; where an earlier resume from STEP kept it already, that
+        one stays (config.yaml then holds a start that saved no step: a crash, a setting set back)."""
+        config_file, kept = self.out_dir / "config.yaml", self.out_dir / f"config.to_step_{self.step}.yaml"
+        if kept.exists():
+            return
         try:
             same = load_config(config_file) == self.cfg
         except (OSError, ConfigError):  # none, or an older version's keys
             same = not config_file.is_file()
         if not same:
-            config_file.replace(self.out_dir / f"config.to_step_{self.step}.yaml")
+            config_file.replace(kept)
 
     def _prompt(self, record: dict) -> list[int]:
         return data_prompt_ids(self.cfg, record, self.tokenizer)
