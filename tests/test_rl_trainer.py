@@ -449,6 +449,36 @@ def test_sd_mode_does_not_change_the_prompts_a_run_trains_and_evaluates_on(tmp_p
         t.close()
     assert seen["off"] == seen["adaptive"] and seen["off"][:2] == (6, 6)
 
+
+def test_a_resume_with_a_new_drafter_path_drafts_with_it(tmp_path, capsys):
+    """A drafter trained since the run started (train-drafter), given as rl.drafter_path at a resume: the checkpoint's
+    drafter overwrote it, while the engines took the new path's prior for the old weights (review). Without a path
+    (an override forgotten) the checkpoint's trained drafter goes on."""
+    from fastrl_jax.models.drafter_io import save_drafter
+
+    sd = ["sd.mode=adaptive", "drafter_online.enabled=false"]
+    t = make_trainer(tmp_path, *sd)
+    saved = nnx.to_pure_dict(nnx.state(t.drafter))
+    t.save()
+    t.close()
+    other = make_trainer(tmp_path / "other", *sd, "seed=1", "rl.checkpoint_every_steps=0")
+    new = save_drafter(tmp_path / "new_drafter", other.drafter)
+    wanted = nnx.to_pure_dict(nnx.state(other.drafter))
+    other.close()
+
+    def drafts_with(trainer, weights):
+        now = nnx.to_pure_dict(nnx.state(trainer.drafter))
+        return all(jax.tree.leaves(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), weights, now)))
+
+    capsys.readouterr()
+    resumed = make_trainer(tmp_path, *sd, f"rl.drafter_path={new}", resume=True)
+    assert drafts_with(resumed, wanted) and not drafts_with(resumed, saved)
+    assert f"rl.drafter_path changed since step 0 was saved: drafting with {new}" in capsys.readouterr().err
+    resumed.close()
+    forgot = make_trainer(tmp_path, *sd, resume=True)  # the checkpoint is still step 0's, with the random drafter
+    assert drafts_with(forgot, saved)
+    forgot.close()
+
 def test_startup_errors_are_clear(tmp_path):
     with pytest.raises(ConfigError, match="micro_batch_size=6 must be divisible by mesh data x fsdp = 8"):
         make_trainer(tmp_path, "rl.micro_batch_size=6", "rl.prompts_per_step=3")

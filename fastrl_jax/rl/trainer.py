@@ -588,6 +588,15 @@ class Trainer:
                   "starting fresh", file=sys.stderr)
         self.params, self.opt_state = arrays["policy"], arrays["optimizer"]
         self.ref_params = arrays.get("reference", self.ref_params)
+        if "drafter" in arrays and self.cfg.rl.drafter_path and _config_changes(meta["run"].get("config", {}), now,
+                                                                                ("rl.drafter_path",)):
+            # A drafter trained since (train-drafter): it drafts, trains on with a fresh optimizer, and is estimated
+            # afresh. Without a path (an override forgotten) the checkpoint's drafter goes on.
+            print(f"[fastrl-jax] rl.drafter_path changed since step {step} was saved: drafting with "
+                  f"{self.cfg.rl.drafter_path}, not the checkpoint's drafter", file=sys.stderr)
+            for name in ("drafter", "drafter_optimizer"):
+                arrays.pop(name, None)
+            meta["run"].pop("drafter_estimate", None)
         if "drafter" in arrays:
             drafter = to_host_local(arrays["drafter"]) if jax.process_count() > 1 else arrays["drafter"]
             nnx.update(self.drafter, _state_from(self.drafter, drafter))
@@ -596,7 +605,7 @@ class Trainer:
             self.spot.restore(self.drafter, to_host_local(state) if state and jax.process_count() > 1 else state)
             self.spot.bank_s = _own_bank(meta["run"].get("drafter_bank_s", 0.0))  # checkpoints before 2026-11-26 have none
             estimate = meta["run"].get("drafter_estimate")
-            if estimate is None:  # checkpoints before 2026-11-27: a trained drafter is estimated again
+            if estimate is None:  # checkpoints before 2026-11-27, a new rl.drafter_path: estimated again
                 estimate = {"steps": None if self.spot.steps_done else self._estimated_at, "accept": None}
             self._estimated_at = estimate["steps"]
             self._drafter_accept = math.nan if estimate["accept"] is None else float(estimate["accept"])
