@@ -243,6 +243,8 @@ def test_float_answers_are_written_out_as_numbers(tmp_path):
     decimals = pa.array([decimal.Decimal("1E-7"), decimal.Decimal("12.50")], pa.decimal128(10, 8))
     pq.write_table(pa.table({"prompt": ["a", "b"], "answer": decimals}), path)  # a decimal column: '1.0E-7' (review)
     assert [r["answer"] for r in read_records(path)] == ["0.00000010", "12.50000000"]
+    pq.write_table(pa.table({"prompt": ["a", "b"], "answer": pa.array([0.1, 1e-7], pa.float32())}), path)
+    assert [r["answer"] for r in read_records(path)] == ["0.1", "0.0000001"]  # not 0.10000000149011612 (review)
     pq.write_table(pa.table({"prompt": ["a", "b"], "answer": [1.0, float("nan")]}), path)  # a missing value
     with pytest.raises(ValueError, match="record 2: 'answer' is nan, not an answer"):
         read_records(path)

@@ -78,9 +78,15 @@ def read_records(path: str | Path, prompt_field: str = "prompt", messages_field:
     holding a list of messages (verl's files) is the record's messages."""
     path = checked_file(path, "dataset file")
     if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.compute as pc
         import pyarrow.parquet as pq
 
-        rows = pq.read_table(path).to_pylist()
+        table = pq.read_table(path)
+        for i, field in enumerate(table.schema):  # a float32 0.1 widens to 0.10000000149011612: its own digits instead
+            if field.type == pa.float32():
+                table = table.set_column(i, field.name, pc.cast(pc.cast(table.column(i), pa.string()), pa.float64()))
+        rows = table.to_pylist()
     elif path.suffix == ".jsonl":
         rows = [row for _, _, row in jsonl_rows(path)]
     elif path.suffix == ".json":  # one array of records
