@@ -11,9 +11,10 @@ rollout programs compiled (compile_s: in front of the rollout and on the program
 Adaptive's speed-up (SD off's seconds / adaptive's: step_time_ratio and rollout_ratio, > 1 when adaptive is
 faster) is the median over --repeats of each repeat's ratio, the modes run interleaved (off, adaptive, off,
 adaptive, ...) so drift in the machine hits both; over all steps as measured (compiles included), and over
-steps 2.. with every step's compile seconds subtracted (a program first reached at a later step, a length
-bucket or an SD arm, compiles there, and the first run in the process compiles what later runs get from
-JAX's caches). The policy update's own compiles are not subtracted (the same rollouts, so the same update
+steps 2.. with the compile seconds each step's rollout waited for subtracted (a program first reached at a
+later step, a length bucket or an SD arm, compiles there, and the first run in the process compiles what later
+runs get from JAX's caches; a background compile the rollout did not wait for overlapped its decoding and is not
+subtracted). The policy update's own compiles are not subtracted (the same rollouts, so the same update
 programs, in both modes). Also the machine's facts; JSON + PNG.
 
     python scripts/bench_rl.py --config configs/smollm2_cpu.yaml --steps 5 --repeats 3 --out bench_rl.json
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import tempfile
 import time
@@ -80,13 +82,14 @@ def step_row(m: dict, compile_s: float, background_s: float) -> dict:
 
 
 def totals(run: dict, first: int, subtract_compile: bool) -> dict:
-    """A run's seconds summed over steps first+1.., by key; rollout_s and step_s less compile_s if asked."""
+    """A run's seconds summed over steps first+1.., by key; rollout_s and step_s less the compile seconds the
+    rollout waited for if asked (a background compile it did not wait for overlapped its plain decoding)."""
     steps = run["steps"][first:]
-    out = {k: sum(s.get(k, 0.0) for s in steps)
-           for k in ("rollout_s", "update_s", "drafter_s", "drafter_spot_s", "compile_s", "step_s")}
+    out = {k: sum(s.get(k, 0.0) for s in steps) for k in ("rollout_s", "update_s", "drafter_s", "drafter_spot_s",
+                                                           "compile_s", "rollout_waited_compile_s", "step_s")}
     if subtract_compile:
-        out["rollout_s"] -= out["compile_s"]
-        out["step_s"] -= out["compile_s"]
+        out["rollout_s"] -= out["rollout_waited_compile_s"]
+        out["step_s"] -= out["rollout_waited_compile_s"]
     return out
 
 
@@ -190,12 +193,17 @@ def main(argv=None) -> int:
             drafter_dir(cfg.rl.drafter_path)
     except (OSError, ValueError) as e:
         parser.error(str(e))
-    runs = run_all(cfg, args)
-    return report(cfg, args, runs, out, png)
+    from fastrl_jax.machine import machine_facts
+
+    facts = machine_facts()  # before the runs: after them the load average is the benchmark's own
+    runs = run_all(cfg, args, out)
+    return report(cfg, args, runs, out, png, facts)
 
 
-def run_all(cfg, args) -> dict[str, list[dict]]:
-    """--repeats runs of each mode on one loaded policy, interleaved (off, adaptive, off, adaptive, ...)."""
+def run_all(cfg, args, out: Path) -> dict[str, list[dict]]:
+    """--repeats runs of each mode on one loaded policy, interleaved (off, adaptive, off, adaptive, ...), each
+    written to `out` as it ends ("complete": false), so a later run's failure keeps it."""
+    from fastrl_jax import files
     from fastrl_jax.models.loading import load_policy
     from fastrl_jax.rollout.pool import enable_persistent_cache
     from fastrl_jax.sharding import make_mesh
@@ -213,20 +221,22 @@ def run_all(cfg, args) -> dict[str, list[dict]]:
                 t = totals(runs[mode][-1], 0, False)
                 print(f"[bench-rl] run {r + 1}/{args.repeats} {mode}: {t['step_s']:.1f}s over {args.steps} steps "
                       f"({t['compile_s']:.1f}s compiling rollout programs)", file=sys.stderr)
+                files.write_json(out, {"complete": False, "config": args.config, "overrides": args.set, "runs": runs},
+                                 indent=1)
     return runs
 
 
-def report(cfg, args, runs: dict[str, list[dict]], out: Path, png: Path) -> int:
-    """Writes the JSON and the plot, prints the table; the exit status."""
+def report(cfg, args, runs: dict[str, list[dict]], out: Path, png: Path, facts: dict) -> int:
+    """Writes the JSON and the plot, prints the table; the exit status. facts: the machine's, taken before the runs."""
     import jax
 
     from fastrl_jax import files
     from fastrl_jax.config import to_dict
-    from fastrl_jax.machine import machine_facts
 
     s = summary(runs["off"], runs["adaptive"])
     s["dtype"], s["identical_required"] = cfg.model.engine_dtype, cfg.model.engine_dtype == "float32"
-    result = {"summary": s, "machine": machine_facts(), "backend": jax.default_backend(), "config": args.config,
+    facts = facts | {"load_average_after": [round(x, 2) for x in os.getloadavg()]}
+    result = {"complete": True, "summary": s, "machine": facts, "backend": jax.default_backend(), "config": args.config,
               "overrides": args.set, "resolved_config": to_dict(cfg), "runs": runs}
     off, adaptive = runs["off"][s["table_repeat"]], runs["adaptive"][s["table_repeat"]]
     print(f"repeat {s['table_repeat'] + 1} (the median ratio's):")
