@@ -87,6 +87,12 @@ def machine_facts() -> dict:
     } | ({} if jax.default_backend() == "cpu" else {"device_copy_gbs": round(device_copy_gbs(), 1)})
 
 
+def facts_after(facts: dict) -> dict:
+    """`facts` (machine_facts, taken before a benchmark's runs: after them the load average is the benchmark's own)
+    with the load average now, at its end."""
+    return facts | {"load_average_after": [round(x, 2) for x in os.getloadavg()]}
+
+
 def format_machine(facts: dict) -> str:
     """One line of machine_facts for a benchmark's printed report."""
     return (f"{facts['cpu']}, {facts['cores_usable']} of {facts['cpu_count']} cores usable, {facts['backend']} "

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 import tempfile
 import time
@@ -232,11 +231,11 @@ def report(cfg, args, runs: dict[str, list[dict]], out: Path, png: Path, facts: 
 
     from fastrl_jax import files
     from fastrl_jax.config import to_dict
+    from fastrl_jax.machine import facts_after
 
     s = summary(runs["off"], runs["adaptive"])
     s["dtype"], s["identical_required"] = cfg.model.engine_dtype, cfg.model.engine_dtype == "float32"
-    facts = facts | {"load_average_after": [round(x, 2) for x in os.getloadavg()]}
-    result = {"complete": True, "summary": s, "machine": facts, "backend": jax.default_backend(), "config": args.config,
+    result = {"complete": True, "summary": s, "machine": facts_after(facts), "backend": jax.default_backend(), "config": args.config,
               "overrides": args.set, "resolved_config": to_dict(cfg), "runs": runs}
     off, adaptive = runs["off"][s["table_repeat"]], runs["adaptive"][s["table_repeat"]]
     print(f"repeat {s['table_repeat'] + 1} (the median ratio's):")

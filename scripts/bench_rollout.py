@@ -59,19 +59,22 @@ def make_prompts(n: int) -> list[str]:
     ]
 
 
-def bench_engine(model, prompt_ids, batch_sizes, new_tokens, repeats, layer_loop=None):
-    """layer_loop: rollout.layer_loop (None: RolloutConfig's default)."""
+def bench_engine(model, prompt_ids, batch_sizes, new_tokens, repeats, layer_loop=None, base=None):
+    """layer_loop: rollout.layer_loop (None: base's); base: the config's rollout section (None: RolloutConfig's
+    defaults), whose sizes the benchmark sets."""
     from fastrl_jax.config import RolloutConfig
     from fastrl_jax.rollout.engine import Request, RolloutEngine
 
     longest = max(len(p) for p in prompt_ids)
     prompt_bucket = -(-longest // 32) * 32
-    cfg = RolloutConfig(
+    base = base or RolloutConfig()
+    cfg = dataclasses.replace(
+        base,
         batch_buckets=tuple(batch_sizes),
         prompt_buckets=(prompt_bucket,),
         length_buckets=tuple(prompt_bucket + k for k in (new_tokens // 2, new_tokens)),
         steps_per_call=new_tokens,
-        layer_loop=layer_loop or RolloutConfig.layer_loop,
+        layer_loop=layer_loop or base.layer_loop,
     )
     t0 = time.perf_counter()
     engine = RolloutEngine(model, cfg, progress=False)
@@ -382,14 +385,15 @@ def stream_summary(cfg, args, runs: list[dict], requests, sd, rollout_cfg) -> di
 def bench_stream(args) -> int:
     from fastrl_jax import files
     from fastrl_jax.config import load_config
-    from fastrl_jax.machine import format_machine, machine_facts
+    from fastrl_jax.machine import facts_after, format_machine, machine_facts
 
     cfg = load_config(args.config, args.set)
     policy = load_smollm2(cfg)
     requests = stream_requests(policy, args)
+    facts = machine_facts()  # before the runs: after them the load average is the benchmark's own
     engine, sd, rollout_cfg = stream_engine(cfg, policy, args, requests)
     runs = stream_runs(engine, requests, args)
-    summary = stream_summary(cfg, args, runs, requests, sd, rollout_cfg) | {"machine": machine_facts()}
+    summary = stream_summary(cfg, args, runs, requests, sd, rollout_cfg) | {"machine": facts_after(facts)}
     files.write_json(args.out, {"summary": summary, "runs": [{k: v for k, v in m.items() if k != "outputs"} for m in runs]},
                      indent=1)
     print(f"machine: {format_machine(summary['machine'])}")
@@ -473,7 +477,7 @@ def bench_longtail(args) -> int:
 
     from fastrl_jax import files
     from fastrl_jax.config import SpecConfig, StrategySpec, load_config
-    from fastrl_jax.machine import machine_facts
+    from fastrl_jax.machine import facts_after, machine_facts
     from fastrl_jax.models.drafter_io import drafter_accept_prior, make_drafter
 
     cfg = load_config(args.config, args.set)
@@ -491,6 +495,7 @@ def bench_longtail(args) -> int:
 
     modes = [("plain", SpecConfig()), *[(f"on {spec}", dataclasses.replace(cfg.sd, mode="on", strategies=(spec,)))
                                          for spec in on_specs], ("adaptive", adaptive_sd)]
+    facts = machine_facts()  # before the runs: after them the load average is the benchmark's own
     runs = run_longtail(modes, policy.model, drafter, rollout_cfg, requests, args.repeats,
                         drafter_accept_prior(args.drafter))
     plain, *on_runs, adaptive = runs
@@ -501,7 +506,7 @@ def bench_longtail(args) -> int:
     summary |= {"model": cfg.model.path, "seed": args.seed, "problems": args.problems, "samples": args.samples,
                 "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "untimed_first_rollout": True,
                 "modes_take_turns": True}
-    summary["machine"] = machine_facts()
+    summary["machine"] = facts_after(facts)
     summary["backend"] = jax.default_backend()
     summary |= {"rollout": dataclasses.asdict(rollout_cfg), "sd": dataclasses.asdict(adaptive_sd)}
     # The measurement first, whole or not at all: the printout and the plot after it may fail.
@@ -664,7 +669,8 @@ def bench_throughput(args) -> int:
     floor = bandwidth * 1e9 / weight_bytes
 
     print(f"{cfg.model.path} {dtype} ({weight_bytes / 1e6:.0f} MB), {args.new_tokens} new tokens, greedy", file=sys.stderr)
-    ours, compile_s, pool_report = bench_engine(model, prompt_ids, args.batch_sizes, args.new_tokens, args.repeats)
+    ours, compile_s, pool_report = bench_engine(model, prompt_ids, args.batch_sizes, args.new_tokens, args.repeats,
+                                                base=cfg.rollout)  # --set rollout.* is timed
     if args.skip_hf:
         hf = {}
     else:
@@ -686,6 +692,7 @@ def bench_throughput(args) -> int:
         "model": f"{cfg.model.path} {dtype}", "new_tokens": args.new_tokens, "backend": jax.default_backend(),
         "weight_bytes": weight_bytes, "copy_bandwidth_gbs": bandwidth, "batch1_floor_tok_s": floor,
         "engine_start_seconds": compile_s, "programs": pool_report, "rows": rows, "machine": facts,
+        "rollout": dataclasses.asdict(cfg.rollout),
     }
     print(f"{'batch':>6} {'fastrl tok/s':>13} {'HF tok/s':>9} {'ratio':>6} {'same':>5}")
     for r in rows:

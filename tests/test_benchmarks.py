@@ -585,8 +585,9 @@ def test_longtail_summary_takes_each_metrics_median_over_the_repeats():
     assert s["adaptive_speedup_at_live_batch_le_4"] == pytest.approx(2.0) and s["acceptance"] == {"adaptive": 2.5}
 
 
-def test_throughput_names_the_configs_model(tmp_path, monkeypatch):
-    """The JSON said 'SmolLM2-135M-Instruct' whatever model.path loaded."""
+def test_throughput_names_the_configs_model_and_times_its_rollout_settings(tmp_path, monkeypatch):
+    """The JSON said 'SmolLM2-135M-Instruct' whatever model.path loaded; the engine took RolloutConfig's defaults,
+    so --set rollout.layer_loop=unrolled timed the same engine as without it (review)."""
     import types
 
     from helpers.tiny import TINY, tiny_model
@@ -597,11 +598,15 @@ def test_throughput_names_the_configs_model(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_rollout, "load_smollm2",
                         lambda cfg: types.SimpleNamespace(model=tiny_model(), cfg=TINY, tokenizer=None, path=cfg.model.path))
     monkeypatch.setattr(fastrl_jax.data.prompts, "chat_prompt_ids", lambda tokenizer, text: [5, 6, 7])
-    monkeypatch.setattr(bench_rollout, "bench_engine", lambda model, ids, sizes, n, repeats: ({b: (1.0, []) for b in sizes}, 0.0, ""))
+    timed = []
+    monkeypatch.setattr(bench_rollout, "bench_engine", lambda model, ids, sizes, n, repeats, base:
+                        timed.append(base) or ({b: (1.0, []) for b in sizes}, 0.0, ""))
     out = tmp_path / "throughput.json"
     assert bench_rollout.main(["--batch-sizes", "1", "--skip-hf", "--out", str(out), "--set", "rollout.compile_cache_dir=",
-                               "model.rollout_dtype=bfloat16"]) == 0
-    assert json.loads(out.read_text())["model"] == "smollm2 bfloat16"
+                               "model.rollout_dtype=bfloat16", "rollout.layer_loop=unrolled"]) == 0
+    result = json.loads(out.read_text())
+    assert result["model"] == "smollm2 bfloat16"
+    assert timed[0].layer_loop == result["rollout"]["layer_loop"] == "unrolled"
 
 
 def _drift_metrics(tmp_path):
