@@ -22,7 +22,7 @@ def _config(args: argparse.Namespace, defaults: Sequence[str] = ()):
     `defaults`), with the compilation cache it names (rollout.compile_cache_dir) turned on."""
     from fastrl_jax.config import load_config
 
-    model = [f"model.path={json.dumps(args.model)}"] if getattr(args, "model", None) else []  # a literal, not YAML
+    model = [f"model.path={json.dumps(args.model, ensure_ascii=False)}"] if getattr(args, "model", None) else []  # a literal, not YAML
     return _with_cache(load_config(args.config, [*defaults, *model, *getattr(args, "overrides", []), *args.set]))
 
 
@@ -352,7 +352,7 @@ def _head_rows(args: argparse.Namespace, cfg, source: Path, drafter):
     if source.parent.parent.name == "checkpoints" and (source.parent / "policy").is_dir():
         from fastrl_jax.rl.run_dir import load_run_policy
 
-        model = [f"model.path={json.dumps(args.model)}"] if args.model else []  # a base model that moved
+        model = [f"model.path={json.dumps(args.model, ensure_ascii=False)}"] if args.model else []  # a base model that moved
         policy = load_run_policy(source.parents[2], _export_mesh(), int(source.parent.name), [*model, *args.set])[0]
         return np.asarray(drafter.head_weight(policy.model))
     ids = None if drafter.draft_vocab is None else np.asarray(drafter.draft_vocab[...])

@@ -627,6 +627,9 @@ class DrafterOnlineConfig:
         if self.learning_rate <= 0 or self.preempt_bound_s <= 0 or not 0 <= self.tail_time_share < 1:
             raise ConfigError(f"drafter_online needs learning_rate > 0, preempt_bound_s > 0, 0 <= tail_time_share < 1; "
                               f"got {self.learning_rate}, {self.preempt_bound_s}, {self.tail_time_share}")
+        if self.min_buffer_tokens > self.buffer_max_tokens:  # here, not at the start: a dry run plans it otherwise
+            raise ConfigError(f"drafter_online.min_buffer_tokens ({self.min_buffer_tokens}) exceeds buffer_max_tokens "
+                              f"({self.buffer_max_tokens}): the buffer never holds that many, so the drafter would never train")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,6 +61,20 @@ def test_rl_out_dir_must_name_a_directory_of_its_own(out_dir):
     assert load_config(None, ["rl.out_dir=runs/a/"]).rl.out_dir == "runs/a/"
 
 
+def test_model_paths_and_buffer_sizes_read_as_given(tmp_path):
+    """--model with a character outside the BMP became two lone surrogates (json.dumps escapes it as a pair YAML
+    decodes apart): 'does not exist'. A drafter_online.min_buffer_tokens the buffer never holds was refused only
+    when the run started, so --dry-run planned it (review)."""
+    import argparse
+
+    from fastrl_jax import cli
+
+    path = str(tmp_path / "ckpt_\U0001F600 é")
+    assert cli._config(argparse.Namespace(config=None, model=path, set=["rollout.compile_cache_dir=''"])).model.path == path
+    with pytest.raises(ConfigError, match=r"min_buffer_tokens \(2048\) exceeds buffer_max_tokens \(1024\)"):
+        load_config(None, ["drafter_online.min_buffer_tokens=2048", "drafter_online.buffer_max_tokens=1024"])
+
+
 @pytest.mark.parametrize("key", ["rl.out_dir", "drafter_train.out_dir"])
 def test_run_directories_given_as_urls_are_refused_with_the_fix(key):
     """MaxText / tunix users write gs://bucket/run: it became a local directory named gs:, and the first checkpoint
