@@ -16,7 +16,7 @@ from helpers.checkpoints import damage
 from helpers.tiny import TINY, tiny_model
 
 from fastrl_jax.checkpoint import checkpoint_steps
-from fastrl_jax.config import Config, DrafterTrainConfig, RolloutConfig, TrainingStopped
+from fastrl_jax.config import Config, ConfigError, DrafterTrainConfig, RolloutConfig, TrainingStopped
 from fastrl_jax.drafter import warmup
 from fastrl_jax.drafter.train import LossSettings, drafter_loss, drafter_optimizer, make_train_step, smooth_l1
 from fastrl_jax.models.decoder import KVCache
@@ -476,6 +476,31 @@ def test_checkpoints_past_the_steps_asked_for_are_refused_before_loading(tmp_pat
         warmup.check_restart(cfg, resume=True)
     warmup.check_restart(dataclasses.replace(cfg, drafter_train=dataclasses.replace(cfg.drafter_train, steps=6)), True)
 
+
+
+def test_lengths_the_engine_cannot_hold_are_refused_before_loading(tmp_path):
+    """A held-out evaluation whose completions and draft tree pass the largest length bucket ran the whole warm-up
+    and then reported NaN acceptance: each held-out request failed, and the figure is over the rest (review)."""
+    cfg = run_config(tmp_path, "lengths")
+    with_eval = lambda **kw: dataclasses.replace(cfg, drafter_train=dataclasses.replace(  # noqa: E731
+        cfg.drafter_train, eval_prompts=2, **kw))
+    warmup.check_restart(with_eval(eval_max_new_tokens=32), resume=True)  # 32 + 15 draft-tree slots < 48
+    with pytest.raises(ConfigError, match=r"drafter_train.eval_max_new_tokens: max_new_tokens \(40\) \+ 15 draft-tree"):
+        warmup.check_restart(with_eval(eval_max_new_tokens=40), resume=True)
+    with pytest.raises(ConfigError, match=r"drafter_train.max_new_tokens: max_new_tokens \(48\) leaves no room"):
+        warmup.check_restart(with_eval(max_new_tokens=48), resume=True)
+
+
+def test_held_out_prompts_that_cannot_run_are_named_beside_the_figure(capsys):
+    import types
+
+    from fastrl_jax.rollout.engine import Completion
+
+    done = [Completion([5], [0.0], "stop"), Completion([], [], "error", error="prompt of 60 tokens exceeds 48")]
+    engine = types.SimpleNamespace(generate=lambda reqs: done,
+                                   stats=types.SimpleNamespace(acceptance_length=lambda: 2.5))
+    assert warmup.acceptance(engine, [[1, 2], [3] * 60], 8, 0.0, (2,)) == 2.5
+    assert "1 of 2 held-out prompts cannot run (prompt of 60 tokens exceeds 48)" in capsys.readouterr().err
 
 def test_a_finished_run_run_again_is_left_as_it_is(policy, tmp_path):
     """Run again (resuming is the default), a finished warm-up neither evaluates again (a second final row in

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from fastrl_jax import files, signals
 from fastrl_jax.checkpoint import RunCheckpointer, checkpoint_steps, read_arrays, write_arrays
-from fastrl_jax.config import Config, SpecConfig, TrainingStopped, save_config, to_dict
+from fastrl_jax.config import Config, ConfigError, SpecConfig, TrainingStopped, save_config, to_dict
 from fastrl_jax.data.prompts import drafter_training_prompts, held_out_sets
 from fastrl_jax.drafter.buffer import SampleBuffer
 from fastrl_jax.drafter.train import LossSettings, drafter_optimizer, make_train_step
@@ -45,6 +45,7 @@ from fastrl_jax.models.drafter import Drafter, feature_layers
 from fastrl_jax.models.drafter_io import save_drafter
 from fastrl_jax.models.tokenizer import stop_ids
 from fastrl_jax.rollout.engine import Request, RolloutEngine
+from fastrl_jax.rollout.requests import sampling_problem
 
 # Seconds of generation an interrupted collection may lose: what it collected is saved this often.
 PARTIAL_SAVE_SECONDS = 60.0
@@ -154,14 +155,26 @@ def acceptance(engine: RolloutEngine, prompts: list[list[int]], max_new_tokens: 
                stop: tuple[int, ...], seed: int = 0) -> float:
     """Mean accepted tokens per speculative step over the prompts (engine with sd on)."""
     reqs = [Request(p, max_new_tokens, temperature, seed=seed + i, stop_ids=stop) for i, p in enumerate(prompts)]
-    engine.generate(reqs)
+    failed = [c.error for c in engine.generate(reqs) if c.finish_reason == "error"]
+    if failed:  # the figure is over the rest (NaN over none): say so
+        print(f"[train-drafter] {len(failed)} of {len(reqs)} held-out prompts cannot run ({failed[0]}); the acceptance "
+              "length is over the rest", file=sys.stderr)
     return engine.stats.acceptance_length()
 
 
 def check_restart(cfg: Config, resume: bool) -> None:
     """Refuses (before anything is loaded or generated) a missing drafter_train.prompts file, collected data (or an
     interrupted collection) in drafter_train.out_dir from other settings (check_data), to start the out_dir afresh when it
-    already holds checkpoints and `resume` is off, and to resume from past drafter_train.steps."""
+    already holds checkpoints and `resume` is off, and to resume from past drafter_train.steps; and completion lengths
+    the engine cannot hold (collected, or the held-out evaluation's with its draft tree: its figures came out NaN after
+    the whole run)."""
+    dt = cfg.drafter_train
+    lengths = [("max_new_tokens", dt.max_new_tokens, dt.temperature, 0)]
+    if dt.eval_prompts:
+        lengths.append(("eval_max_new_tokens", dt.eval_max_new_tokens, 0.0, dt.eval_strategy[2] - 1))
+    for name, max_new, temperature, margin in lengths:
+        if problem := sampling_problem(max_new, temperature, 0, 1.0, cfg.rollout, margin):
+            raise ConfigError(f"drafter_train.{name}: {problem}")
     prompts = cfg.drafter_train.prompts
     if prompts != "builtin" and not Path(prompts).expanduser().is_file():
         raise FileNotFoundError(f"drafter_train.prompts: no file {prompts} ('builtin' or a JSONL file of prompts)")
