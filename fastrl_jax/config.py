@@ -713,6 +713,9 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
         if not math.isfinite(value):
             raise ConfigError(f"{key} must be a finite number, got {value!r}")
         return value
+    if hint is str and isinstance(value, (dict, list)):  # an override's unquoted `a: b` or `- a`
+        raise ConfigError(f"{key} must be a string, got {value!r}: YAML reads ': ', '- ' and '[' as structure; quote the "
+                          f"value ({key}='...')")
     if not isinstance(value, hint):
         raise wrong
     return value
@@ -736,12 +739,15 @@ class _Loader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-_BOOL, _INT, _TIMESTAMP = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:timestamp"
+_BOOL, _INT, _FLOAT = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
 _Loader.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if tag not in (_BOOL, _INT, _TIMESTAMP)]
+    first: [(tag, rx) for tag, rx in resolvers if tag not in (_BOOL, _INT, _FLOAT, "tag:yaml.org,2002:timestamp")]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 _Loader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+# YAML 1.1's floats but base 60 (1:30.0 was 90.0)
+_Loader.add_implicit_resolver(_FLOAT, re.compile(r"^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9][0-9_]*(?:[eE][-+]"
+                                                 r"[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"), list("-+0123456789."))
 # Digit separators as in Python (`200_000`); ints resolve before floats, which start with the same characters.
 for _first, _resolvers in _Loader.yaml_implicit_resolvers.items():
     if _first in "-+0123456789":

@@ -258,6 +258,19 @@ def test_integers_are_decimal_as_in_yaml_1_2():
     assert (cfg.rl.steps, cfg.drafter_online.buffer_max_tokens, cfg.seed, cfg.rl.out_dir) == (10, 200_000, 16, "1:30")
     with pytest.raises(ConfigError, match=r"rl.steps must be an int.*got '1:30'"):
         load_config(None, ["rl.steps=1:30"])
+    # Floats too: 1:30.0 was 90.0 (review)
+    assert load_config(None, ["optim.learning_rate=1.5e-6", "rl.temperature=.5"]).rl.temperature == 0.5
+    assert load_config(None, ["rl.out_dir=1:30.0"]).rl.out_dir == "1:30.0"
+    with pytest.raises(ConfigError, match=r"optim.learning_rate must be a float.*got '1:30.0'"):
+        load_config(None, ["optim.learning_rate=1:30.0"])
+
+
+def test_a_string_override_read_as_yaml_structure_says_to_quote_it():
+    """The shell took the quotes: `data.instruction=Think step by step: then answer` is a mapping to YAML (review)."""
+    with pytest.raises(ConfigError, match=r"YAML reads ': ', '- ' and '\[' as structure; quote the value "
+                                          r"\(data.instruction='...'\)"):
+        load_config(None, ["data.instruction=Think step by step: then answer"])
+    assert load_config(None, ["data.instruction='Think step by step: then answer'"]).data.instruction.endswith("answer")
 
 
 def test_dates_are_strings_as_in_yaml_1_2(tmp_path):
