@@ -170,6 +170,15 @@ def local_replicas(mesh: Mesh) -> list[int]:
     return [i for i in range(mesh.shape["data"]) if all(d.process_index == me for d in mesh.devices[i].flat)]
 
 
+def check_replicas_on_hosts(mesh: Mesh) -> None:
+    """Refuses a mesh whose rollout replica (an index along `data`) spans processes: each replica's engine runs on
+    one host."""
+    for i in range(mesh.shape["data"]):
+        if len(owners := {d.process_index for d in mesh.devices[i].flat}) > 1:
+            raise ConfigError(f"rollout replica {i} spans processes {sorted(owners)}: make mesh.data a multiple of the "
+                              "number of hosts so every replica (one index along data) lives on one host")
+
+
 def to_replicated(tree: Any, mesh: Mesh) -> Any:
     """Host-local arrays that every process holds alike (the drafter) as global arrays replicated over `mesh`:
     what Orbax saves from several processes (it refuses host-local arrays there)."""

@@ -469,3 +469,28 @@ def test_drafter_training_keeps_each_devices_rows_through_its_layer():
     gathered = re.findall(rf"= f32\[{B},{S},[\d,]*\]\S* all-gather", hlo)
     assert not gathered, gathered
 
+
+
+def test_a_rollout_replica_spanning_hosts_is_refused_by_name_before_loading(monkeypatch, tmp_path):
+    """mesh.data=1 over 2 hosts: every process drives no replica, so the online drafter's check said min_idle_replicas
+    (1) exceeds 0 replicas and advised drafter_online.enabled=false, after which the weights loaded and Workers named
+    the real problem (review). Two processes of 4 devices each, faked by the devices' process_index."""
+    import types
+
+    from fastrl_jax.config import load_config
+    from fastrl_jax.rl import trainer as trainer_module
+    from fastrl_jax.sharding import check_replicas_on_hosts, make_mesh
+
+    hosts = np.array([types.SimpleNamespace(process_index=i // 4) for i in range(8)])
+    check_replicas_on_hosts(types.SimpleNamespace(shape={"data": 2}, devices=hosts.reshape(2, 4, 1)))  # one a host
+    spanning = types.SimpleNamespace(shape={"data": 1, "fsdp": 8}, devices=hosts.reshape(1, 8, 1))
+    with pytest.raises(ConfigError, match=r"rollout replica 0 spans processes \[0, 1\]: make mesh.data a multiple"):
+        check_replicas_on_hosts(spanning)
+    real = make_mesh(MeshConfig(data=1, fsdp=8))
+    monkeypatch.setattr(trainer_module, "make_mesh", lambda cfg: types.SimpleNamespace(
+        shape=real.shape, devices=spanning.devices, size=8))
+    cfg = load_config(None, [f"rl.out_dir={tmp_path / 'run'}", "mesh.fsdp=8", "rl.micro_batch_size=8",
+                             "rl.prompts_per_step=8", "sd.mode=adaptive"])
+    monkeypatch.setattr(trainer_module, "load_tokenizer", lambda path: pytest.fail("read the model before refusing"))
+    with pytest.raises(ConfigError, match="spans processes"):
+        trainer_module.train(cfg)

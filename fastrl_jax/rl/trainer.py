@@ -56,6 +56,7 @@ from fastrl_jax.rollout.requests import draft_margin, prompt_limit, prompt_margi
 from fastrl_jax.rollout.stats import RolloutStats
 from fastrl_jax.sharding import (
     allgather_json,
+    check_replicas_on_hosts,
     local_replicas,
     make_mesh,
     process_mesh,
@@ -767,6 +768,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, stream=
     `overwrite` moves it aside), loads the policy named by cfg.model, then runs GRPO to cfg.rl.steps."""
     mesh = make_mesh(cfg.mesh)
     preflight(cfg, mesh.shape["data"] * mesh.shape["fsdp"])  # before loading a model, or touching a run
+    check_replicas_on_hosts(mesh)  # else the online drafter's check below counts no replica and advises turning it off
     if cfg.sd.uses_drafter() and cfg.drafter_online.enabled:  # as Trainer turns it on
         check_settings(cfg.drafter_online, len(local_replicas(mesh)))
     if warning := memory_warning(cfg, mesh.size, (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")):

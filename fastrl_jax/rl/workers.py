@@ -27,13 +27,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from fastrl_jax.config import Config, ConfigError
+from fastrl_jax.config import Config
 from fastrl_jax.models.decoder import DTYPES, cast_floating
 from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.rollout.engine import Completion, Request, RolloutEngine
 from fastrl_jax.rollout.history import HistoryStore
 from fastrl_jax.rollout.stats import RolloutStats, StrategyStats
-from fastrl_jax.sharding import allgather_json, host_allgather, replica_meshes, reshard, shardings_for
+from fastrl_jax.sharding import allgather_json, check_replicas_on_hosts, host_allgather, replica_meshes, reshard, shardings_for
 
 _FINISH = ("stop", "length", "error")
 
@@ -72,14 +72,9 @@ class RolloutWorkers:
         drafter = cast_floating(drafter, self.dtype) if drafter is not None else None
         me = jax.process_index()
         self.replicas: list[Replica] = []
+        check_replicas_on_hosts(mesh)
         for i, sub in enumerate(replica_meshes(mesh)):
-            owners = {d.process_index for d in sub.devices.flat}
-            if len(owners) > 1:
-                raise ConfigError(
-                    f"rollout replica {i} spans processes {sorted(owners)}: make mesh.data a multiple of the "
-                    "number of hosts so every replica (one index along data) lives on one host"
-                )
-            if owners != {me}:
+            if {d.process_index for d in sub.devices.flat} != {me}:
                 continue
             shardings = nnx.to_pure_dict(shardings_for(abstract, sub))
             model = nnx.merge(graphdef, reshard(params, shardings))
