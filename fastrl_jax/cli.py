@@ -22,7 +22,8 @@ def _config(args: argparse.Namespace, defaults: Sequence[str] = ()):
     `defaults`), with the compilation cache it names (rollout.compile_cache_dir) turned on."""
     from fastrl_jax.config import load_config
 
-    model = [f"model.path={json.dumps(args.model, ensure_ascii=False)}"] if getattr(args, "model", None) else []  # a literal, not YAML
+    # A literal, not YAML; outside ASCII as it is (a surrogate pair for an emoji would read back as two characters)
+    model = [f"model.path={json.dumps(args.model, ensure_ascii=False)}"] if getattr(args, "model", None) else []
     return _with_cache(load_config(args.config, [*defaults, *model, *getattr(args, "overrides", []), *args.set]))
 
 

@@ -235,8 +235,8 @@ def report(cfg, args, runs: dict[str, list[dict]], out: Path, png: Path, facts: 
 
     s = summary(runs["off"], runs["adaptive"])
     s["dtype"], s["identical_required"] = cfg.model.engine_dtype, cfg.model.engine_dtype == "float32"
-    result = {"complete": True, "summary": s, "machine": facts_after(facts), "backend": jax.default_backend(), "config": args.config,
-              "overrides": args.set, "resolved_config": to_dict(cfg), "runs": runs}
+    result = {"complete": True, "summary": s, "machine": facts_after(facts), "backend": jax.default_backend(),
+              "config": args.config, "overrides": args.set, "resolved_config": to_dict(cfg), "runs": runs}
     off, adaptive = runs["off"][s["table_repeat"]], runs["adaptive"][s["table_repeat"]]
     print(f"repeat {s['table_repeat'] + 1} (the median ratio's):")
     print(f"{'step':>4} {'off s':>7} {'adapt s':>7} {'rollout':>8} {'compile':>7} {'update':>7} {'drafter':>7} {'sd':>5} "

@@ -477,7 +477,6 @@ def test_checkpoints_past_the_steps_asked_for_are_refused_before_loading(tmp_pat
     warmup.check_restart(dataclasses.replace(cfg, drafter_train=dataclasses.replace(cfg.drafter_train, steps=6)), True)
 
 
-
 def test_lengths_the_engine_cannot_hold_are_refused_before_loading(tmp_path):
     """A held-out evaluation whose completions and draft tree pass the largest length bucket ran the whole warm-up
     and then reported NaN acceptance: each held-out request failed, and the figure is over the rest (review)."""
@@ -501,6 +500,7 @@ def test_held_out_prompts_that_cannot_run_are_named_beside_the_figure(capsys):
                                    stats=types.SimpleNamespace(acceptance_length=lambda: 2.5))
     assert warmup.acceptance(engine, [[1, 2], [3] * 60], 8, 0.0, (2,)) == 2.5
     assert "1 of 2 held-out prompts cannot run (prompt of 60 tokens exceeds 48)" in capsys.readouterr().err
+
 
 def test_a_finished_run_run_again_is_left_as_it_is(policy, tmp_path):
     """Run again (resuming is the default), a finished warm-up neither evaluates again (a second final row in

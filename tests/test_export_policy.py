@@ -119,7 +119,6 @@ def test_export_refuses_a_file_a_full_directory_or_a_missing_parent(tmp_path):
     assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".partial")]
 
 
-
 def test_an_existing_empty_directory_is_written_in_place_and_a_second_export_into_it_is_refused(tmp_path, monkeypatch):
     """A mount point (docker -v, a PVC) cannot be removed and renamed onto: the whole export was written
     beside it, then removing it failed and left the export hidden (review). The directory is kept and filled;
@@ -151,6 +150,7 @@ def test_an_existing_empty_directory_is_written_in_place_and_a_second_export_int
     for target in (tmp_path / "theirs", tmp_path / "theirs" / "out"):
         with pytest.raises(PermissionError, match="cannot be written by this user"):
             check_export_dir(target)
+
 
 @pytest.mark.slow
 def test_smollm2_export_decodes_like_generate(tmp_path):

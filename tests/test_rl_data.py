@@ -87,7 +87,6 @@ def test_iterator_resume_continues_exactly(tmp_path):
     assert take(other_seed, 2) != first
 
 
-
 def test_a_batch_reads_its_own_records_only():
     """grain's default iterator read 500 batches ahead on 16 threads: one batch of 64 math prompts generated
     32,064 problems beside the rollout loop (review)."""
@@ -101,6 +100,7 @@ def test_a_batch_reads_its_own_records_only():
     it = pipeline.PromptIterator(pipeline.prompt_batches(Counting(0, (1,)), batch_size=64, seed=0))
     next(it)
     assert Counting.reads == 64
+
 
 @pytest.mark.parametrize("spec", ["file", "math"])
 def test_one_prompt_a_step(tmp_path, spec):

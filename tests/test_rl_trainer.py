@@ -432,7 +432,6 @@ def test_a_resume_refuses_a_prompt_file_that_changed_and_takes_one_that_moved(tm
     make_trainer(tmp_path, f"data.source={moved}", "sd.mode='off'", resume=True).close()
 
 
-
 def test_sd_mode_does_not_change_the_prompts_a_run_trains_and_evaluates_on(tmp_path):
     """Prompts are fitted with room for sd.strategies' draft tree whether or not SD runs: with SD off a run kept
     the prompts within a tree of the limit, a stream of more records (another permutation) and a larger eval set,
@@ -478,6 +477,7 @@ def test_a_resume_with_a_new_drafter_path_drafts_with_it(tmp_path, capsys):
     forgot = make_trainer(tmp_path, *sd, resume=True)  # the checkpoint is still step 0's, with the random drafter
     assert drafts_with(forgot, saved)
     forgot.close()
+
 
 def test_startup_errors_are_clear(tmp_path):
     with pytest.raises(ConfigError, match="micro_batch_size=6 must be divisible by mesh data x fsdp = 8"):

@@ -470,7 +470,6 @@ def test_drafter_training_keeps_each_devices_rows_through_its_layer():
     assert not gathered, gathered
 
 
-
 def test_a_rollout_replica_spanning_hosts_is_refused_by_name_before_loading(monkeypatch, tmp_path):
     """mesh.data=1 over 2 hosts: every process drives no replica, so the online drafter's check said min_idle_replicas
     (1) exceeds 0 replicas and advised drafter_online.enabled=false, after which the weights loaded and Workers named

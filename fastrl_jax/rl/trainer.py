@@ -563,20 +563,7 @@ class Trainer:
                                   f"{self.out_dir / 'config.yaml'} has them), or start a new run") from None
             raise UnreadableCheckpoint(f"--resume: {e}. Restore {ckpt.directory} from a backup, or start the run "
                                        "again with --overwrite (the old run is moved aside)") from None
-        digest = meta["run"].get("prompts_digest")  # checkpoints before 2026-11-28 have none: the file's path counts
-        stream = _config_changes(meta["run"].get("config", {}), now, STREAM_KEYS if digest else STREAM_KEYS + RECORD_KEYS)
-        if stream:
-            raise ConfigError(f"--resume: {', '.join(stream)} changed since the run started; its saved data position "
-                              "counts batches of that prompt stream, so prompts would be skipped or repeated. Set them "
-                              f"back (the run's {self.out_dir / 'config.yaml'} has them), or start a new run")
-        records = meta["run"].get("prompt_records", self.num_records)  # checkpoints before 2026-11-27 have none
-        if records != self.num_records or digest not in (None, self.prompts_digest):
-            holds = (f"{self.num_records} records that fit rollout.prompt_buckets, {records} when the run started"
-                     if records != self.num_records else "as many records that fit as when the run started, but others")
-            raise ConfigError(f"--resume: data.source ({self.cfg.data.source}) holds {holds}; its saved data position "
-                              "counts batches of that shuffled stream, so prompts would be skipped or repeated. Put the "
-                              "file back as it was (or rollout.prompt_buckets, data.instruction, data.chat_template and "
-                              "the tokenizer, which decide what fits), or start a new run")
+        self._check_prompt_stream(meta["run"], now)
         absent = [n for n in wanted if n not in arrays and n not in meta]
         unreadable = [s for s in ckpt.all_steps() if s > step]
         if unreadable:
@@ -624,6 +611,24 @@ class Trainer:
         self.updates = int(meta["run"].get("updates", self.step * self.cfg.rl.minibatches_per_step))
         self._say_changes(meta["run"].get("config", {}), step)
         print(f"[fastrl-jax] resumed from step {step} in {ckpt.directory}", file=sys.stderr)
+
+    def _check_prompt_stream(self, run: dict, now: dict) -> None:
+        """Refuses a resume whose prompt stream differs from the checkpoint's (its `run` meta): the saved data
+        position counts batches of that stream."""
+        digest = run.get("prompts_digest")  # checkpoints before 2026-11-28 have none: the file's path counts
+        stream = _config_changes(run.get("config", {}), now, STREAM_KEYS if digest else STREAM_KEYS + RECORD_KEYS)
+        if stream:
+            raise ConfigError(f"--resume: {', '.join(stream)} changed since the run started; its saved data position "
+                              "counts batches of that prompt stream, so prompts would be skipped or repeated. Set them "
+                              f"back (the run's {self.out_dir / 'config.yaml'} has them), or start a new run")
+        records = run.get("prompt_records", self.num_records)  # checkpoints before 2026-11-27 have none
+        if records != self.num_records or digest not in (None, self.prompts_digest):
+            holds = (f"{self.num_records} records that fit rollout.prompt_buckets, {records} when the run started"
+                     if records != self.num_records else "as many records that fit as when the run started, but others")
+            raise ConfigError(f"--resume: data.source ({self.cfg.data.source}) holds {holds}; its saved data position "
+                              "counts batches of that shuffled stream, so prompts would be skipped or repeated. Put the "
+                              "file back as it was (or rollout.prompt_buckets, data.instruction, data.chat_template and "
+                              "the tokenizer, which decide what fits), or start a new run")
 
     def _say_changes(self, saved: dict, step: int) -> None:
         """What a resume changed since checkpoint `step` (its config `saved`): every setting, and the schedule's span."""
