@@ -439,6 +439,22 @@ def test_a_tied_config_over_a_distinct_lm_head_is_refused(tmp_path):
     assert relative_error(prefill(model, cfg, tokens)[0], hf_logits(theirs, tokens)) < model_rtol()
 
 
+@pytest.mark.parametrize("scaling, missing", [
+    ({"type": "linear"}, "factor"),
+    ({"rope_type": "linear", "factor": None}, "factor"),
+    ({"rope_type": "llama3", "factor": 8.0}, "low_freq_factor"),
+])
+def test_a_rope_scaling_without_its_settings_is_refused_by_name(scaling, missing):
+    """A scaling block short of a setting (hand-edited, or a GGUF with rope.scaling.type and no factor) failed at the
+    first forward with a bare KeyError or TypeError (review)."""
+    from fastrl_jax.models.config import ModelConfig
+
+    d = {"model_type": "llama", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1,
+         "num_attention_heads": 4, "max_position_embeddings": 4096, "rope_scaling": scaling}
+    with pytest.raises(ValueError, match=f"rope_type '{scaling.get('rope_type', 'linear')}' needs {missing}"):
+        ModelConfig.from_hf_dict(d)
+
+
 def test_rope_scaling_added_beside_rope_parameters_is_refused(tmp_path):
     """Qwen2.5's README says to add a YaRN rope_scaling block to config.json; a config.json written by transformers 5
     already holds rope_parameters. transformers then reads rope_scaling alone (losing rope_theta 1e6 for 10000), and

@@ -53,6 +53,11 @@ class ModelConfig:
             raise ValueError(
                 f"rope_type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
             )
+        # else a KeyError naming no setting at the first forward (transformers refuses such configs too)
+        needed = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}.get(rope_type, ())
+        if missing := [k for k in needed if dict(self.rope).get(k) is None]:
+            raise ValueError(f"rope_type {rope_type!r} needs {', '.join(missing)} (config.json's rope_parameters or "
+                             f"rope_scaling, a GGUF's rope.scaling.*); it has {dict(self.rope)}")
 
     @property
     def rope_params(self) -> dict[str, Any]:
@@ -65,7 +70,7 @@ class ModelConfig:
         original); Llama 3's factor is no context ratio (3.2: 8192 x 32 against its 131072)."""
         p = self.rope_params
         extends = p.get("rope_type", p.get("type")) in ("yarn", "linear")
-        scaled = int(p.get("original_max_position_embeddings", 0) * p.get("factor", 1.0)) if extends else 0
+        scaled = int(p.get("original_max_position_embeddings", 0) * (p.get("factor") or 1.0)) if extends else 0
         return max(self.max_position_embeddings, scaled)
 
     @classmethod
