@@ -132,3 +132,12 @@ def test_training_plan_covers_the_update_steps_activations(tmp_path):
             compiled = (memory.argument_size_in_bytes + memory.temp_size_in_bytes + memory.output_size_in_bytes
                         - memory.alias_size_in_bytes)
             assert 0.6 <= plan / compiled <= 2.0, (remat, prompt, plan / 2**20, compiled / 2**20)
+
+
+def test_the_known_model_table_matches_whole_names():
+    """'.../Qwen2.5-7B-Instruct-1M' holds 'qwen2.5-7b' and was planned with its RoPE and context (review)."""
+    from fastrl_jax.models.known_configs import KNOWN, known_config
+
+    assert known_config("/checkpoints/Qwen2.5-7B-Instruct") is KNOWN["qwen2.5-7b"]
+    assert known_config("Qwen/Qwen2.5-32B") is KNOWN["qwen2.5-32b"] and known_config("smollm2") is KNOWN["smollm2-135m"]
+    assert known_config("/checkpoints/Qwen2.5-7B-Instruct-1M") is None

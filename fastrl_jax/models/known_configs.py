@@ -7,6 +7,7 @@ checked on a laptop. Values copied from the models' published config.json files.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +40,7 @@ KNOWN: dict[str, dict[str, Any]] = {
 
 
 def known_config(path: str) -> dict[str, Any] | None:
-    """The table entry whose key the checkpoint name contains ('.../Qwen2.5-7B-Instruct' -> qwen2.5-7b)."""
+    """The table entry the checkpoint name is, but for its -Instruct / -Base / -Chat ('.../Qwen2.5-7B-Instruct' ->
+    qwen2.5-7b); a variant of another name (Qwen2.5-7B-Instruct-1M: other RoPE and context) has none."""
     name = "smollm2-135m" if path == "smollm2" else Path(path).name.lower()
-    for key in sorted(KNOWN, key=len, reverse=True):
-        if key in name:
-            return KNOWN[key]
-    return None
+    return KNOWN.get(re.sub(r"-(?:instruct|base|chat)$", "", name))
