@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 from fastrl_jax.kernels.tree_accept import api as tree_accept
 from fastrl_jax.kernels.tree_accept import pallas as walk_pallas
+from helpers.sampling_reference import filtered_probs
 from scipy.stats import chisquare
 
 from fastrl_jax.rollout import accept
 from fastrl_jax.rollout.accept import accept_coupled, accept_greedy, accept_rejection
-from fastrl_jax.rollout.sampling import SamplingParams, filtered_logits, sample
+from fastrl_jax.rollout.sampling import SamplingParams, sample
 
 
 def params_for(B, temperature=1.0, top_k=0, top_p=1.0, seed0=0):
@@ -254,9 +255,10 @@ def first_tokens(spec, params, root, root_pos, policy, drafter):
 
 
 def exact_sequence_probs(params_one):
-    """P(t1, t2, t3 | ROOT_TOKEN) [V**3] of plain token-by-token sampling from POLICY."""
-    rows = jax.tree.map(lambda a: jnp.broadcast_to(a[:1], (V_TOY,)), params_one)
-    p = np.asarray(jax.nn.softmax(filtered_logits(POLICY, rows), axis=-1), np.float64)  # p[x] = P(.|x)
+    """P(t1, t2, t3 | ROOT_TOKEN) [V**3] of plain token-by-token sampling from POLICY, by numpy's HF-order filters
+    (not sampling.filtered_logits: a filter that applied temperature after top-p passed against itself, review)."""
+    t, k, tp = float(params_one.temperature[0]), int(params_one.top_k[0]), float(params_one.top_p[0])
+    p = np.stack([filtered_probs(row, t, k, tp) for row in np.asarray(POLICY)])  # p[x] = P(.|x)
     joint = p[ROOT_TOKEN][:, None, None] * p[:, :, None] * p[None, :, :]
     return joint.reshape(-1)
 

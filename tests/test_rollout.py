@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers.greedy import greedy_generate
+from helpers.sampling_reference import sorted_filter
 from helpers.tiny import CFG, TINY, prompts, tiny_model
 from scipy.stats import chisquare
 
@@ -557,18 +558,6 @@ def test_top_k_top_p_keep_the_right_tokens():
     assert kept(top_p=0.1) == [True, False, False, False, False]
 
 
-def _sorted_filter(logits, top_k, top_p):
-    """HF's top-k / top-p rule over one row, by sorting in numpy (float64 mass)."""
-    order = np.argsort(-logits, kind="stable")
-    desc = logits[order]
-    keep = np.ones(len(logits), bool) if top_k == 0 else desc >= desc[top_k - 1]
-    p = np.where(keep, np.exp(desc - desc.max()), 0.0)
-    p /= p.sum()
-    n_keep = max(int(np.sum(np.cumsum(p) - p < top_p)), 1)
-    threshold = max(desc[n_keep - 1], desc[top_k - 1] if top_k else -np.inf)
-    return logits >= threshold
-
-
 def test_top_k_top_p_match_a_sort_on_random_rows():
     rng = np.random.default_rng(0)
     B, V = 64, 300
@@ -576,10 +565,13 @@ def test_top_k_top_p_match_a_sort_on_random_rows():
     logits[::4] = np.round(logits[::4])  # rows with many tied values
     top_k = rng.choice([0, 1, 5, 40, V], B).astype(np.int32)
     top_p = rng.choice([1.0, 0.95, 0.5, 0.1], B).astype(np.float32)
-    params = SamplingParams(jnp.ones(B), jnp.asarray(top_k), jnp.asarray(top_p), jnp.zeros(B, jnp.uint32))
+    # HF's order: temperature, then top-k, then top-p (a nucleus of the unscaled logits passed at T=1 alone: review)
+    temperature = rng.choice([0.3, 0.7, 1.0, 1.6], B).astype(np.float32)
+    params = SamplingParams(jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p), jnp.zeros(B, jnp.uint32))
     kept = np.isfinite(np.asarray(filtered_logits(jnp.asarray(logits), params)))
     for b in range(B):
-        np.testing.assert_array_equal(kept[b], _sorted_filter(logits[b], top_k[b], top_p[b]), err_msg=f"row {b}")
+        np.testing.assert_array_equal(kept[b], sorted_filter(logits[b] / temperature[b], top_k[b], top_p[b]),
+                                      err_msg=f"row {b}")
 
 
 def test_sampling_is_position_keyed_and_follows_the_distribution():

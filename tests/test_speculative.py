@@ -213,6 +213,47 @@ def test_accepted_paths_move_the_cache(model, eagle, monkeypatch):
     assert engine.stats.acceptance_length() > 3.0  # up to 4 per step: 3 chain drafts + bonus
 
 
+def branched_oracle_tree(policy, drafter, ds, root_token, root_pos, strategy, kv_len, params=None):
+    """oracle_draft_tree's chain behind a decoy at every depth (path 0 -> 2 -> 4 -> 6): its accepted entries move
+    1, 2 and 3 slots, where the chain's all move 1."""
+    B, n = root_token.shape[0], strategy.verify_tokens
+    cache, token, chain = ds.policy_cache, root_token, []
+    for d in range((n - 1) // 2):
+        logits, _, cache = policy(token[:, None], (root_pos + d)[:, None], cache, root_pos + d, kv_len=kv_len)
+        token = sample(logits[:, 0], ds.params, root_pos + d + 1)[0]
+        chain.append(token)
+    toks, parents, depth, prev = [root_token], [-1], [0], 0
+    for d, c in enumerate(chain):
+        toks += [(c + 1) % policy.cfg.vocab_size, c]  # the decoy first, the policy's token second
+        parents += [prev, prev]
+        depth += [d + 1, d + 1]
+        prev = len(toks) - 1
+    tree = speculative.Tree(tokens=jnp.stack(toks, 1), parents=jnp.broadcast_to(jnp.array(parents, jnp.int32), (B, n)),
+                            depth=jnp.broadcast_to(jnp.array(depth, jnp.int32), (B, n)), valid=jnp.ones((B, n), bool),
+                            source=jnp.full((B, n), speculative.EAGLE, jnp.int32))
+    return tree, ds.cache
+
+
+def test_accepted_branches_move_the_cache(model, eagle, monkeypatch):
+    """Paths through a branched tree, their nodes moving by different amounts: the random drafter accepts 3-5 drafts
+    in ~100 steps of test_greedy_equals_plain_decoding, and a cache reordered by the first accepted node's offset
+    passed it (review)."""
+    real_step = speculative.sd_step
+
+    def step_with_oracle(policy, drafter_, s, ds, strategy, kv_len, mode, match):
+        monkeypatch.setattr(speculative, "draft_tree", lambda *a: branched_oracle_tree(*a))
+        return real_step(policy, drafter_, s, _WithPolicyCache(ds, s.cache, s.params), strategy, kv_len, mode, match)
+
+    monkeypatch.setattr(speculative, "sd_step", step_with_oracle)
+    reqs = [Request(p, max_new_tokens=10 + 3 * i) for i, p in enumerate(prompts(5, seed=3))]
+    engine = RolloutEngine(model, SD_CFG, sd=SpecConfig(mode="on", steps=3, topk=2, verify_tokens=7), drafter=eagle,
+                           progress=False)
+    out = engine.generate(reqs)
+    assert engine.stats.acceptance_length() > 3.0
+    for r, o in zip(reqs, out):
+        assert o.tokens == greedy_generate(model, r.prompt_ids, r.max_new_tokens)
+
+
 class _WithPolicyCache:
     """DraftState plus the policy cache and the rows' sampling parameters, so the oracle can run the policy."""
 
