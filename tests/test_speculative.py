@@ -317,19 +317,25 @@ def test_drafter_checkpoint_round_trip(drafter, tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_speculative_greedy_equals_plain(smollm2):
-    """The real SmolLM2 with a random EAGLE drafter: 8 prompts x 32 tokens, token for token (EAGLE-3 on
-    the tiny model above)."""
+    """The real SmolLM2, 8 prompts x 32 tokens, token for token, with drafts accepted: a fused tree of a random EAGLE
+    drafter and history drafting from the first half of each answer (a later RL step's store). With the random
+    drafter alone no draft was accepted, so every token was a bonus token, whatever the accepted-path code did, and
+    one row in 8 was let differ (review). EAGLE-3 on the tiny model above."""
     from fastrl_jax.data.prompts import chat_prompt_ids
+    from fastrl_jax.rollout.history import HistoryStore
 
     model, model_cfg, tokenizer = smollm2.model, smollm2.cfg, smollm2.tokenizer
     reqs = [Request(chat_prompt_ids(tokenizer, f"Tell me a fact about the number {n}."), max_new_tokens=32)
             for n in range(8)]
     cfg = dataclasses.replace(CFG, batch_buckets=(8,), length_buckets=(128,), prompt_buckets=(64,))
     plain = RolloutEngine(model, cfg, progress=False).generate(reqs)
-    sd = SpecConfig(mode="on", steps=3, topk=2, verify_tokens=6)
-    spec = RolloutEngine(model, cfg, sd=sd, drafter=Drafter(model_cfg, nnx.Rngs(0)), progress=False).generate(reqs)
-    same = sum(a.tokens == b.tokens for a, b in zip(plain, spec))
-    assert same >= 7, [(i, a.tokens, b.tokens) for i, (a, b) in enumerate(zip(plain, spec)) if a.tokens != b.tokens]
+    store = HistoryStore(tokens_per_prompt=512, max_prompts=16)
+    store.add_all((r.prompt_ids, c.tokens[:16]) for r, c in zip(reqs, plain))
+    engine = RolloutEngine(model, cfg, sd=SpecConfig(mode="on", strategies=("3/2/6+h4",)),
+                           drafter=Drafter(model_cfg, nnx.Rngs(0)), progress=False, history=store)
+    spec = engine.generate(reqs)
+    assert [a.tokens for a in plain] == [b.tokens for b in spec]
+    assert engine.stats.drafts_history + engine.stats.drafts_eagle > 32
 
 
 def test_coupled_drafting_guesses_the_token_the_policy_will_sample():
