@@ -33,7 +33,15 @@ from fastrl_jax.models.drafter import Drafter
 from fastrl_jax.rollout.engine import Completion, Request, RolloutEngine
 from fastrl_jax.rollout.history import HistoryStore
 from fastrl_jax.rollout.stats import RolloutStats, StrategyStats
-from fastrl_jax.sharding import allgather_json, check_replicas_on_hosts, host_allgather, replica_meshes, reshard, shardings_for
+from fastrl_jax.sharding import (
+    allgather_json,
+    check_replicas_on_hosts,
+    host_allgather,
+    local_replicas,
+    replica_meshes,
+    reshard,
+    shardings_for,
+)
 
 _FINISH = ("stop", "length", "error")
 
@@ -70,12 +78,11 @@ class RolloutWorkers:
         params = self._engine_params(params)
         self.head_params = policy_head(params)
         drafter = cast_floating(drafter, self.dtype) if drafter is not None else None
-        me = jax.process_index()
         self.replicas: list[Replica] = []
         check_replicas_on_hosts(mesh)
-        for i, sub in enumerate(replica_meshes(mesh)):
-            if {d.process_index for d in sub.devices.flat} != {me}:
-                continue
+        subs = replica_meshes(mesh)
+        for i in local_replicas(mesh):  # this process's
+            sub = subs[i]
             shardings = nnx.to_pure_dict(shardings_for(abstract, sub))
             model = nnx.merge(graphdef, reshard(params, shardings))
             local_drafter = None
