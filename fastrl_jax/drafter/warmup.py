@@ -121,21 +121,21 @@ def collect(engine: RolloutEngine, requests: list[Request], buffer: SampleBuffer
     to the buffer in request order (so the buffer does not depend on which rows finished first);
     a completion leaves memory once it and every earlier one are in the buffer. `partial`, when given,
     saves what is in the buffer as it goes, and when the collection is interrupted."""
-    t0, tokens, added, waiting, next_i = time.perf_counter(), 0, 0, {}, 0
+    t0, tokens, generated, added, waiting, next_i = time.perf_counter(), 0, 0, 0, {}, 0
     failed: list[str] = []  # the engine's reasons, in the order the requests failed
     bar = tqdm(total=len(requests), desc="collect", unit="seq", file=sys.stderr, disable=not progress)
     try:
         for i, completion in engine.stream(requests):
             if completion.finish_reason == "error":
                 failed.append(completion.error or "?")
-            waiting[i] = completion
+            waiting[i], generated = completion, generated + len(completion.tokens)
             while next_i in waiting:
                 seqs, new_tokens = buffer.add_rollouts([requests[next_i]], [waiting.pop(next_i)], step)
                 added, tokens, next_i = added + seqs, tokens + new_tokens, next_i + 1
                 if partial is not None:
                     partial.added(seqs)
             bar.update(1)
-            bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+            bar.set_postfix(tok_s=f"{generated / (time.perf_counter() - t0):.0f}")  # the buffer adds in request order
     except BaseException:  # Ctrl-C, a failed program: a rerun starts after what the buffer holds
         if partial is not None:
             partial.save()
