@@ -128,11 +128,15 @@ class RunCheckpointer:
 
     def save(self, step: int, arrays: dict[str, Any], meta: dict[str, Any] | None = None) -> None:
         """Starts saving `arrays` (name -> pytree of arrays) and `meta` (name -> JSON-able dict)
-        as `step`; returns once the arrays are copied off device (the write continues behind)."""
+        as `step`; returns once the arrays are copied off device (the write continues behind). A step at or below
+        the latest is a ValueError."""
         items = {name: ocp.args.StandardSave(tree) for name, tree in arrays.items()}
         items |= {name: ocp.args.JsonSave(value) for name, value in (meta or {}).items()}
         with self._failed_writes():
-            self._manager.save(step, args=ocp.args.Composite(**items))
+            saved = self._manager.save(step, args=ocp.args.Composite(**items))
+        if not saved:  # Orbax skips a step at or below its latest without a word
+            raise ValueError(f"checkpoint step {step} was not saved: {self.directory} holds step {self.latest_step()}, "
+                             "and a checkpoint step must come after the latest")
 
     def restore(
         self, step: int | None, arrays: dict[str, Any], meta: Sequence[str] = (), optional: Collection[str] = ()

@@ -30,6 +30,18 @@ def test_keeps_last_k_and_restores_latest(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["2", "3"]
 
 
+def test_a_step_at_or_below_the_latest_is_refused_not_skipped(tmp_path):
+    with RunCheckpointer(tmp_path, keep=2) as ckpt:
+        ckpt.save(3, {"policy": {"w": jnp.full(3, 3.0)}})
+        ckpt.wait()
+        for step in (3, 2):
+            with pytest.raises(ValueError, match=f"step {step} was not saved: .* holds step 3"):
+                ckpt.save(step, {"policy": {"w": jnp.zeros(3)}})
+        ckpt.wait()
+        _, arrays, _ = ckpt.restore(None, {"policy": {"w": jnp.zeros(3)}})
+    np.testing.assert_array_equal(arrays["policy"]["w"], np.full(3, 3.0))
+
+
 def test_an_unfinished_save_is_not_a_checkpoint(tmp_path):
     with RunCheckpointer(tmp_path, keep=3) as ckpt:
         ckpt.save(1, {"policy": {"w": jnp.ones(2)}})
