@@ -302,6 +302,8 @@ class SpecConfig:
             StrategySpec(f"{self.steps}/{self.topk}/{self.verify_tokens}").parts("sd")
         object.__setattr__(self, "strategies", tuple(  # [S, K, V] tuples of Python callers read as 'S/K/V'
             StrategySpec.from_config(spec, f"sd.strategies[{i}]") for i, spec in enumerate(self.strategies)))
+        if twice := next((s for i, s in enumerate(self.strategies) if s in self.strategies[:i]), None):
+            raise ConfigError(f"sd.strategies names {twice} twice: each strategy is one arm of the adaptive bandit")
         _check_at_least("sd", self, ("threshold_live_batch", "patience_host_steps", "window_host_steps", "explore_steps"), 1)
         _check_at_least("sd", self, ("min_drafter_accept",), 0)
         if not 0 <= self.epsilon <= 1:

@@ -274,6 +274,8 @@ def test_strategy_notation():
     assert list(cfg.sd.strategies) == ["h6", "3/1/4", "3/1/4+h6"]
     with pytest.raises(ConfigError, match=r"sd.strategies\[0\]: 'x6' is not"):
         load_config(None, ["sd.strategies=['x6']"])
+    with pytest.raises(ConfigError, match="sd.strategies names 3/1/4 twice"):  # two arms sharing one reward window
+        load_config(None, ["sd.strategies=['3/1/4', 'h6', [3, 1, 4]]"])
     with pytest.raises(ConfigError, match="sd.history.spec_factor must be > 0"):
         load_config(None, ["sd.history.spec_factor=0"])
     with pytest.raises(ConfigError, match=r"sd.history.min_match \(9\) must be <= sd.history.match_tokens \(8\)"):
