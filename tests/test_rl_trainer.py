@@ -194,6 +194,32 @@ def test_a_stop_signal_ends_the_run_after_its_step_with_that_step_saved(tmp_path
     again.close()
 
 
+def test_a_stop_whose_checkpoint_fails_says_so(tmp_path, capsys):
+    """A preemption notice during step 1: its checkpoint's write fails behind the training (a full disk). The run
+    ends with that error, not with "its checkpoint is saved and --resume continues the run" after "training
+    continues" (review)."""
+    trainer = make_trainer(tmp_path, "rl.checkpoint_every_steps=10", steps=3)
+    original, wait, failed = trainer.rollout, trainer.checkpointer.wait, []
+
+    def preempted(records, step, first=0):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return original(records, step, first)
+
+    def report():
+        wait()
+        if failed:
+            failed.pop()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    trainer.rollout = preempted
+    trainer.checkpointer.save, trainer.checkpointer.wait = lambda step, *args, **kwargs: failed.append(step), report
+    with pytest.raises(OSError, match=r"the final checkpoint \(step 1\) failed \(the disk is full\); no earlier "
+                                      r"checkpoint exists: make room in .* and run it again"):
+        trainer.run()
+    assert "training continues" not in capsys.readouterr().err
+    assert checkpoint_steps(tmp_path / "run") == []
+
+
 def test_prompts_longer_than_the_largest_bucket_are_left_out_at_the_start(tmp_path, caplog):
     """verl's filter_overlong_prompts: said once at the start, not found by the step that draws one hours in."""
     prompts = tmp_path / "long.jsonl"

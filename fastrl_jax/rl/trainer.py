@@ -410,7 +410,8 @@ class Trainer:
             metrics["gen_batches"] = drawn
         metrics |= spot_report  # the online drafter trainer's steps during the rollout
         # The engines' rate counts every token generated (rl.filter_groups draws batches it drops); "tokens" and
-        # tokens_per_s (verl's perf/throughput) count the trained ones.
+        # tokens_per_s count the trained completion tokens, over rollout, update and drafter estimate (verl's
+        # perf/throughput also counts prompt tokens, over the whole step, per GPU).
         metrics |= {"rollout_s": rollout_s, "train_s": train_s, "generated_tokens": stats.tokens,
                     "rollout_tokens_per_s": stats.tokens / rollout_s, "lr": lr}
         metrics |= train
@@ -448,6 +449,8 @@ class Trainer:
         saved = self.checkpointer is not None
         if saved and self.step % self.cfg.rl.checkpoint_every_steps:  # else run_step saved it
             self.save()
+        if saved:  # the run ends here: a write that failed is this error, not "its checkpoint is saved"
+            self._wait_checkpoint(final=True)
         raise TrainingStopped(f"{why}: stopped after step {self.step} of {self.cfg.rl.steps}"
                               + ("; its checkpoint is saved and --resume continues the run" if saved
                                  else " (rl.checkpoint_every_steps is 0: nothing saved)"))
@@ -509,18 +512,19 @@ class Trainer:
         if self.history is not None and jax.process_index() == 0:
             prune_step_files(self.out_dir / "history", kept)
 
-    def _wait_checkpoint(self) -> None:
+    def _wait_checkpoint(self, final: bool = False) -> None:
+        """Waits for the checkpoint write under way; final: the run ends after it, so a failed one is raised."""
         try:
             self.checkpointer.wait()
         except OSError as e:
-            self._checkpoint_failed(e)
+            self._checkpoint_failed(e, final)
 
-    def _checkpoint_failed(self, e: OSError) -> None:
+    def _checkpoint_failed(self, e: OSError, final: bool = False) -> None:
         step, self._saving = self._saving, None
         why = "the disk is full" if e.errno == errno.ENOSPC else str(e)
         latest = max((s for s in self.checkpointer.all_steps() if s != step), default=None)
         kept = f"the previous checkpoint (step {latest}) stays valid" if latest is not None else "no earlier checkpoint exists"
-        if step == self.cfg.rl.steps:  # no later save keeps these weights: the run must not end as if it had
+        if final or step == self.cfg.rl.steps:  # no later save keeps these weights: the run must not end as if it had
             fix = "make room in" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "fix"
             again = "resume with --resume" if latest is not None else "run it again"
             raise OSError(e.errno, f"the final checkpoint (step {step}) failed ({why}); {kept}: {fix} "
@@ -643,7 +647,7 @@ class Trainer:
     def close(self) -> None:
         try:
             if self.checkpointer is not None:
-                self._wait_checkpoint()  # raises when the final checkpoint failed
+                self._wait_checkpoint(final=True)  # the run's last checkpoint: raised when it failed
                 self._prune_step_files()
         finally:
             if self.checkpointer is not None:
