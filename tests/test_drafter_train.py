@@ -359,6 +359,28 @@ def test_a_stop_signal_ends_training_after_its_step_with_that_step_saved(policy,
     assert steps == [1, 2, 3, 4]
 
 
+def test_an_evaluation_killed_at_a_checkpoint_step_runs_again_on_resume(policy, tmp_path, monkeypatch):
+    """The process dies inside step 2's held-out evaluation, a checkpoint step: the evaluation came after the
+    checkpoint, so the same command again resumed after step 2 and its evaluation was gone for good (review)."""
+    cfg = run_config(tmp_path, "run", steps=4, checkpoint_every=2)
+    cfg = dataclasses.replace(cfg, drafter_train=dataclasses.replace(cfg.drafter_train, eval_every_steps=2))
+    calls = []
+
+    def evaluate(self, drafter, step, temperatures=(0.0,)):
+        calls.append(step)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # killed inside it
+        self.sink.write({"step": step, "accept_math_t0": 1.5})
+        return {"accept_math_t0": 1.5}
+
+    monkeypatch.setattr(warmup.HeldOutEvaluator, "__call__", evaluate)
+    with pytest.raises(KeyboardInterrupt):
+        warmup.train_drafter(cfg, policy, FakeTokenizer(), progress=False)
+    warmup.train_drafter(cfg, policy, FakeTokenizer(), progress=False)
+    rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "accept_math_t0" in r] == [2, 4]  # 4: the final evaluation
+
+
 def test_an_interrupted_collection_continues_where_it_stopped(policy, tmp_path, monkeypatch):
     """The collection (~20 min of the default warm-up on a CPU) saves what it collected as it goes: killed midway,
     a rerun generates only the requests after the saved ones and ends with the data of an uninterrupted run. A start

@@ -345,9 +345,10 @@ def train(cfg: Config, policy: Decoder, drafter: Drafter, buffer: SampleBuffer, 
     optimizer = drafter_optimizer(dt.learning_rate, dt.warmup_steps, dt.steps, dt.weight_decay, dt.grad_clip_norm)
     opt_state = optimizer.init(params)
     train_step = make_train_step(optimizer, LossSettings(dt.ce_weight, dt.input_noise, dt.unroll_steps, dt.unroll_decay))
-    start = 0
+    start, evaluated = 0, True  # evaluated: the held-out evaluation of the step training starts from is written
     if ckpt.latest_step() is not None:
-        start, arrays, _ = ckpt.restore(None, {"params": nnx.to_pure_dict(params), "opt_state": opt_state})
+        start, arrays, meta = ckpt.restore(None, {"params": nnx.to_pure_dict(params), "opt_state": opt_state}, ["trainer"])
+        evaluated = meta["trainer"].get("evaluated", True)
         nnx.replace_by_pure_dict(params, arrays["params"])
         opt_state = arrays["opt_state"]
         unreadable = [s for s in ckpt.all_steps() if s > start]
@@ -359,11 +360,19 @@ def train(cfg: Config, policy: Decoder, drafter: Drafter, buffer: SampleBuffer, 
     log = _StepLog(sink)
     base_key = jax.random.key(cfg.seed)
     bar = tqdm(total=dt.steps, initial=start, desc="train-drafter", unit="step", file=sys.stderr, disable=not progress)
+
     def save(done, params, opt_state):
-        ckpt.save(done, {"params": nnx.to_pure_dict(params), "opt_state": opt_state}, {"trainer": {"step": done}})
+        meta = {"trainer": {"step": done, "evaluated": evaluated == done}}
+        ckpt.save(done, {"params": nnx.to_pure_dict(params), "opt_state": opt_state}, meta)
+
+    def due(step: int) -> bool:  # the held-out evaluation at this step
+        return bool(dt.eval_every_steps) and step % dt.eval_every_steps == 0 and step != dt.steps
 
     last = (start, params, opt_state)  # the latest finished step, assigned at once: an interrupt sees one whole
     saved = start
+    if due(start) and not evaluated:  # stopped inside it, with the step saved
+        log.last_eval = evaluate(nnx.merge(dgraphdef, params, rest), start)
+    evaluated = start
     stops = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
     try:
         # A stop signal ends the run after the step under way, with that step saved; Ctrl-C again, at once
@@ -379,14 +388,15 @@ def train(cfg: Config, policy: Decoder, drafter: Drafter, buffer: SampleBuffer, 
                 bar.update(1)
                 if done % dt.log_every_steps == 0 or done == dt.steps or received:
                     bar.set_postfix(log.flush(done))
+                if due(done):  # before the checkpoint, which says it ran
+                    log.last_eval = evaluate(nnx.merge(dgraphdef, params, rest), done)
+                evaluated = done
                 if done % dt.checkpoint_every_steps == 0 or done == dt.steps or received:
                     saved = done
                     save(*last)
                 if received and done < dt.steps:
                     raise TrainingStopped(f"{received[0]}: stopped after step {done} of {dt.steps}; its checkpoint "
                                           "is saved, and the same command again continues the run")
-                if dt.eval_every_steps and done % dt.eval_every_steps == 0 and done != dt.steps:
-                    log.last_eval = evaluate(nnx.merge(dgraphdef, params, rest), done)
     except KeyboardInterrupt:  # Ctrl-C twice, or inside the first compile: the steps since the last checkpoint are kept
         if last[0] > saved and any(x.is_deleted() for x in jax.tree.leaves(last[1:])):
             # It came as the next step returned, before its result was taken: that step consumed (donated) these
