@@ -13,6 +13,7 @@ import importlib.util
 import json
 import math
 import os
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -32,21 +33,30 @@ class MetricsSink:
         out_dir = Path(out_dir)
         self.path = out_dir / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._tb, self._tb_dir = None, out_dir / "tensorboard"
         self.drop_after(-1 if resume_after is None else resume_after)
-        self._tb = None
         if tensorboard:
-            from tensorboardX import SummaryWriter
-
-            purge = None if resume_after is None else resume_after + 1
-            self._tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=purge)
+            self._tb = self._tensorboard(resume_after)
         self._wandb = _wandb_run(out_dir, wandb_project, config) if wandb_project else None
 
+    def _tensorboard(self, after: int | None):
+        """A TensorBoard writer whose steps after `after` replace those of earlier event files (None: none are)."""
+        from tensorboardX import SummaryWriter
+
+        # A file of its own: tensorboardX names it by the second, and a second writer in the same second wrote over
+        # the first one's file
+        return SummaryWriter(str(self._tb_dir), purge_step=None if after is None else after + 1,
+                             filename_suffix=f".{time.time_ns()}")
+
     def drop_after(self, step: int) -> None:
-        """Keeps the file's lines up to `step`: a resume that fell back past a damaged checkpoint runs the later
-        steps again (TensorBoard purges only where the sink opened, resume_after)."""
+        """Keeps the metrics up to `step`: a resume that fell back past a damaged checkpoint runs the later
+        steps again."""
         lines = self.path.read_text().splitlines() if self.path.exists() else []
         # A process killed mid-rewrite leaves the file whole.
         files.write_text(self.path, "".join(ln + "\n" for ln in lines if ln.strip() and _step(ln) <= step))
+        if self._tb is not None:  # TensorBoard drops them as a new writer purging from there opens
+            self._tb.close()
+            self._tb = self._tensorboard(step)
 
     def write(self, metrics: dict[str, Any]) -> None:
         """metrics: JSON-able, with an int "step"; finite numbers also go to TensorBoard."""
@@ -105,6 +115,9 @@ def _step(line: str) -> int:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """A metrics.jsonl's lines; a null metric (written for NaN: unmeasured) as NaN."""
-    lines = [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
+    """A metrics.jsonl's lines (or a run directory's), a null metric (written for NaN: unmeasured) as NaN; a last line
+    without its newline (being written, or cut by a crash) is no step yet."""
+    path = Path(path)
+    text = (path / "metrics.jsonl" if path.is_dir() else path).read_text()
+    lines = [json.loads(ln) for ln in text[: text.rfind("\n") + 1].splitlines() if ln.strip()]
     return [{k: math.nan if v is None else v for k, v in line.items()} for line in lines]

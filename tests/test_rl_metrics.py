@@ -56,6 +56,34 @@ def test_a_kill_while_a_resume_rewrites_the_metrics_leaves_them_whole(tmp_path, 
     assert [m["step"] for m in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
 
 
+def test_tensorboard_holds_each_step_once_after_resumes(tmp_path):
+    """A resume from step 2 (opened in the same second as the first writer, which wrote over the first's event file),
+    then one falling back past a damaged step 3 to step 1 (train-drafter's set_aside: drop_after after the sink
+    opened; TensorBoard kept the old step 2 and 3 beside the new ones). Review."""
+    from helpers.tensorboard_events import scalars
+
+    sink = MetricsSink(tmp_path)
+    for step in (1, 2, 3):
+        sink.write({"step": step, "loss": float(step)})
+    sink.close()
+    sink = MetricsSink(tmp_path, resume_after=2)
+    sink.write({"step": 3, "loss": 13.0})
+    sink.close()
+    assert scalars(tmp_path / "tensorboard")["loss"] == [(1, 1.0), (2, 2.0), (3, 13.0)]
+    sink = MetricsSink(tmp_path, resume_after=3)
+    sink.drop_after(1)
+    for step in (2, 3):
+        sink.write({"step": step, "loss": 20.0 + step})
+    sink.close()
+    assert scalars(tmp_path / "tensorboard")["loss"] == [(1, 1.0), (2, 22.0), (3, 23.0)]
+    assert [m["loss"] for m in read_metrics(tmp_path / "metrics.jsonl")] == [1.0, 22.0, 23.0]
+
+
+def test_read_metrics_takes_a_run_directory_and_leaves_out_a_line_being_written(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "lo')
+    assert read_metrics(tmp_path) == read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "loss": 0.5}]
+
+
 def test_summed_rollout_stats_keep_every_phase():
     """Replicas' stats are summed (RolloutWorkers, bench-sd's rounds): a phase at 0 s (nothing compiled) must stay
     in the sum, as in each part, not vanish as Counter's + drops it."""
