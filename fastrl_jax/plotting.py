@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 
 def pyplot():
@@ -19,12 +20,12 @@ def pyplot():
 
 
 def save(fig, path, **savefig) -> None:
-    """Writes `fig` to `path` whole or not at all (files.replacing; the temporary name keeps the suffix, from which
-    savefig picks the format) and closes it."""
+    """Writes `fig` to `path` whole or not at all (files.replacing) in the format its suffix names (PNG without
+    one, as savefig would write it) and closes it."""
     import matplotlib.pyplot as plt
 
     from fastrl_jax import files
 
-    with files.replacing(path) as tmp:
-        fig.savefig(tmp, **{"dpi": 120} | savefig)
+    with files.replacing(path) as tmp:  # the temporary name ends in '.tmp' without a suffix of the path's
+        fig.savefig(tmp, **{"dpi": 120, "format": Path(path).suffix[1:].lower() or "png"} | savefig)
     plt.close(fig)

@@ -58,10 +58,13 @@ def main(argv=None) -> int:
         check_output_file(args.out, "--out")
     except (OSError, ValueError) as e:
         parser.error(str(e))
-    online = _by_step(args.metrics)
+    try:
+        online = _by_step(args.metrics)
+        base = _by_step(args.baseline) if args.baseline else {}
+    except (OSError, ValueError) as e:  # no such file, a line that is not JSON
+        parser.error(str(e))
     if not online or "drafter_accept" not in next(iter(online.values())):
         raise SystemExit(f"{args.metrics} has no drafter_accept: run with sd.mode != off and drafter_online.enabled=true")
-    base = _by_step(args.baseline) if args.baseline else {}
     nan = float("nan")
     rows = [{"step": s, "accept_online": m["drafter_accept"], "accept_frozen": m.get("drafter_accept_frozen", nan),
              "drafter_steps": m["drafter_steps"], "drafter_spot_s": m["drafter_spot_s"],

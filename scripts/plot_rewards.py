@@ -68,7 +68,10 @@ def main(argv=None) -> int:
         out = check_output_file(args.out or str(png.with_suffix(".json")), "--out")
     except (OSError, ValueError) as e:
         parser.error(str(e))
-    runs = [series(path, max(1, args.smooth)) for path in args.metrics]
+    try:
+        runs = [series(path, max(1, args.smooth)) for path in args.metrics]
+    except (OSError, ValueError) as e:  # no such file, a line that is not JSON
+        parser.error(str(e))
     print(f"{'run':>20} {'steps':>5} {'reward':>7} {'smoothed':>8} {'eval_acc':>8}")
     for r in runs:
         print(f"{r['label']:>20} {len(r['steps']):>5} {_last(r['reward_mean']):>7} {_last(r['reward_smoothed']):>8} "
