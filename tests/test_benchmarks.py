@@ -244,6 +244,7 @@ def test_longtail_runs_compile_nothing_on_the_clock():
     result = _tiny_longtail([Request(list(range(10, 22)) + [30 + i, 40 + i], max_new_tokens=8) for i in range(4)])
     assert result["tokens"] == 32 and result["stats"]["calls"]["prefix"] == 1  # the shared prefix ran once
     assert result["stats"]["seconds"]["compile"] == 0
+    assert result["all_runs"] == [{"background_compile_s": 0.0, "programs_dropped": 0}]  # nor behind it
 
 
 def test_longtail_refuses_requests_that_cannot_run():
