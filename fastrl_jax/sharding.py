@@ -165,7 +165,9 @@ def replica_meshes(mesh: Mesh) -> list[Mesh]:
 
 
 def local_replicas(mesh: Mesh) -> list[int]:
-    """The indices along `data` whose devices all belong to this process (every index, single-process)."""
+    """The indices along `data` whose devices all belong to this process (every index, single-process); a replica
+    spanning processes is refused (check_replicas_on_hosts)."""
+    check_replicas_on_hosts(mesh)
     me = jax.process_index()
     return [i for i in range(mesh.shape["data"]) if all(d.process_index == me for d in mesh.devices[i].flat)]
 

@@ -56,7 +56,6 @@ from fastrl_jax.rollout.requests import draft_margin, prompt_limit, prompt_margi
 from fastrl_jax.rollout.stats import RolloutStats
 from fastrl_jax.sharding import (
     allgather_json,
-    check_replicas_on_hosts,
     local_replicas,
     make_mesh,
     process_mesh,
@@ -777,9 +776,9 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, stream=
     `overwrite` moves it aside), loads the policy named by cfg.model, then runs GRPO to cfg.rl.steps."""
     mesh = make_mesh(cfg.mesh)
     preflight(cfg, mesh.shape["data"] * mesh.shape["fsdp"])  # before loading a model, or touching a run
-    check_replicas_on_hosts(mesh)  # else the online drafter's check below counts no replica and advises turning it off
+    replicas = local_replicas(mesh)  # refuses a replica spanning hosts, which the check below would count as none
     if cfg.sd.uses_drafter() and cfg.drafter_online.enabled:  # as Trainer turns it on
-        check_settings(cfg.drafter_online, len(local_replicas(mesh)))
+        check_settings(cfg.drafter_online, len(replicas))
     if warning := memory_warning(cfg, mesh.size, (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")):
         log.warning(warning)
     tokenizer = load_tokenizer(resolve_model_path(cfg.model.path))

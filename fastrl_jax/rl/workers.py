@@ -35,7 +35,6 @@ from fastrl_jax.rollout.history import HistoryStore
 from fastrl_jax.rollout.stats import RolloutStats, StrategyStats
 from fastrl_jax.sharding import (
     allgather_json,
-    check_replicas_on_hosts,
     host_allgather,
     local_replicas,
     replica_meshes,
@@ -79,7 +78,6 @@ class RolloutWorkers:
         self.head_params = policy_head(params)
         drafter = cast_floating(drafter, self.dtype) if drafter is not None else None
         self.replicas: list[Replica] = []
-        check_replicas_on_hosts(mesh)
         subs = replica_meshes(mesh)
         for i in local_replicas(mesh):  # this process's
             sub = subs[i]
